@@ -1,0 +1,33 @@
+# The two commands of the README: `make quickstart` and `make test`. Both set up first (idempotent).
+SHELL := /bin/bash
+PY := .venv/bin/python
+PYTEST := $(PY) -P -m pytest
+
+.PHONY: setup test test-unit test-integration test-e2e quickstart crds docs bench lint clean
+
+setup:
+	scripts/setup.sh
+
+test: setup
+	$(PYTEST) tests
+
+test-unit: setup
+	$(PYTEST) tests/unit
+
+test-integration: setup
+	$(PYTEST) tests/integration
+
+test-e2e: setup
+	$(PYTEST) tests/e2e
+
+quickstart: setup
+	.venv/bin/rlfleet run examples/quickstart.yaml
+
+crds:
+	$(PY) -m rlfleet.crds.generate
+
+bench: setup
+	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done
+
+clean:
+	rm -rf .venv build *.egg-info .pytest_cache

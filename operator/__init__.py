@@ -1,0 +1,1 @@
+"""The Kopf operator (imported only as rlfleet.operator; never as the stdlib's `operator`)."""

@@ -1,0 +1,1 @@
+"""The asyncio orchestrator: engine health, recovery, router membership, weight sync, watchdog, eval."""

@@ -1,0 +1,110 @@
+"""Child processes in their own session, stopped by process group, with captured logs.
+
+SGLang leaves children behind and can ignore SIGTERM for minutes (a taken port), so every process
+runs under setsid and is stopped with SIGTERM to the group, then SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from pathlib import Path
+
+
+class ManagedProcess:
+    """One child process group with its output appended to a log file."""
+
+    def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+                 cwd: str | None = None):
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = env
+        self.cwd = cwd
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if self.env:
+            env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    async def stop(self, grace_s: float = 8.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        if self.proc is None:
+            return None
+        try:
+            if self.proc.returncode is None:
+                self.signal_group(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(self.proc.wait(), grace_s)
+                except TimeoutError:
+                    pass
+        finally:
+            # The leader may be gone while children (scheduler, detokenizer) linger: kill the group.
+            self.signal_group(signal.SIGCONT)
+            self.signal_group(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.shield(self.proc.wait())
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return tail_file(self.log_path, lines)
+
+
+def tail_file(path: Path, lines: int = 20) -> list[str]:
+    """The last non-empty lines of a log file ([] when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    kept: deque[str] = deque(maxlen=lines)
+    for line in text.splitlines():
+        if line.strip():
+            kept.append(line.rstrip())
+    return list(kept)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

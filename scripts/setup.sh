@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Creates the whole development environment from nothing; idempotent and cached.
+#
+# - Python: one heavy virtualenv with every pinned dependency (requirements.lock: SGLang, the router,
+#   torch, transformers, megatron-core, kopf, ...) cached under ~/.cache/rlfleet/venv-<hash>/, and a
+#   light .venv in the checkout that layers the project (editable) over it. A new clone reuses the
+#   cached environment; a changed lock file builds a new one.
+# - Binaries: etcd, kube-apiserver, kube-controller-manager, kubectl, helm, prometheus and promtool,
+#   pinned and cached under ~/.cache/rlfleet/<name>-<version>/bin (scripts/build-binaries.sh).
+# - The tiny model under ~/.cache/rlfleet/models/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE=${RLFLEET_CACHE:-$HOME/.cache/rlfleet}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$CACHE"
+start=$(date +%s)
+step() { printf '[setup %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+
+pyver=$($PYTHON -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+lockhash=$( (cat requirements.lock; echo "$pyver") | sha256sum | cut -c1-12)
+heavy="$CACHE/venv-py$pyver-$lockhash"
+if [ ! -f "$heavy/.complete" ]; then
+  step "building the pinned Python environment in $heavy (SGLang brings ~11 GB of wheels; minutes)"
+  rm -rf "$heavy"
+  $PYTHON -m venv "$heavy"
+  "$heavy/bin/python" -m pip install --quiet --upgrade pip==25.3
+  "$heavy/bin/python" -m pip install --progress-bar off -r requirements.lock 2>&1 | grep -vE '^(Requirement already|  (Using cached|Downloading|Obtaining))' | grep -E '^(Collecting|Successfully|ERROR)' | tail -n 3 || true
+  "$heavy/bin/python" -c 'import sglang, sglang_router, torch, transformers, megatron.core, kopf' \
+    || { echo "setup: the Python environment is incomplete (see pip output above)" >&2; exit 1; }
+  touch "$heavy/.complete"
+else
+  step "Python environment cached: $heavy"
+fi
+
+if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.heavy 2>/dev/null)" != "$heavy" ]; then
+  step "creating .venv over the cached environment"
+  rm -rf .venv
+  $PYTHON -m venv --without-pip .venv
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  heavysite=$("$heavy/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import site; site.addsitedir('$heavysite')" > "$site/rlfleet-deps.pth"
+  echo "$heavy" > .venv/.heavy
+fi
+step "installing rlfleet (editable) into .venv"
+.venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | grep -v '^$' || true
+
+step "pinned binaries"
+scripts/build-binaries.sh
+
+step "tiny model"
+.venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 >/dev/null
+
+step "done. Activate with: source .venv/bin/activate"
