@@ -14,7 +14,7 @@ import asyncio
 import collections
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -93,6 +93,12 @@ class KubeClient:
         self.api = api
         self.timeout_s = timeout_s
         self.requests: collections.Counter[str] = collections.Counter()
+        self.on_request: Callable[[str], None] | None = None  # e.g. a metrics counter
+
+    def _count(self, verb: str) -> None:
+        self.requests[verb] += 1
+        if self.on_request is not None:
+            self.on_request(verb)
 
     @classmethod
     async def load(cls, kubeconfig: str | os.PathLike | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -123,7 +129,7 @@ class KubeClient:
     async def request(self, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
                       content_type: str = "application/json", timeout_s: float | None = None) -> dict:
         """One call; returns the decoded JSON answer ({} when empty). Raises ApiError."""
-        self.requests[method.upper()] += 1
+        self._count(method.upper())
         headers = {"Accept": "application/json", "Content-Type": content_type}
         timeout = timeout_s or self.timeout_s
         try:
@@ -201,7 +207,7 @@ class KubeClient:
         Raises ApiError(410) when resource_version is too old (relist then). Each line read is bounded
         by the server's own timeout plus a margin, so a silent connection cannot hang the caller.
         """
-        self.requests["WATCH"] += 1
+        self._count("WATCH")
         query = _query({"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                         "timeoutSeconds": str(server_timeout_s), "labelSelector": label_selector,
                         "fieldSelector": field_selector})
