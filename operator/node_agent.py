@@ -36,10 +36,12 @@ import yaml
 from rlfleet.operator import node_plan as plan
 from rlfleet.operator.kubeapi import CONFIGMAPS, NODES, PODS, SECRETS, SERVICEACCOUNTS, ApiError, KubeClient
 from rlfleet.procs import ManagedProcess, tail_file
+from rlfleet.testing import mapped_shm_files
 
 log = logging.getLogger("rlfleet.node_agent")
 
 HEARTBEAT_S = 20.0
+SHM_SCAN_S = 10.0  # how often a container's /dev/shm files are noted (a crashed group can no longer be read)
 STOP_GRACE_CAP_S = 30.0
 RETRY_S = 2.0
 
@@ -76,7 +78,11 @@ class PodWorker:
         self.spec: dict = pod.get("spec", {})
         self.restart_policy: str = self.spec.get("restartPolicy", "Always")
         self.runs = [plan.ContainerRun(c["name"], c.get("image", "")) for c in self.spec.get("containers", [])]
+        self.init_runs = [plan.ContainerRun(c["name"], c.get("image", ""))
+                          for c in self.spec.get("initContainers", [])]
+        self.init_failed = False
         self.procs: dict[str, ManagedProcess] = {}
+        self.shm_files: set[Path] = set()
         self.pod_ip: str | None = (pod.get("status") or {}).get("podIP")
         self.start_time: str | None = None
         self.log_dir = agent.data_dir / "logs" / f"{self.namespace}_{self.name}_{self.uid}"
@@ -128,6 +134,12 @@ class PodWorker:
             log.warning("pod %s/%s cannot start: %s", self.namespace, self.name, e.message)
             await self.deleting.wait()
             return
+        init_plans, plans = plans[:len(self.init_runs)], plans[len(self.init_runs):]
+        if not await self._run_init_containers(init_plans):
+            self.init_failed = True
+            self.mark_dirty()
+            await self.deleting.wait()
+            return
         self.started = True
         containers = {c["name"]: c for c in self.spec["containers"]}
         for run, cplan in zip(self.runs, plans, strict=True):
@@ -155,8 +167,31 @@ class PodWorker:
             plan.plan_container(self.pod, c, pod_ip=self.pod_ip or "", node_name=self.agent.node,
                                 volume_paths=volume_paths, image_map=self.agent.image_map, extra_env=extra_env,
                                 config_data=config_data)
-            for c in self.spec["containers"]
+            for c in self.spec.get("initContainers", []) + self.spec["containers"]
         ]
+
+    async def _run_init_containers(self, plans: list[plan.ContainerPlan]) -> bool:
+        """Run init containers one after the other; False when one failed for good (pod Failed)."""
+        for run, cplan in zip(self.init_runs, plans, strict=True):
+            while True:
+                proc = ManagedProcess(f"{self.name}/{run.name}", cplan.argv, env=cplan.env, cwd=cplan.cwd,
+                                      log_path=self.log_dir / f"{run.name}.log")
+                self.procs[run.name] = proc
+                await proc.start()
+                run.started_at, run.waiting_reason, run.exit_code = now_iso(), None, None
+                self.mark_dirty()
+                code = exit_code_of(await proc.wait())
+                await proc.stop(grace_s=1.0)
+                run.exit_code, run.finished_at = code, now_iso()
+                run.message = plan.termination_message(tail_file(proc.log_path, plan.TERMINATION_MESSAGE_LINES))
+                self.mark_dirty()
+                if code == 0:
+                    break
+                if self.restart_policy == "Never":
+                    return False
+                run.restart_count += 1
+                await asyncio.sleep(plan.restart_delay_s(run.restart_count))
+        return True
 
     async def _config_data(self) -> dict[tuple[str, str], dict[str, str]]:
         """ConfigMaps and Secrets the pod refers to (env or volumes), read once at start."""
@@ -224,15 +259,17 @@ class PodWorker:
             if probe_spec is None:
                 run.ready = True
             self.mark_dirty()
-            prober = asyncio.create_task(self._probe_loop(run, probe_spec)) if probe_spec else None
+            helpers = [asyncio.create_task(self._track_shm(proc))]
+            if probe_spec:
+                helpers.append(asyncio.create_task(self._probe_loop(run, probe_spec)))
             try:
                 code = exit_code_of(await proc.wait())
             finally:
-                if prober:
-                    prober.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await prober
+                for task in helpers:
+                    task.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
             await proc.stop(grace_s=1.0)  # reap children the leader left behind
+            await asyncio.to_thread(self._remove_shm)
             run.ready = False
             run.exit_code, run.finished_at = code, now_iso()
             run.message = plan.termination_message(tail_file(proc.log_path, plan.TERMINATION_MESSAGE_LINES))
@@ -268,6 +305,18 @@ class PodWorker:
                 self.mark_dirty()
             await asyncio.sleep(probe.period_s)
 
+    async def _track_shm(self, proc: ManagedProcess) -> None:
+        """Note the shared-memory files the container maps: in a real pod /dev/shm dies with the pod."""
+        while proc.pid is not None:
+            self.shm_files |= await asyncio.to_thread(mapped_shm_files, proc.pid)
+            await asyncio.sleep(SHM_SCAN_S)
+
+    def _remove_shm(self) -> None:
+        for path in self.shm_files:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self.shm_files.clear()
+
     async def _probe_once(self, probe: plan.HttpProbe) -> bool:
         try:
             async with self.agent.http.get(probe.url, timeout=aiohttp.ClientTimeout(total=probe.timeout_s)) as r:
@@ -280,7 +329,11 @@ class PodWorker:
         grace_s = min(float(grace if grace is not None else self.spec.get("terminationGracePeriodSeconds", 30)),
                       STOP_GRACE_CAP_S)
         procs = [p for p in self.procs.values() if p.proc is not None]
+        for p in procs:
+            if p.returncode is None:
+                self.shm_files |= await asyncio.to_thread(mapped_shm_files, p.pid)
         await asyncio.gather(*(p.stop(grace_s=max(grace_s, 0.5)) for p in procs), return_exceptions=True)
+        await asyncio.to_thread(self._remove_shm)
 
     async def _finish_deletion(self) -> None:
         """After the processes are gone: remove the pod object (grace 0, this uid only) and its files."""
@@ -298,9 +351,11 @@ class PodWorker:
 
     def status(self) -> dict:
         phase = plan.pod_phase(self.restart_policy, self.runs) if self.started else "Pending"
+        if self.init_failed:
+            phase = "Failed"
         return plan.pod_status(phase=phase, pod_ip=self.pod_ip, start_time=self.start_time, runs=self.runs,
                                now=now_iso(), previous_conditions=self.conditions, message=self.pod_message,
-                               reason=self.pod_reason)
+                               reason=self.pod_reason, init_runs=self.init_runs)
 
     async def _status_writer(self) -> None:
         """Write the latest status whenever it changed; one write at a time, retried on failure."""

@@ -406,14 +406,16 @@ def _condition(kind: str, ok: bool, now: str, previous: Mapping[str, dict], reas
 
 
 def pod_status(*, phase: str, pod_ip: str | None, start_time: str | None, runs: list[ContainerRun], now: str,
-               previous_conditions: list[dict] | None = None, message: str = "", reason: str = "") -> dict:
+               previous_conditions: list[dict] | None = None, message: str = "", reason: str = "",
+               init_runs: list[ContainerRun] | None = None) -> dict:
     """The full pod status object the agent writes (a merge patch replaces it wholesale)."""
     prev = {c["type"]: c for c in previous_conditions or []}
+    initialized = all(r.exit_code == 0 for r in init_runs or [])
     all_ready = bool(runs) and all(r.ready for r in runs) and phase == "Running"
     terminal = phase in ("Succeeded", "Failed")
     conditions = [
         _condition("PodReadyToStartContainers", pod_ip is not None, now, prev),
-        _condition("Initialized", True, now, prev),
+        _condition("Initialized", initialized, now, prev, "ContainersNotInitialized"),
         _condition("ContainersReady", all_ready, now, prev, "PodCompleted" if terminal else "ContainersNotReady"),
         _condition("Ready", all_ready, now, prev, "PodCompleted" if terminal else "ContainersNotReady"),
         _condition("PodScheduled", True, now, prev),
@@ -428,6 +430,8 @@ def pod_status(*, phase: str, pod_ip: str | None, start_time: str | None, runs: 
         "message": message or None,
         "reason": reason or None,
     }
+    if init_runs:
+        status["initContainerStatuses"] = [r.status() for r in init_runs]
     if pod_ip:
         status["podIP"] = pod_ip
         status["podIPs"] = [{"ip": pod_ip}]
