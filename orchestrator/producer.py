@@ -19,7 +19,7 @@ from rlfleet.trainer.grpo import Sample, sample_from_generate
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str, str], float]  # (prompt, expected answer, completion text) -> reward
+RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected answer) -> reward
 Encode = Callable[[str], list[int]]
 
 
@@ -139,7 +139,7 @@ class RolloutProducer:
         samples = []
         for task in tasks:
             body = task.result()
-            reward = float(self.reward_fn(prompt, answer, body.get("text", "")))
+            reward = float(self.reward_fn(prompt, body.get("text", ""), answer))
             samples.append(sample_from_generate(prompt_ids, body, group_id=group_id, reward=reward))
             self.stats.generated_tokens += len(body.get("output_ids") or [])
         self.stats.samples += len(samples)
