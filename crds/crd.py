@@ -1,11 +1,13 @@
 """CustomResourceDefinition documents (apiextensions.k8s.io/v1) built from the models."""
 from __future__ import annotations
 
+import copy
+import json
 from typing import Any
 
 from rlfleet.crds import GROUP, VERSION
 from rlfleet.crds.models import CATEGORY, KINDS, Kind
-from rlfleet.crds.schema import structural_schema
+from rlfleet.crds.schema import structural_schema, walk
 
 HEADER = "# Generated from the models in rlfleet.crds by `make crds`; do not edit.\n"
 
@@ -18,6 +20,17 @@ def _metadata_schema(kind: Kind) -> dict[str, Any]:
     max_len = getattr(limits.get("MaxLen"), "max_length", None)
     if max_len is not None and max_len < 253:
         schema["properties"] = {"name": {"type": "string", "maxLength": max_len}}
+    return schema
+
+
+def _with_defaults_in_descriptions(schema: dict[str, Any]) -> dict[str, Any]:
+    """`kubectl explain` shows descriptions but not defaults: state scalar defaults in the text."""
+    schema = copy.deepcopy(schema)
+    for _, node in walk(schema):
+        default = node.get("default")
+        if "default" in node and not isinstance(default, (dict, list)):
+            text = node.get("description", "").rstrip()
+            node["description"] = (text + " " if text else "") + f"Default: {json.dumps(default)}."
     return schema
 
 
@@ -65,7 +78,7 @@ def crd(kind: Kind) -> dict[str, Any]:
                     "name": VERSION,
                     "served": True,
                     "storage": True,
-                    "schema": {"openAPIV3Schema": openapi_schema(kind)},
+                    "schema": {"openAPIV3Schema": _with_defaults_in_descriptions(openapi_schema(kind))},
                     "subresources": subresources,
                     "additionalPrinterColumns": [c.to_crd() for c in kind.columns],
                 }

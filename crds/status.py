@@ -16,6 +16,9 @@ from rlfleet.crds.specs import PATH, SHORT, ApiModel
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Failed")
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 MESSAGE = 32768
+# Lists keyed by a field: one entry per condition type / slot, merged by key on server-side apply.
+CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+SLOT_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
 
 
 def _rfc3339(value: str) -> str:
@@ -119,8 +122,12 @@ class TrainingRunStatus(ApiModel):
     total_engines: int | None = Field(None, ge=0, description="Rollout engine slots.")
     ready: str | None = Field(None, max_length=32, description="ready/total engines, for kubectl get.")
     engine_restarts: int | None = Field(None, ge=0, description="Engine recreations in this run, all slots.")
-    engines: list[EngineSlotStatus] = Field(default_factory=list, max_length=4096, description="Rollout engine slots.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.")
+    engines: list[EngineSlotStatus] = Field(
+        default_factory=list, max_length=4096, description="Rollout engine slots.", json_schema_extra=SLOT_LIST
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+    )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
     start_time: Timestamp | None = Field(None, description="When training started.")
     completion_time: Timestamp | None = Field(None, description="When the run ended.")
@@ -141,8 +148,12 @@ class FleetStatus(ApiModel):
     selector: str | None = Field(None, max_length=1024, description="Label selector of the engine pods (scale subresource).")
     weight_version: str | None = Field(None, max_length=SHORT, description="Version every ready engine reported; unset when they differ.")
     restarts: int | None = Field(None, ge=0, description="Recreations in this fleet, all slots (the per-run budget counts these).")
-    engines: list[EngineSlotStatus] = Field(default_factory=list, max_length=4096, description="Engine slots.")
-    conditions: list[Condition] = Field(default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.")
+    engines: list[EngineSlotStatus] = Field(
+        default_factory=list, max_length=4096, description="Engine slots.", json_schema_extra=SLOT_LIST
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+    )
     observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
 
 

@@ -27,6 +27,16 @@ def _report(source: str, documents: list[Document], quiet: bool) -> int:
     return bad
 
 
+def _expand(paths: list[Path]) -> list[Path]:
+    out: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            out += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+        else:
+            out.append(path)
+    return out
+
+
 def _print_errors(source: str, label: str, errors: list[FieldError]) -> None:
     for error in errors:
         print(f"{source}: {label}: {error}")
@@ -34,7 +44,10 @@ def _print_errors(source: str, label: str, errors: list[FieldError]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet validate", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="manifest files (YAML, several documents each)")
+    parser.add_argument(
+        "files", nargs="+", type=Path, metavar="FILE",
+        help="manifest files (YAML, several documents each), or directories of *.yaml / *.yml files",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     parser.add_argument(
         "--previous", type=Path, metavar="FILE",
@@ -51,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             _print_errors(exc.source, "previous", exc.errors)
             return 1
 
-    for path in args.files:
+    for path in _expand(args.files):
         try:
             documents = load_file(path)
         except ManifestError as exc:

@@ -101,6 +101,8 @@ BAD_INPUT: list[Case] = [
          "spec.watchdog.checkIntervalSeconds", "must not exceed windowSeconds"),
     Case("heat-resume-above-pause", spec({"heatGuard": {"resumeAtC": 90}}), "spec.heatGuard.resumeAtC",
          "resumeAtC must be below pauseAtC"),
+    Case("heat-resume-equals-pause", spec({"heatGuard": {"resumeAtC": 84, "pauseAtC": 84}}), "spec.heatGuard.resumeAtC",
+         "resumeAtC must be below pauseAtC"),
     Case("heat-min-pause-over-max", spec({"heatGuard": {"minPauseSeconds": 200, "maxPauseSeconds": 100}}),
          "spec.heatGuard.minPauseSeconds", "minPauseSeconds must not exceed maxPauseSeconds"),
     Case("heat-pause-too-hot", spec({"heatGuard": {"pauseAtC": 200}}), "spec.heatGuard.pauseAtC",
@@ -180,6 +182,14 @@ GOOD_INPUT: list[Case] = [
                                              "pipelineParallelSize": 2}}), None),
     Case("cpu-engine-no-gpus", spec({"rollout": {"engine": {"device": "cpu", "gpusPerEngine": 0}}}), None),
     Case("fleet-scaled-to-zero", {"spec": {"replicas": 0}}, None, kind="RolloutFleet"),
+    # Boundaries of the cross-field rules: equal values are allowed where the rule says "not exceed".
+    Case("heat-min-equals-max-pause", spec({"heatGuard": {"minPauseSeconds": 60, "maxPauseSeconds": 60}}), None),
+    Case("watchdog-interval-equals-window", spec({"watchdog": {"checkIntervalSeconds": 60, "windowSeconds": 60}}), None),
+    Case("backoff-base-equals-max", spec({"rollout": {"recovery": {"backoffBaseSeconds": 5, "backoffMaxSeconds": 5}}}),
+         None),
+    Case("min-ready-equals-replicas", spec({"rollout": {"replicas": 3, "minReadyEngines": 3}}), None),
+    Case("engine-gpus-equal-tp-times-pp", spec({"rollout": {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2,
+                                                                        "gpusPerEngine": 4}}}), None),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.
@@ -187,6 +197,8 @@ UPDATES = [
     ("model-path-changed", {"modelPath": "tiny://qwen2"}, "spec.modelPath", "immutable"),
     ("backend-changed", {"trainer": {"backend": "megatron"}}, "spec.trainer.backend", "immutable"),
     ("claim-changed", {"weightSync": {"snapshotVolume": {"claimName": "other"}}},
+     "spec.weightSync.snapshotVolume.claimName", "immutable"),
+    ("claim-removed", {"weightSync": {"snapshotVolume": {"claimName": DELETE}}},
      "spec.weightSync.snapshotVolume.claimName", "immutable"),
     ("steps-changed", {"trainer": {"steps": 500}}, None, ""),
 ]
@@ -343,6 +355,7 @@ def test_kubectl_explain_shows_field_docs(cluster):
     assert "Pause generation on an engine whose GPU runs hot" in heat
     for name in ("pauseAtC", "resumeAtC", "minPauseSeconds", "maxPauseSeconds", "source"):
         assert name in heat
+    assert "Default: 84.0." in cluster.kubectl("explain", "trainingrun.spec.heatGuard.pauseAtC").stdout
     overrides = cluster.kubectl("explain", "trainingrun.spec.eval.fleet.engine.tensorParallelSize").stdout
     assert "rollout engine" in overrides
     assert "Unsupported" not in cluster.kubectl("explain", "rolloutfleet.status.engines.lastFailure").stdout

@@ -109,6 +109,8 @@ def test_load_training_run_returns_the_run_or_every_error(tmp_path):
 def test_validate_cli_exit_status_and_output(tmp_path, capsys):
     assert validate_main([str(REPO / "examples" / "quickstart.yaml"), str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
     assert "TrainingRun/quickstart: valid" in capsys.readouterr().out
+    assert validate_main(["-q", str(REPO / "examples")]) == 0  # a directory: every *.yaml in it
+    assert capsys.readouterr().out == ""
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(RUN + "  heatGuard: {resumeAtC: 90}\n---\n" + RUN.replace("name: t", "name: u"))
