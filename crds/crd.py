@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from typing import Any
 
@@ -35,7 +36,12 @@ def _with_defaults_in_descriptions(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def openapi_schema(kind: Kind) -> dict[str, Any]:
-    """The whole object's schema: apiVersion, kind, metadata, spec and status."""
+    """The whole object's schema: apiVersion, kind, metadata, spec and status (a fresh copy)."""
+    return copy.deepcopy(_openapi_schema(kind))
+
+
+@functools.cache
+def _openapi_schema(kind: Kind) -> dict[str, Any]:
     return {
         "type": "object",
         "description": (kind.model.__doc__ or "").strip(),

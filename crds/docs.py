@@ -73,7 +73,8 @@ def _rules(schema: dict[str, Any], prefix: str) -> list[str]:
     for path, node in walk(schema, prefix):
         for rule in node.get("x-kubernetes-validations", []):
             where = path + rule.get("fieldPath", "")
-            lines.append(f"| `{where}` | {_cell(rule['message'])} | `{_cell(rule['rule'])}` |")
+            when = " (on update)" if "oldSelf" in rule["rule"] else ""
+            lines.append(f"| `{where}` | {_cell(rule['message'])}{when} | `{_cell(rule['rule'])}` |")
     return lines
 
 
