@@ -134,7 +134,8 @@ def _message(error: dict[str, Any], path: str) -> str:
         return f"Unsupported value: {json.dumps(error.get('input'))}: supported values: {supported}"
     if kind in _JSON_TYPES:
         return f"Invalid value: {json.dumps(error.get('input'), default=str)}: must be of type {_JSON_TYPES[kind]}"
-    return error["msg"]
+    # "Input should be less than 1" -> "should be less than 1", as the API server says it.
+    return re.sub(r"^(Input|String|List|Dictionary|Value) should", "should", error["msg"])
 
 
 def errors_of(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[FieldError]:
