@@ -1,0 +1,252 @@
+"""The operator end to end: Helm chart, RBAC, real SGLang engines run by the node agent, recovery, GC.
+
+Real kube-apiserver + etcd + kube-controller-manager (`control_plane`), the chart installed with helm,
+the operator as a local process with the chart's ServiceAccount token, and the node agent running
+every pod as local processes on its own 127.0.0.N. At most two SGLang engines run at any time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfleet.testing_cluster import (
+    CHART,
+    OPERATOR_SA,
+    SYSTEM_NS,
+    OperatorProcess,
+    apply,
+    engine_pgid,
+    get_json,
+    helm,
+    http_json,
+    start_node_agent,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster]
+
+NS = "rlfleet-e2e"
+ENGINE_START_S = 600  # CPU engines start in 25-60 s alone; far slower on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane):
+    control_plane.kubectl("create", "namespace", NS, check=False)
+    helm(control_plane, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{NS}}}", "--set", "operator.replicas=0")
+    yield
+    helm(control_plane, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(control_plane, installed) -> Path:
+    return control_plane.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA)
+
+
+@pytest.fixture(scope="module")
+def node_agent(control_plane, installed, tmp_path_factory):
+    agent = start_node_agent(control_plane, tmp_path_factory.mktemp("node"))
+    yield agent
+    agent.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig, node_agent, tmp_path_factory):
+    op = OperatorProcess(operator_kubeconfig, NS, tmp_path_factory.mktemp("operator"))
+    op.start()
+    yield op
+    op.stop()
+
+
+def fleet_manifest(name: str, model: Path, *, replicas: int, extra_args=(), recovery=None) -> dict:
+    return {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "replicas": replicas, "minReadyEngines": 1,
+            "engine": {"modelPath": str(model), "device": "cpu", "maxTotalTokens": 4096,
+                       "extraArgs": list(extra_args)},
+            "health": {"startupTimeoutSeconds": ENGINE_START_S},
+            "recovery": {"maxRestartsPerEngine": 3, "maxRestartsPerRun": 10, "backoffBaseSeconds": 2,
+                         "backoffMaxSeconds": 10, **(recovery or {})},
+        },
+    }
+
+
+def fleet_status(cp, name: str) -> dict:
+    return (get_json(cp, "rolloutfleet", name, namespace=NS) or {}).get("status", {})
+
+
+def condition(status: dict, kind: str) -> dict:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+def engine_pods(cp, fleet: str, slot: int | None = None) -> list[dict]:
+    selector = f"rlfleet.io/fleet={fleet},app.kubernetes.io/component=engine"
+    if slot is not None:
+        selector += f",rlfleet.io/slot={slot}"
+    return (get_json(cp, "pods", "-l", selector, namespace=NS) or {}).get("items", [])
+
+
+def events_of(cp, name: str) -> list[dict]:
+    return (get_json(cp, "events", "--field-selector", f"involvedObject.name={name}", namespace=NS)
+            or {}).get("items", [])
+
+
+def delete_and_wait(cp, kind: str, name: str, pods_selector: str) -> None:
+    cp.kubectl("delete", kind, name, "-n", NS, "--wait=false", check=False)
+    wait_for(lambda: not (get_json(cp, "pods", "-l", pods_selector, namespace=NS) or {}).get("items"),
+             timeout=120, what=f"{kind} {name}'s pods to be gone")
+
+
+def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
+    def as_operator(*args):
+        return control_plane.kubectl(*args, kubeconfig=operator_kubeconfig, check=False)
+
+    secrets = as_operator("get", "secrets", "-n", NS)
+    assert secrets.returncode != 0 and "Forbidden" in secrets.stderr, secrets.stderr
+    other_ns = as_operator("get", "pods", "-n", "default")
+    assert other_ns.returncode != 0 and "Forbidden" in other_ns.stderr, other_ns.stderr
+    assert as_operator("get", "rolloutfleets", "-n", NS).returncode == 0
+    assert as_operator("auth", "can-i", "create", "pods", "-n", NS).stdout.strip() == "yes"
+    assert as_operator("auth", "can-i", "delete", "rolloutfleets", "-n", NS).stdout.strip() == "no"
+    assert as_operator("auth", "can-i", "get", "configmaps", "-n", NS).stdout.strip() == "no"
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2400)
+def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control_plane, operator, tiny_model):
+    cp = control_plane
+    started = time.monotonic()
+    apply(cp, fleet_manifest("rf-a", tiny_model, replicas=2))
+    try:
+        status = wait_for(lambda: (s := fleet_status(cp, "rf-a")).get("readyReplicas") == 2 and s,
+                          timeout=ENGINE_START_S, interval=3, what="2 ready engines",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
+        ready_s = time.monotonic() - started
+        engines = {e["slot"]: e for e in status["engines"]}
+        assert [engines[s]["state"] for s in (0, 1)] == ["Ready", "Ready"]
+        for e in engines.values():  # the real engine answers on the pod's own address
+            assert http_json(e["url"] + "/model_info")["model_path"] == str(tiny_model)
+        assert engines[0]["url"] != engines[1]["url"]
+        assert condition(status, "Ready")["status"] == "True"
+        table = cp.kubectl("get", "rf", "rf-a", "-n", NS).stdout
+        assert table.split("\n")[0].split()[:5] == ["NAME", "DESIRED", "READY", "WEIGHTS", "RESTARTS"]
+        router = wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,"
+                                                       "rlfleet.io/fleet=rf-a", namespace=NS) or {}).get("items", [])
+                                   if p["status"].get("phase") == "Running"], timeout=120, what="the router pod")
+        assert router[0]["status"]["podIP"] not in (engines[0]["url"], engines[1]["url"])
+
+        # Crash engine 0: every process of its group dies at once.
+        old = engine_pods(cp, "rf-a", 0)[0]
+        pgid = engine_pgid(old["status"]["podIP"])
+        assert pgid is not None, "engine process not found"
+        killed_at = time.monotonic()
+        os.killpg(pgid, signal.SIGKILL)
+
+        # As soon as the operator has recorded the recreation, restart the operator.
+        wait_for(lambda: (fleet_status(cp, "rf-a").get("restarts") or 0) >= 1, timeout=120, interval=0.5,
+                 what="the recreation to be recorded", context=operator.tail)
+        operator.stop()
+        seen_per_slot = [len(engine_pods(cp, "rf-a", 0))]
+        operator.start()
+
+        def recovered():
+            seen_per_slot.append(len(engine_pods(cp, "rf-a", 0)))
+            s = fleet_status(cp, "rf-a")
+            return s.get("readyReplicas") == 2 and s
+        status = wait_for(recovered, timeout=ENGINE_START_S, interval=3, what="slot 0 to serve again",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
+        recovery_s = time.monotonic() - killed_at
+        assert max(seen_per_slot) <= 1, f"two pods in one slot: {seen_per_slot}"
+        new = engine_pods(cp, "rf-a", 0)[0]
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+        assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+        slot0 = next(e for e in status["engines"] if e["slot"] == 0)
+        assert slot0["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
+        assert slot0["lastFailure"]["reason"] == "Crashed" and slot0["lastFailure"]["exitCode"] == 137
+        assert http_json(slot0["url"] + "/model_info")["model_path"] == str(tiny_model)
+        reasons = {e["reason"] for e in events_of(cp, "rf-a")}
+        assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
+        metrics = operator.metrics()
+        assert 'rlfleet_operator_reconciles_total{kind="RolloutFleet",outcome="ok"}' in metrics
+
+        # Scale subresource: down to one slot.
+        cp.kubectl("scale", "rolloutfleet/rf-a", "-n", NS, "--replicas=1")
+        wait_for(lambda: not engine_pods(cp, "rf-a", 1) and fleet_status(cp, "rf-a").get("replicas") == 1,
+                 timeout=120, what="slot 1 to be scaled away")
+        print(f"\nfigures: 2 engines ready after {ready_s:.0f} s; killed engine serving again after "
+              f"{recovery_s:.0f} s (operator restarted in between)")
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-a", "rlfleet.io/fleet=rf-a")
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(1200)
+def test_engine_that_always_fails_fails_the_fleet_with_its_log_line(control_plane, operator, tiny_model):
+    cp = control_plane
+    started = time.monotonic()
+    apply(cp, fleet_manifest("rf-bad", tiny_model, replicas=1, extra_args=["--no-such-flag"],
+                             recovery={"maxRestartsPerEngine": 1, "backoffBaseSeconds": 1}))
+    try:
+        status = wait_for(lambda: (s := fleet_status(cp, "rf-bad")) and condition(s, "Failed").get("status") == "True"
+                          and s, timeout=600, interval=2, what="the fleet to fail",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-bad"))[-2000:])
+        elapsed = time.monotonic() - started
+        failed = condition(status, "Failed")
+        assert failed["reason"] == "EngineCrashLoop"
+        assert "unrecognized arguments: --no-such-flag" in failed["message"]
+        assert "exit code 2" in failed["message"]
+        slot = status["engines"][0]
+        assert slot["state"] == "Failed" and slot["restarts"] == 1
+        pods = engine_pods(cp, "rf-bad")
+        assert len(pods) == 1 and pods[0]["status"]["phase"] == "Failed"  # kept for `kubectl logs`-style diagnosis
+        reasons = {e["reason"] for e in events_of(cp, "rf-bad")}
+        assert {"EngineDead", "RecreatingEngine", "RestartBudgetExhausted", "EngineCrashLoop"} <= reasons
+        time.sleep(5)  # nothing more happens: no retry storm
+        assert fleet_status(cp, "rf-bad")["restarts"] == 1
+        print(f"\nfigures: crash loop detected and fleet Failed {elapsed:.0f} s after creation")
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-bad", "rlfleet.io/fleet=rf-bad")
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(900)
+def test_deleting_a_training_run_garbage_collects_everything_it_owns(control_plane, operator, tiny_model):
+    cp = control_plane
+    run = {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+        "metadata": {"name": "tr-gc", "namespace": NS},
+        "spec": {"modelPath": str(tiny_model), "trainer": {"gpus": 0, "steps": 2},
+                 "rollout": {"replicas": 1, "engine": {"device": "cpu", "maxTotalTokens": 4096}},
+                 "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
+    }
+    apply(cp, run)
+    children = [("rolloutfleet", "tr-gc-rollout"), ("pod", "tr-gc-trainer"), ("pvc", "tr-gc-snapshots"),
+                ("deployment", "tr-gc-rollout-router"), ("service", "tr-gc-rollout-router"),
+                ("pod", "tr-gc-rollout-engine-0")]
+    try:
+        objs = wait_for(lambda: all(o := [get_json(cp, k, n, namespace=NS) for k, n in children]) and o,
+                        timeout=120, what="the run's children")
+        run_uid = get_json(cp, "trainingrun", "tr-gc", namespace=NS)["metadata"]["uid"]
+        owners = {o["metadata"]["ownerReferences"][0]["uid"] for o in objs[:3]}
+        assert owners == {run_uid}
+        table = cp.kubectl("get", "tr", "tr-gc", "-n", NS).stdout.split("\n")[0].split()
+        assert table[:6] == ["NAME", "PHASE", "STEP", "WEIGHTS", "READY", "LAST"]
+        status = wait_for(lambda: (get_json(cp, "trainingrun", "tr-gc", namespace=NS) or {}).get("status"),
+                          timeout=60, what="the run's status")
+        assert status["totalEngines"] == 1 and status["phase"] in ("Pending", "Running", "Failed")
+    finally:
+        cp.kubectl("delete", "trainingrun", "tr-gc", "-n", NS, "--wait=false", check=False)
+
+    def remaining() -> str:
+        left = [(k, n, o["metadata"].get("finalizers"), o["metadata"].get("deletionTimestamp"))
+                for k, n in children if (o := get_json(cp, k, n, namespace=NS))]
+        return f"left: {left}"
+    wait_for(lambda: not any(get_json(cp, k, n, namespace=NS) for k, n in children), timeout=180,
+             what="garbage collection of the run's children", context=remaining)
