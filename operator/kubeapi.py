@@ -236,6 +236,32 @@ class KubeClient:
                 yield kind, obj
 
 
+async def list_and_watch(kube: KubeClient, res: Resource, on_list, on_event, *, namespace: str | None = None,
+                         label_selector: str | None = None, field_selector: str | None = None,
+                         retry_s: float = 2.0, on_error=None) -> None:
+    """An informer loop: list, then watch from the list's version; relist after 410 or any error.
+
+    `on_list(items)` gets every list (the full current state), `on_event(type, obj)` every change.
+    Runs until cancelled.
+    """
+    while True:
+        try:
+            listing = await kube.list(res, namespace, label_selector=label_selector, field_selector=field_selector)
+            await on_list(listing.get("items", []))
+            rv = listing["metadata"]["resourceVersion"]
+            while True:
+                async for kind, obj in kube.watch(res, namespace, resource_version=rv, label_selector=label_selector,
+                                                  field_selector=field_selector):
+                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                    if kind != "BOOKMARK":
+                        await on_event(kind, obj)
+        except ApiError as e:
+            if not e.gone:
+                if on_error is not None:
+                    on_error(e)
+                await asyncio.sleep(retry_s)
+
+
 def _query(params: dict[str, Any] | None) -> list[tuple[str, str]] | None:
     if not params:
         return None

@@ -34,7 +34,16 @@ import aiohttp
 import yaml
 
 from rlfleet.operator import node_plan as plan
-from rlfleet.operator.kubeapi import CONFIGMAPS, NODES, PODS, SECRETS, SERVICEACCOUNTS, ApiError, KubeClient
+from rlfleet.operator.kubeapi import (
+    CONFIGMAPS,
+    NODES,
+    PODS,
+    SECRETS,
+    SERVICEACCOUNTS,
+    ApiError,
+    KubeClient,
+    list_and_watch,
+)
 from rlfleet.procs import ManagedProcess, tail_file
 from rlfleet.testing import mapped_shm_files
 
@@ -486,21 +495,8 @@ class NodeAgent:
         await self._list_and_watch("spec.nodeName=", self._on_unbound_listed, self._on_unbound_event)
 
     async def _list_and_watch(self, field_selector: str, on_list, on_event) -> None:
-        """The informer loop: list, then watch from the list's version; relist on 410 or errors."""
-        while True:
-            try:
-                listing = await self.kube.list(PODS, field_selector=field_selector)
-                await on_list(listing.get("items", []))
-                rv = listing["metadata"]["resourceVersion"]
-                while True:
-                    async for kind, obj in self.kube.watch(PODS, resource_version=rv, field_selector=field_selector):
-                        rv = obj.get("metadata", {}).get("resourceVersion", rv)
-                        if kind != "BOOKMARK":
-                            await on_event(kind, obj)
-            except ApiError as e:
-                if not e.gone:
-                    log.warning("pod watch (%s): %s", field_selector, e)
-                    await asyncio.sleep(RETRY_S)
+        await list_and_watch(self.kube, PODS, on_list, on_event, field_selector=field_selector, retry_s=RETRY_S,
+                             on_error=lambda e: log.warning("pod watch (%s): %s", field_selector, e))
 
     async def _on_own_pods_listed(self, pods: list[dict]) -> None:
         seen = set()
