@@ -229,7 +229,7 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     process = ManagedProcess(
         name, launch.argv(python_executable()), log_path=log_dir / f"{name}.log", env=launch.env,
         # Not the repository root: `python -m` puts the working directory on sys.path.
-        cwd=str(log_dir),
+        cwd=str(log_dir), die_with_parent=True,
     )
     engine = LocalEngine(name=name, host=host, port=port, model_path=str(model_path),
                          weight_version=weight_version, process=process, shm_before=frozenset(_list_shm()))
@@ -254,7 +254,7 @@ async def start_router(*, log_dir: Path, name: str | None = None, health_interva
                              health_failure_threshold=health_failure_threshold)
     log_dir.mkdir(parents=True, exist_ok=True)
     process = ManagedProcess(name, [python_executable(), *args], log_path=log_dir / f"{name}.log",
-                             env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir))
+                             env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir), die_with_parent=True)
     router = LocalRouter(name=name, host=host, port=port, metrics_port=metrics_port, process=process)
     await process.start()
     try:

@@ -149,3 +149,31 @@ def test_dev_cluster_up_get_ns_down(tmp_path: Path) -> None:
     assert not directory.exists()
     after = _run_cli("status", "--name", name, "--dir", str(directory))
     assert after.returncode != 0 and "not running" in after.stdout
+
+
+OWNER_SCRIPT = """
+import sys, time
+from pathlib import Path
+from rlfleet.devcluster import ControlPlane
+plane = ControlPlane(Path(sys.argv[1])).start()
+print(" ".join(str(c.pid) for c in plane.components()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_owner_leaves_no_control_plane_process(tmp_path: Path) -> None:
+    # A test run killed by a timeout must not leave etcd or an API server behind.
+    owner = subprocess.Popen([sys.executable, "-P", "-c", OWNER_SCRIPT, str(tmp_path / "plane")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = owner.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3, f"the control plane did not start: {line!r}"
+        assert len(_pids_alive(pids)) == 3
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while _pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _pids_alive(pids) == []

@@ -1,6 +1,7 @@
 """The pinned binaries are where tools.py says, are the pinned versions, and a missing one says how to get it."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -84,3 +85,14 @@ def test_python_dash_m_works_from_the_repository_root() -> None:
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("rlfleet ")
+
+
+def test_dev_cluster_up_names_the_missing_binary(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
+    env["RLFLEET_CACHE"] = str(tmp_path / "empty-cache")
+    result = subprocess.run([sys.executable, "-P", "-m", "rlfleet.cli", "dev-cluster", "up", "--dir",
+                             str(tmp_path / "cluster")], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"etcd {tools.ETCD_VERSION} is missing" in result.stderr
+    assert "scripts/build-binaries.sh etcd" in result.stderr
+    assert not (tmp_path / "cluster").exists()
