@@ -72,7 +72,7 @@ class DeathEvent:
     cause: DeathCause
     reason: str
     at: float  # wall clock (epoch seconds)
-    monotonic: float
+    monotonic: float  # event-loop clock
 
 
 DeathListener = Callable[[DeathEvent], Awaitable[None] | None]
@@ -246,6 +246,11 @@ class SlotFleetBackend(FleetBackend):
                 1 if candidate is state else 0)
         self._notify()
 
+    @staticmethod
+    def _now() -> float:
+        """The event loop's monotonic clock (virtual in tests)."""
+        return asyncio.get_running_loop().time()
+
     def _set_alive(self, slot: int, incarnation: int) -> bool:
         """An incarnation answered its first health check."""
         rec = self._slots[slot]
@@ -255,7 +260,7 @@ class SlotFleetBackend(FleetBackend):
         log.info("fleet %s slot %d incarnation %d alive at %s", self.fleet, slot, incarnation, rec.url)
         if self._recovery_started is not None and all(
                 r.state in (EngineState.ALIVE, EngineState.FAILED) for r in self._slots.values()):
-            metrics.RECOVERY_DURATION.labels(fleet=self.fleet).observe(time.monotonic() - self._recovery_started)
+            metrics.RECOVERY_DURATION.labels(fleet=self.fleet).observe(self._now() - self._recovery_started)
             self._recovery_started = None
         return True
 
@@ -268,7 +273,7 @@ class SlotFleetBackend(FleetBackend):
             return False
         if rec.state not in (EngineState.STARTING, EngineState.ALIVE):
             return False
-        now = time.monotonic()
+        now = self._now()
         rec.last_failure = reason
         rec.cause = cause
         rec.dead_since = now
@@ -341,7 +346,7 @@ class SlotFleetBackend(FleetBackend):
         views = [SlotView(slot=r.slot, dead=r.state is EngineState.DEAD, failed=r.state is EngineState.FAILED,
                           restarts=r.restarts, dead_since=r.dead_since) for r in self._slots.values()]
         return plan_recovery(views, spec=self.recovery, run_restarts=self._run_restarts,
-                             min_ready=self.min_ready, now=time.monotonic())
+                             min_ready=self.min_ready, now=self._now())
 
     def _fail(self, slot: int, why: str) -> FleetFailed:
         rec = self._slots[slot]
@@ -371,12 +376,12 @@ class SlotFleetBackend(FleetBackend):
             if not plan.recreate:
                 return []
             if self._recovery_started is None:
-                self._recovery_started = time.monotonic()
+                self._recovery_started = self._now()
             recreated = await asyncio.gather(*(self._recreate_at(slot, due) for slot, due in plan.recreate.items()))
             return sorted(slot for slot in recreated if slot is not None)
 
     async def _recreate_at(self, slot: int, due: float) -> int | None:
-        delay = due - time.monotonic()
+        delay = due - self._now()
         if delay > 0:
             await asyncio.sleep(delay)
         rec = self._slots[slot]
