@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -149,15 +149,25 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mappi
 
 
 FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure
+# Sends one attempt: (payload, timeout_s) -> Attempt. The default posts to the router.
+Transport = Callable[[Mapping, float], Awaitable[Attempt]]
 
 
 class RolloutClient:
     """Sends samples to the router. `on_failure(t)` gets the loop time of every failed attempt."""
 
-    def __init__(self, router_url: str, session: aiohttp.ClientSession, *, policy: RetryPolicy | None = None,
-                 on_failure: FailureSink | None = None, fleet: str = "rollout", rng: random.Random | None = None):
+    def __init__(self, router_url: str, session: aiohttp.ClientSession | None, *,
+                 policy: RetryPolicy | None = None, on_failure: FailureSink | None = None,
+                 fleet: str = "rollout", rng: random.Random | None = None, transport: Transport | None = None):
         self.generate_url = router_url.rstrip("/") + "/generate"
-        self.session = session
+        if transport is None:
+            if session is None:
+                raise ValueError("RolloutClient needs an HTTP session or a transport")
+            url = self.generate_url
+
+            async def transport(payload: Mapping, timeout_s: float) -> Attempt:
+                return await post_generate(session, url, payload, timeout_s)
+        self._send = transport
         self.policy = policy or RetryPolicy()
         self.on_failure = on_failure
         self.fleet = fleet
@@ -174,7 +184,7 @@ class RolloutClient:
             elapsed = loop.time() - started
             budget = self.policy.deadline_s - elapsed
             timeout = budget if self.policy.attempt_timeout_s is None else min(budget, self.policy.attempt_timeout_s)
-            outcome = await post_generate(self.session, self.generate_url, request, timeout)
+            outcome = await self._send(request, timeout)
             metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=outcome.result.value).inc()
             if outcome.result is AttemptResult.OK:
                 self._settle("ok", started)

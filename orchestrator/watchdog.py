@@ -38,7 +38,11 @@ class CheckResult:
 
 
 class WatchdogRule:
-    """Failure timestamps in, strike/trip decisions out. Times are seconds on any one clock."""
+    """Failure timestamps in, strike/trip decisions out.
+
+    Times are seconds on one clock that moves forward: a check at `now` sees the failures recorded
+    before it, and never looks at a time earlier than an already recorded failure.
+    """
 
     def __init__(self, spec: WatchdogSpec):
         self.spec = spec
