@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 from collections import deque
 from pathlib import Path
 
@@ -108,3 +109,55 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class GroupProcess:
+    """The blocking twin of ManagedProcess, for code without an event loop (the local control plane).
+
+    Same rules: own session, output appended to a log file, stop = SIGTERM the group then SIGKILL.
+    """
+
+    def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+                 cwd: str | None = None):
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = env
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if self.env:
+            env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, cwd=self.cwd, start_new_session=True)
+
+    def stop(self, grace_s: float = 8.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        if self.proc is None:
+            return None
+        try:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(grace_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return tail_file(self.log_path, lines)
