@@ -84,7 +84,7 @@ ROLLOUT_ATTEMPTS = Counter(
 )
 ROLLOUT_REQUEST_DURATION = Histogram(
     "rlfleet_rollout_request_duration_seconds", "Time from first attempt to final outcome of a rollout request.",
-    ["fleet"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800),, registry=REGISTRY,
+    ["fleet"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800), registry=REGISTRY,
 )
 
 # --- 503 watchdog ---------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ HEAT_GUARD_PAUSES = Counter(
 # Its _sum is the paused seconds, its _count the finished pauses.
 HEAT_GUARD_PAUSE_DURATION = Histogram(
     "rlfleet_heat_guard_pause_duration_seconds", "Length of finished heat-guard pauses.", ["fleet", "slot"],
-    buckets=(5, 15, 30, 45, 60, 90, 120, 180, 300, 600),, registry=REGISTRY,
+    buckets=(5, 15, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY,
 )
 HEAT_GUARD_PAUSED = Gauge(
     "rlfleet_heat_guard_paused", "1 while the heat guard holds generation paused on the engine.", ["fleet", "slot"], registry=REGISTRY,
