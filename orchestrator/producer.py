@@ -19,7 +19,7 @@ from rlfleet.trainer.grpo import Sample, sample_from_generate
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, str, str], float]  # (prompt, expected answer, completion text) -> reward
+RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected answer) -> reward
 Encode = Callable[[str], list[int]]
 
 
@@ -127,19 +127,23 @@ class RolloutProducer:
             "return_logprob": True,
         }
         prompt_ids = self.encode(prompt)
+        lost: BaseExceptionGroup | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.generate(f"{group_id}-s{i}", payload))
                          for i in range(self.samples_per_prompt)]
         except* RolloutRequestFailed as failed:
-            self.failures.extend(failed.exceptions)  # type: ignore[arg-type]
+            lost = failed
+        if lost is not None:
+            # A group is normalised as a whole: a partial group is dropped (and counted).
+            self.failures.extend(lost.exceptions)  # type: ignore[arg-type]
             self.stats.groups_failed += 1
-            log.warning("group %s lost: %s", group_id, failed.exceptions[0])
+            log.warning("group %s lost: %s", group_id, lost.exceptions[0])
             return None
         samples = []
         for task in tasks:
             body = task.result()
-            reward = float(self.reward_fn(prompt, answer, body.get("text", "")))
+            reward = float(self.reward_fn(prompt, body.get("text", ""), answer))
             samples.append(sample_from_generate(prompt_ids, body, group_id=group_id, reward=reward))
             self.stats.generated_tokens += len(body.get("output_ids") or [])
         self.stats.samples += len(samples)
