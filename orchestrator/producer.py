@@ -127,14 +127,18 @@ class RolloutProducer:
             "return_logprob": True,
         }
         prompt_ids = self.encode(prompt)
+        lost: BaseExceptionGroup | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [tg.create_task(self.client.generate(f"{group_id}-s{i}", payload))
                          for i in range(self.samples_per_prompt)]
         except* RolloutRequestFailed as failed:
-            self.failures.extend(failed.exceptions)  # type: ignore[arg-type]
+            lost = failed
+        if lost is not None:
+            # A group is normalised as a whole: a partial group is dropped (and counted).
+            self.failures.extend(lost.exceptions)  # type: ignore[arg-type]
             self.stats.groups_failed += 1
-            log.warning("group %s lost: %s", group_id, failed.exceptions[0])
+            log.warning("group %s lost: %s", group_id, lost.exceptions[0])
             return None
         samples = []
         for task in tasks:

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlfleet.procs import tail_file
 from rlfleet.tools import CACHE_DIR, MissingTool, tool_path
 
 DEFAULT_NAME = "dev"
@@ -39,7 +40,7 @@ def read_state(directory: Path) -> dict | None:
         return None
 
 
-def write_state(directory: Path, **state) -> None:
+def write_state(directory: Path, state: dict) -> None:
     path = directory / STATE_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
@@ -138,8 +139,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 0
         if state.get("status") == "failed" or supervisor.poll() is not None:
             supervisor.wait()
-            print(f"error: dev cluster {args.name!r} failed to start: {state.get('error', 'see ' + str(directory / SUPERVISOR_LOG))}",
-                  file=sys.stderr)
+            reason = state.get("error") or "\n".join(tail_file(directory / SUPERVISOR_LOG, 20))
+            print(f"error: dev cluster {args.name!r} failed to start: {reason}", file=sys.stderr)
             _force_stop(state or {"supervisor_pid": supervisor.pid})
             shutil.rmtree(directory, ignore_errors=True)
             return 1
@@ -161,7 +162,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"error: processes still alive after stop: {', '.join(left)}", file=sys.stderr)
         return 1
     if args.keep:
-        write_state(directory, **{**state, "status": "stopped"})
+        write_state(directory, {**state, "status": "stopped"})
         print(f"dev cluster {args.name!r} stopped; data kept in {directory}")
     else:
         shutil.rmtree(directory, ignore_errors=True)
@@ -238,14 +239,14 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, terminate)
     directory = args.dir
     base = {"name": args.name, "supervisor_pid": os.getpid(), "directory": str(directory)}
-    write_state(directory, **base, status="starting")
+    write_state(directory, {**base, "status": "starting"})
     plane = ControlPlane(directory, keep=True)
     status, error, code = "stopped", None, 0
     try:
         plane.start(timeout=args.timeout)
         base.update(server=plane.server, kubeconfig=str(plane.kubeconfig),
                     components=[vars(c) for c in plane.components()])
-        write_state(directory, **base, status="ready")
+        write_state(directory, {**base, "status": "ready"})
         print(f"ready: {plane.server}", flush=True)
         while (failed := plane.failed_component()) is None:
             time.sleep(1.0)
@@ -260,7 +261,7 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(sig, signal.SIG_IGN)  # finish the clean-up whatever arrives now
         base.setdefault("components", [vars(c) for c in plane.components()])
         plane.stop(keep=True)
-        write_state(directory, **base, status=status, **({"error": error} if error else {}))
+        write_state(directory, {**base, "status": status, **({"error": error} if error else {})})
         print(f"{status}" + (f": {error}" if error else ""), flush=True)
     return code
 

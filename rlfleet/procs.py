@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -14,16 +15,27 @@ from collections import deque
 from pathlib import Path
 
 
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the parent dies (even by SIGKILL), so a killed test
+    run or supervisor cannot leave its process groups behind (they run in sessions of their own)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class ManagedProcess:
     """One child process group with its output appended to a log file."""
 
     def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, die_with_parent: bool = False):
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
         self.cwd = cwd
+        self.die_with_parent = die_with_parent
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -48,6 +60,7 @@ class ManagedProcess:
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
 
     async def wait(self) -> int:
@@ -118,12 +131,13 @@ class GroupProcess:
     """
 
     def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, die_with_parent: bool = True):
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
         self.cwd = cwd
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -141,7 +155,8 @@ class GroupProcess:
             env.update(self.env)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=self.cwd, start_new_session=True)
+                                         env=env, cwd=self.cwd, start_new_session=True,
+                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
 
     def stop(self, grace_s: float = 8.0) -> int | None:
         """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""

@@ -27,7 +27,12 @@ ENGINE_READY_TIMEOUT_S = 300.0  # 25-60 s alone; much longer while other engines
 ROUTER_READY_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 10.0
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "sglang_loads_"
+# SGLang's load-snapshot files (mapped by the scheduler while it runs) and multiprocessing semaphores
+# (left behind because SGLang SIGKILLs its own resource tracker on shutdown).
+LOADS_PREFIX = "sglang_loads_"
+SEMAPHORE_PREFIX = "sem.mp-"
+GROUP_EXIT_TIMEOUT_S = 10.0
+
 
 _serial = itertools.count(1)
 
@@ -85,6 +90,7 @@ class LocalEngine:
     process: ManagedProcess
     startup_s: float = 0.0
     shm_files: set[Path] = field(default_factory=set)
+    shm_before: frozenset[str] = frozenset()
 
     @property
     def url(self) -> str:
@@ -100,8 +106,11 @@ class LocalEngine:
 
     async def stop(self) -> None:
         self.remember_shm_files()
+        pgid = self.process.pid
         await self.process.stop()
-        for path in self.shm_files:
+        if pgid is not None:
+            await wait_group_gone(pgid, GROUP_EXIT_TIMEOUT_S)
+        for path in self.shm_files | orphaned_semaphores(since=self.shm_before):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
@@ -135,24 +144,64 @@ class LocalRouter:
 
 def mapped_shm_files(pgid: int) -> set[Path]:
     """SGLang load-snapshot files that any process of the group has open or mapped."""
-    found: set[Path] = set()
+    found = set()
     for pid in group_pids(pgid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6 and parts[5].startswith(str(SHM_DIR / SHM_PREFIX)):
-                    found.add(Path(parts[5].removesuffix(" (deleted)")))
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if target.startswith(str(SHM_DIR / SHM_PREFIX)):
-                        found.add(Path(target.removesuffix(" (deleted)")))
+        found |= {p for p in _shm_paths_of(pid) if p.name.startswith(LOADS_PREFIX)}
     return found
 
 
+def orphaned_semaphores(since: frozenset[str]) -> set[Path]:
+    """Multiprocessing semaphores created after `since` was listed that no live process maps any more.
+
+    A semaphore in use is mapped by every process holding it, so an unmapped one is garbage.
+    """
+    new = {SHM_DIR / name for name in _list_shm() - since if name.startswith(SEMAPHORE_PREFIX)}
+    if not new:
+        return set()
+    in_use: set[Path] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            in_use |= _shm_paths_of(int(entry))
+    return new - in_use
+
+
+def _list_shm() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _shm_paths_of(pid: int) -> set[Path]:
+    """The /dev/shm files a process maps or holds open."""
+    found: set[Path] = set()
+    prefix = str(SHM_DIR) + "/"
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                found.add(Path(parts[5].removesuffix(" (deleted)")))
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    found.add(Path(target.removesuffix(" (deleted)")))
+    return found
+
+
+async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait (bounded) until no live process of the group is left; SIGKILLed children take a moment."""
+    deadline = time.monotonic() + timeout_s
+    while group_pids(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 def group_pids(pgid: int) -> list[int]:
-    """The live processes whose process group is pgid (read from /proc)."""
+    """The live (not zombie) processes whose process group is pgid, read from /proc."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -161,7 +210,7 @@ def group_pids(pgid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
             # Fields after the parenthesised command: state ppid pgrp ...
             fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid:
+            if int(fields[2]) == pgid and fields[0] != "Z":
                 pids.append(int(entry))
     return pids
 
@@ -180,10 +229,10 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     process = ManagedProcess(
         name, launch.argv(python_executable()), log_path=log_dir / f"{name}.log", env=launch.env,
         # Not the repository root: `python -m` puts the working directory on sys.path.
-        cwd=str(log_dir),
+        cwd=str(log_dir), die_with_parent=True,
     )
     engine = LocalEngine(name=name, host=host, port=port, model_path=str(model_path),
-                         weight_version=weight_version, process=process)
+                         weight_version=weight_version, process=process, shm_before=frozenset(_list_shm()))
     await process.start()
     try:
         engine.startup_s = await wait_until_ready(f"{engine.url}/health_generate", process, timeout_s=ready_timeout_s)
@@ -205,7 +254,7 @@ async def start_router(*, log_dir: Path, name: str | None = None, health_interva
                              health_failure_threshold=health_failure_threshold)
     log_dir.mkdir(parents=True, exist_ok=True)
     process = ManagedProcess(name, [python_executable(), *args], log_path=log_dir / f"{name}.log",
-                             env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir))
+                             env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir), die_with_parent=True)
     router = LocalRouter(name=name, host=host, port=port, metrics_port=metrics_port, process=process)
     await process.start()
     try:

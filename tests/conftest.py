@@ -81,6 +81,15 @@ async def shared_engine(shared_processes: LocalProcesses, tiny_model: Path) -> L
     return await shared_processes.engine(tiny_model, name="shared-engine", weight_version="0")
 
 
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def session_sglang_engines(shared_processes: LocalProcesses, tiny_model: Path) -> EngineFactory:
+    """Factory of engines that live until the end of the session (share them across a module's tests).
+
+    `await engine.stop()` ends one early; whatever is left is stopped when the session ends.
+    """
+    return EngineFactory(shared_processes, tiny_model)
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def sglang_engines(process_logs: Path, tiny_model: Path, request: pytest.FixtureRequest) -> AsyncIterator[EngineFactory]:
     """Factory of engines owned by one test: every engine it started is stopped when the test ends.

@@ -6,8 +6,11 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from rlfleet.testing import LocalEngine, perturbed_copy
+
+pytestmark = pytest.mark.engines
 
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=60)
 PROMPT = {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
