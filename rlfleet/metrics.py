@@ -128,6 +128,19 @@ STEPS_OVERLAPPING_PAUSE = Counter(
 
 
 
+def version_number(version: str | None) -> float:
+    """The gauge value of a weight version label ("<step>"); -1 when it is not a number."""
+    try:
+        return float(version) if version is not None else -1.0
+    except ValueError:
+        return -1.0
+
+
+# --- The run (rlfleet run / the trainer pod) ---------------------------------------------------------
+RUN_STEP = Gauge("rlfleet_run_step", "Training steps completed.", ["run"], registry=REGISTRY)
+RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the last step.", ["run"], registry=REGISTRY)
+
+
 # --- Operator ---------------------------------------------------------------------------------------
 # kind: RolloutFleet, EvalFleet, TrainingRun; outcome: ok, error
 OPERATOR_RECONCILES = Counter(
@@ -159,15 +172,3 @@ OPERATOR_API_REQUESTS = Counter(
     "rlfleet_operator_api_requests_total", "Kubernetes API requests made by reconciles.", ["verb"],
     registry=REGISTRY,
 )
-
-def version_number(version: str | None) -> float:
-    """The gauge value of a weight version label ("<step>"); -1 when it is not a number."""
-    try:
-        return float(version) if version is not None else -1.0
-    except ValueError:
-        return -1.0
-
-
-# --- The run (rlfleet run / the trainer pod) ---------------------------------------------------------
-RUN_STEP = Gauge("rlfleet_run_step", "Training steps completed.", ["run"], registry=REGISTRY)
-RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the last step.", ["run"], registry=REGISTRY)
