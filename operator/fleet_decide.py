@@ -155,6 +155,7 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
         plan.requeue_after = seconds if plan.requeue_after is None else min(plan.requeue_after, seconds)
 
     engines: list[dict] = []
+    new_slots: list[int] = []
     for slot in range(spec.replicas):
         old = old_slots.get(slot, {})
         pod = by_slot.get(slot)
@@ -186,7 +187,7 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
                 if pod is None:
                     plan.create.append((slot, restarts))
                     if state == "New":
-                        plan.events.append(Event("Normal", "CreatingEngine", f"creating {entry['pod']} (slot {slot})"))
+                        new_slots.append(slot)
                     state = "Pending"
                 else:
                     state = "Ready" if pod.ready else ("Starting" if pod.phase == "Running" else "Pending")
@@ -212,6 +213,9 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
             entry["lastFailure"] = last_failure
         engines.append(entry)
 
+    if new_slots:  # one Event for a whole scale-up, not one per pod
+        what = f"slot {new_slots[0]}" if len(new_slots) == 1 else f"slots {new_slots[0]}-{new_slots[-1]}"
+        plan.events.insert(0, Event("Normal", "CreatingEngines", f"creating {len(new_slots)} engine pod(s): {what}"))
     plan.status = fleet_status(spec, engines, total, status.get("conditions"), fleet_name=fleet_name, now=now,
                                generation=generation, existing=sum(1 for s in by_slot.values() if not s.terminating))
     for cond in plan.status["conditions"]:

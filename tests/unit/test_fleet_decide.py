@@ -58,7 +58,7 @@ def test_new_fleet_creates_every_slot_once():
     assert plan.create == [(0, 0), (1, 0)] and plan.delete == []
     assert [e["state"] for e in plan.status["engines"]] == ["Pending", "Pending"]
     assert cond(plan, "Ready")["status"] == "False" and cond(plan, "Progressing")["status"] == "True"
-    assert [e.reason for e in plan.events] == ["CreatingEngine", "CreatingEngine"]
+    assert [(e.reason, e.message) for e in plan.events] == [("CreatingEngines", "creating 2 engine pod(s): slots 0-1")]
     again = decide(spec(), [], plan.status, T0 + 1)  # the cache has not seen the pods yet
     assert again.create == [(0, 0), (1, 0)] and again.events == []  # same names: the API refuses duplicates
 
