@@ -250,3 +250,64 @@ def test_deleting_a_training_run_garbage_collects_everything_it_owns(control_pla
         return f"left: {left}"
     wait_for(lambda: not any(get_json(cp, k, n, namespace=NS) for k, n in children), timeout=180,
              what="garbage collection of the run's children", context=remaining)
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(1800)
+async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacements(control_plane, operator,
+                                                                                     tiny_model):
+    """The orchestrator's Kubernetes backend, with the trainer's own ServiceAccount (chart RBAC)."""
+    import asyncio
+
+    from rlfleet.operator.kubeapi import KubeClient
+    from rlfleet.orchestrator.backend import DeathCause, EngineState
+    from rlfleet.orchestrator.k8s_backend import KubernetesBackend, router_url
+
+    cp = control_plane
+    await asyncio.to_thread(apply, cp, fleet_manifest("rf-k", tiny_model, replicas=1))
+    trainer_kubeconfig = await asyncio.to_thread(cp.service_account_kubeconfig, NS, "rlfleet-trainer")
+    kube = await KubeClient.load(trainer_kubeconfig)
+    backend = await KubernetesBackend.connect(kube, namespace=NS, fleet="rf-k")
+    deaths = []
+    try:
+        await backend.start()
+        backend.subscribe(deaths.append)
+        first = await backend.wait_all_alive(timeout=ENGINE_START_S)
+        assert [(e.slot, e.incarnation, e.state) for e in first] == [(0, 1, EngineState.ALIVE)]
+        assert http_json(first[0].url + "/model_info")["model_path"] == str(tiny_model)
+
+        # Marked dead by the orchestrator -> the operator recreates the slot.
+        assert await backend.mark_dead(0, "3 probes timed out", cause=DeathCause.PROBE_FAILED, incarnation=1)
+        assert backend.engines()[0].state is EngineState.DEAD and deaths[-1].cause is DeathCause.PROBE_FAILED
+        assert not await backend.mark_dead(0, "again", incarnation=1)  # a stale report changes nothing
+        second = await backend.wait_all_alive(timeout=ENGINE_START_S)
+        assert [(e.slot, e.incarnation) for e in second] == [(0, 2)] and second[0].url != first[0].url
+        status = await asyncio.to_thread(fleet_status, cp, "rf-k")
+        assert status["restarts"] == 1 and status["engines"][0]["lastFailure"]["reason"] == "ProbeFailed"
+        assert status["engines"][0]["lastFailure"]["message"] == "3 probes timed out"
+        backend.record_weight_version(0, 2, "5")  # shown in the fleet status through the pod annotation
+        for _ in range(100):
+            status = await asyncio.to_thread(fleet_status, cp, "rf-k")
+            if status.get("weightVersion") == "5":
+                break
+            await asyncio.sleep(0.2)
+        assert status.get("weightVersion") == "5" and status["engines"][0]["weightVersion"] == "5"
+
+        # A crash is seen from the pod watch, without any probe.
+        pgid = engine_pgid(second[0].url.split("//")[1].split(":")[0])
+        killed = asyncio.get_running_loop().time()
+        os.killpg(pgid, signal.SIGKILL)
+        while len(deaths) < 2 and asyncio.get_running_loop().time() - killed < 30:
+            await asyncio.sleep(0.05)
+        detect_s = asyncio.get_running_loop().time() - killed
+        assert len(deaths) == 2 and deaths[1].cause is DeathCause.EXITED and deaths[1].incarnation == 2
+        assert "exit code 137" in deaths[1].reason
+        assert detect_s < 10
+
+        url = await router_url(kube, NS, "rf-k", 30000)
+        assert url is not None and http_json(url + "/get_server_info")["workers_count"] == 0
+        print(f"\nfigures: crash seen by the backend {detect_s:.2f} s after SIGKILL")
+    finally:
+        await backend.stop()
+        await kube.close()
+        await asyncio.to_thread(delete_and_wait, cp, "rolloutfleet", "rf-k", "rlfleet.io/fleet=rf-k")
