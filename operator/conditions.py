@@ -26,12 +26,11 @@ def parse_time(value: str | None) -> float | None:
 
 
 def reason_word(text: str, default: str = "Unknown") -> str:
-    """A valid condition/event reason from free text: `probe timeout` -> `ProbeTimeout`."""
-    if REASON_RE.match(text or ""):
-        return text
+    """A CamelCase condition/event reason from free text: `probe_failed`, `probe failed` -> `ProbeFailed`."""
     words = re.findall(r"[A-Za-z0-9]+", text or "")
     word = "".join(w[:1].upper() + w[1:] for w in words)
     word = word.lstrip("0123456789")
+    word = word[:1].upper() + word[1:]
     return word[:128] if word else default
 
 

@@ -226,3 +226,10 @@ def test_unstartable_container_is_dead_at_once():
     p = pod(0, phase="Pending", ready=False, waiting="ImageNotMapped", message="no local command map")
     plan = decide(spec(replicas=1), [p], None, T0)
     assert slot(plan, 0)["lastFailure"]["reason"] == "ImageNotMapped"
+
+
+@pytest.mark.parametrize("text,word", [("probe_failed", "ProbeFailed"), ("probe timeout", "ProbeTimeout"),
+                                       ("EngineCrashLoop", "EngineCrashLoop"), ("", "Unknown"), ("3x", "X")])
+def test_reasons_are_camel_case(text, word):
+    from rlfleet.operator.conditions import reason_word
+    assert reason_word(text) == word
