@@ -426,7 +426,6 @@ def pod_status(*, phase: str, pod_ip: str | None, start_time: str | None, runs: 
         "hostIP": "127.0.0.1",
         "hostIPs": [{"ip": "127.0.0.1"}],
         "containerStatuses": [r.status() for r in runs],
-        "qosClass": "BestEffort",
         "message": message or None,
         "reason": reason or None,
     }

@@ -121,11 +121,12 @@ class OperatorProcess:
         self.process: LocalProcess | None = None
         self.starts = 0
 
-    def start(self) -> None:
+    def start(self, *peering: str) -> None:
+        """Start; `peering` replaces --standalone, e.g. ("--peering", "rlfleet", "--priority", "5000")."""
         self.starts += 1
         self.process = LocalProcess("operator", [
             sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
-            "--namespace", self.namespace, "--standalone",
+            "--namespace", self.namespace, *(peering or ("--standalone",)),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
         ], self.log_dir / f"operator-{self.starts}.log").start()

@@ -311,3 +311,42 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         await backend.stop()
         await kube.close()
         await asyncio.to_thread(delete_and_wait, cp, "rolloutfleet", "rf-k", "rlfleet.io/fleet=rf-k")
+
+
+def pod_log(agent, namespace: str, pod: str, container: str) -> str:
+    logs = list((agent.log_path.parent / "logs").glob(f"{namespace}_{pod}_*/{container}.log"))
+    return logs[0].read_text() if logs else ""
+
+
+@pytest.mark.timeout(900)
+def test_two_operator_replicas_with_peering_only_one_acts(control_plane, operator, node_agent):
+    """The chart's operator pod (run by the node agent) and a local replica peer; one acts, then the other."""
+    cp = control_plane
+    operator.stop()
+    helm(cp, "upgrade", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--reuse-values",
+         "--set", "peering.enabled=true", "--set", "operator.replicas=1")
+    in_cluster = wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", "app.kubernetes.io/component=operator",
+                                                        namespace=SYSTEM_NS) or {}).get("items", [])
+                                   if p["status"].get("phase") == "Running"],
+                          timeout=120, what="the chart's operator pod to run")[0]["metadata"]["name"]
+    operator.start("--peering", "rlfleet", "--priority", "50000")  # higher than any pod-name priority
+    try:
+        wait_for(lambda: "Pausing operations in favour of" in pod_log(node_agent, SYSTEM_NS, in_cluster, "operator"),
+                 timeout=120, what="the in-cluster replica to pause")
+        unschedulable = fleet_manifest("rf-p", Path("/models/none"), replicas=2)
+        unschedulable["spec"]["engine"]["nodeSelector"] = {"rlfleet.io/test": "nowhere"}
+        apply(cp, unschedulable)
+        wait_for(lambda: fleet_status(cp, "rf-p").get("replicas") == 2, timeout=60, what="2 pods")
+        time.sleep(3)
+        creating = [e for e in events_of(cp, "rf-p") if e["reason"] == "CreatingEngines"]
+        assert len(creating) == 1, creating  # one active replica: one decision, one Event
+
+        operator.stop()  # the active replica leaves; the paused one takes over
+        wait_for(lambda: "Resuming operations" in pod_log(node_agent, SYSTEM_NS, in_cluster, "operator"),
+                 timeout=120, what="the in-cluster replica to resume")
+        cp.kubectl("scale", "rolloutfleet/rf-p", "-n", NS, "--replicas=3")
+        wait_for(lambda: fleet_status(cp, "rf-p").get("replicas") == 3, timeout=120, what="slot 2 from the pod")
+    finally:
+        cp.kubectl("delete", "rolloutfleet", "rf-p", "-n", NS, "--wait=false", check=False)
+        helm(cp, "upgrade", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--reuse-values", "--set", "operator.replicas=0")
+        operator.start()
