@@ -145,3 +145,27 @@ def test_eval_fleet_only_for_posture_fleet_and_inherits_the_engine():
     assert ef["spec"]["replicas"] == 1
     assert ef["spec"]["engine"]["maxTotalTokens"] == 2048
     assert ef["spec"]["engine"]["device"] == "cpu" and ef["spec"]["engine"]["modelPath"] == "/models/base"
+
+
+def test_the_quickstart_example_builds_valid_children():
+    """examples/quickstart.yaml as the API server stores it (defaults filled) -> every child object."""
+    from pathlib import Path
+
+    from rlfleet.crds.loader import parse_yaml, validate_object
+    from rlfleet.crds.specs import wire_dump
+
+    text = (Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml").read_text()
+    model, errors = validate_object(parse_yaml(text)[0])
+    assert not errors
+    stored = wire_dump(model)
+    stored["metadata"].update(namespace="team", uid="run-uid")
+    rollout, evalf = b.build_rollout_fleet(stored), b.build_eval_fleet(stored)
+    assert rollout["spec"]["replicas"] == 2 and evalf["spec"]["replicas"] == 1
+    for fleet in (rollout, evalf):
+        fleet["metadata"]["uid"] = "fleet-uid"
+        pod = b.build_engine_pod(fleet, 0)
+        init = pod["spec"]["initContainers"][0]
+        assert init["command"][:2] == ["rlfleet", "tiny-model"]  # tiny://llama?seed=0, written per pod
+        assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "quickstart-snapshots"
+    assert b.build_snapshot_pvc(stored)["metadata"]["name"] == "quickstart-snapshots"
+    assert b.build_trainer_pod(stored)["spec"]["containers"][0]["command"][:3] == ["rlfleet", "run", "--kubernetes"]
