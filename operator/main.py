@@ -89,8 +89,10 @@ async def _set_when(event: asyncio.Event, flag: asyncio.Future) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    level = logging.getLevelName(args.log_level.upper())
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if level > logging.DEBUG:  # one "Handler ... succeeded" line per watch event is noise at scale
+        logging.getLogger("kopf.objects").setLevel(max(level, logging.WARNING))
     return asyncio.run(amain(args))
 
 
