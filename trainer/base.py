@@ -1,0 +1,220 @@
+"""The trainer interface the RL loop drives, and the step logic both backends share.
+
+A backend supplies a forward pass (logits [B, L, V]), an optimizer step and its weights under
+Hugging Face names; everything else (collation, the clipped policy-gradient loss, micro-batches,
+export) lives here so the two backends cannot drift.
+
+    trainer = build_trainer("torch", model_dir, lr=1e-3, seed=0, device="cpu")
+    metrics = trainer.train_step(samples)        # one optimizer step; trainer.step += 1
+    state = trainer.state_for_export()           # weights copied off the device (fast)
+    write_hf_snapshot(state, out_dir)            # may run in a thread beside the next step
+"""
+from __future__ import annotations
+
+import abc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlfleet.trainer import grpo
+from rlfleet.trainer.hf_export import hf_state_for_save
+from rlfleet.trainer.snapshot_writer import ExportState, config_with_dtype, write_hf_snapshot
+
+BACKENDS = ("torch", "megatron")
+
+
+@dataclass(frozen=True)
+class TrainerOptions:
+    """Optimizer and loss settings shared by both backends."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    micro_batch_size: int | None = None  # samples per forward/backward; None: the whole batch at once
+    loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
+    seed: int = 0
+    dtype: str | None = None  # parameter dtype; None: float32 on CPU, bfloat16 on CUDA
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+def resolve_dtype(name: str | None, device: str) -> Any:
+    import torch
+
+    if name is None:
+        name = "bfloat16" if str(device).startswith("cuda") else "float32"
+    return getattr(torch, name)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
+class Trainer(abc.ABC):
+    """One policy model with its optimizer. `step` counts optimizer steps taken."""
+
+    backend: str = ""
+
+    def __init__(self, model_dir: str | os.PathLike, options: TrainerOptions, device: str):
+        self.model_dir = Path(model_dir)
+        self.options = options
+        self.device = device
+        self.hf_config = read_hf_config(model_dir)
+        self.pad_id = int(self.hf_config.get("pad_token_id") or self.hf_config.get("eos_token_id") or 0)
+        self.step = 0
+
+    # --- what a backend provides -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _forward_logits(self, input_ids: Any) -> Any:
+        """Logits [B, L, V] for right-padded input_ids [B, L] under a causal mask."""
+
+    @abc.abstractmethod
+    def _zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def _optimizer_step(self) -> float:
+        """Clip, step, and return the gradient norm before clipping."""
+
+    @abc.abstractmethod
+    def _set_train(self, training: bool) -> None: ...
+
+    @abc.abstractmethod
+    def hf_state_dict(self) -> dict[str, Any]:
+        """The weights under Hugging Face names (may be device tensors or views)."""
+
+    @property
+    @abc.abstractmethod
+    def param_dtype(self) -> Any: ...
+
+    # --- the interface the RL loop uses --------------------------------------------------------
+
+    def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:
+        """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics."""
+        import torch
+
+        if not batch:
+            raise ValueError("train_step needs at least one sample")
+        started = time.perf_counter()
+        size = self.options.micro_batch_size or len(batch)
+        chunks = [batch[i : i + size] for i in range(0, len(batch), size)]
+        collated = [grpo.collate(c, pad_id=self.pad_id, device=self.device) for c in chunks]
+        total_tokens = float(sum(c.num_tokens for c in collated))
+        if total_tokens == 0:
+            raise ValueError("batch has no response tokens")
+        self._set_train(True)
+        self._zero_grad()
+        loss_sum = 0.0
+        sums: dict[str, float] = {}
+        for c in collated:
+            logits = self._forward_logits(c.input_ids)
+            new_logprobs = grpo.token_logprobs(logits, c.input_ids, self.options.loss.temperature)
+            loss, stats = grpo.policy_loss(
+                new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
+                normaliser=total_tokens,
+            )
+            loss.backward()
+            loss_sum += float(loss.item())
+            for key, value in stats.items():
+                if key == "ratio_max":
+                    sums[key] = max(sums.get(key, 0.0), value)
+                elif key != "tokens":
+                    sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
+        grad_norm = self._optimizer_step()
+        self.step += 1
+        if not torch.isfinite(torch.tensor(loss_sum)):
+            raise FloatingPointError(f"loss is {loss_sum} at step {self.step}")
+        return {
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "tokens": total_tokens,
+            "samples": float(len(batch)),
+            "reward_mean": sum(s.reward for s in batch) / len(batch),
+            "step_seconds": time.perf_counter() - started,
+            **sums,
+        }
+
+    def logits(self, input_ids: Any) -> Any:
+        """The model's own forward pass (no grad), float32 on CPU: [B, L, V]."""
+        import torch
+
+        self._set_train(False)
+        with torch.no_grad():
+            ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            return self._forward_logits(ids).float().cpu()
+
+    def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation with the trainer's own forward (no KV cache: for checks, not speed)."""
+        ids = list(prompt_ids)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(self.logits([ids])[0, -1].argmax())
+            out.append(token)
+            ids.append(token)
+            if token in stop_ids:
+                break
+        return out
+
+    def state_for_export(self) -> ExportState:
+        """Copy the weights off the device under HF names; the copy is the trainer's no longer."""
+        import torch
+
+        tied = bool(self.hf_config.get("tie_word_embeddings", False))
+        with torch.no_grad():
+            tensors = {
+                name: t.detach().to("cpu", copy=True).contiguous()
+                for name, t in hf_state_for_save(self.hf_state_dict(), tied).items()
+            }
+        return ExportState(
+            step=self.step,
+            tensors=tensors,
+            config=config_with_dtype(self.hf_config, self.param_dtype),
+            source_dir=self.model_dir,
+        )
+
+    def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Path:
+        """Write an HF snapshot of the current weights to out_dir and finalise it; returns out_dir."""
+        state = self.state_for_export()
+        if step is not None and step != state.step:
+            state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+        return write_hf_snapshot(state, out_dir)
+
+
+def build_trainer(
+    backend: str,
+    model_dir: str | os.PathLike,
+    lr: float,
+    seed: int = 0,
+    device: str = "cpu",
+    **options: Any,
+) -> Trainer:
+    """A trainer of `backend` ('torch' or 'megatron') initialised from the HF model in model_dir.
+
+    Extra keyword arguments are TrainerOptions fields (weight_decay, max_grad_norm, micro_batch_size,
+    loss, dtype, betas).
+    """
+    opts = TrainerOptions(lr=lr, seed=seed, **options)
+    if backend == "torch":
+        from rlfleet.trainer.torch_backend import TorchTrainer
+
+        return TorchTrainer(model_dir, opts, device)
+    if backend == "megatron":
+        from rlfleet.trainer.megatron_backend import MegatronTrainer
+
+        return MegatronTrainer(model_dir, opts, device)
+    raise ValueError(f"unknown trainer backend {backend!r}: expected one of {BACKENDS}")

@@ -1,0 +1,294 @@
+"""The `megatron` backend: megatron-core GPTModel (local layer spec) initialised from HF weights.
+
+The model is built to match the HF Llama/Qwen2 architecture of `model_dir` (RMSNorm, SwiGLU,
+rotary embeddings, no linear biases except Qwen2's q/k/v, tied embeddings, GQA) and loaded from
+its safetensors through `hf_export.hf_to_megatron`, so export back to HF is exact.
+
+Two execution paths, chosen by `device`:
+- CPU: a bare GPTModel with plain `torch.optim.AdamW`. megatron-core 0.16 hard-codes CUDA in a few
+  places on this path: the attention-score buffer, the default causal mask (we pass our own), the
+  rotary frequencies (moved to the current CUDA device on first use), and attention dropout forks
+  a CUDA RNG tracker; see `_cpu_workarounds`.
+- CUDA: megatron's own DistributedDataParallel and `get_megatron_optimizer` (`_MegatronGpuStep`).
+Both run in a single-rank process group (tensor/pipeline parallel size 1).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlfleet.trainer.base import Trainer, TrainerOptions, resolve_dtype
+from rlfleet.trainer.hf_export import Architecture, hf_to_megatron, megatron_to_hf
+
+
+def _cpu_workarounds() -> None:
+    """Make megatron-core's local attention path run without CUDA (idempotent, process-wide)."""
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core import utils as mcore_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    def get_tensor_on_cpu(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        # Same contract as GlobalMemoryBuffer.get_tensor, which hard-codes the current CUDA device.
+        required = 1
+        for dim in tensor_shape:
+            required *= dim
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required:
+            buffer = self.buffer[(name, dtype)] = torch.empty(required, dtype=dtype, device="cpu")
+        return buffer[:required].view(*tensor_shape)
+
+    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor_on_cpu
+    RotaryEmbedding.get_emb = rotary_emb_on_cpu
+    # Megatron's own no-op tracker: fork() is a nullcontext, dropout uses the CPU generator.
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0):
+    """RotaryEmbedding.get_emb without its move of `inv_freq` to the current CUDA device.
+
+    Same result as megatron's (non-interleaved: [freqs, freqs] on the last dim, shape
+    [seq, 1, 1, dim]); the interleaved layout is not used by Llama/Qwen2.
+    """
+    import torch
+
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+    if self.rotary_interleaved:
+        emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :]
+
+
+def hide_unloadable_flash_mla() -> None:
+    """Let megatron see a missing flash_mla rather than crash on it.
+
+    megatron-core imports `flash_mla` optionally but only catches ImportError; the CUDA wheel that
+    SGLang pulls in raises OSError (no libcuda) on a machine without a GPU.
+    """
+    import sys
+
+    if "flash_mla" in sys.modules:
+        return
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        pass
+    except OSError:
+        sys.modules["flash_mla"] = None  # makes `import flash_mla` raise ImportError
+
+
+def _init_single_rank(device: str, seed: int) -> None:
+    """A world-size-1 process group (gloo on CPU, nccl on CUDA) and model-parallel state."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from rlfleet.ports import free_port
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(
+            backend, world_size=1, rank=0, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+        )
+    if dist.get_world_size() != 1:
+        raise RuntimeError("the megatron backend runs as a single rank (tensor/pipeline parallel size 1)")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        _cpu_workarounds()
+
+
+def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
+    """A megatron-core GPTModel with the local layer spec, shaped like the HF model (uninitialised)."""
+    import torch
+
+    hide_unloadable_flash_mla()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        # Fused kernels need apex / TransformerEngine / CUDA; the local spec does without.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # every weight is loaded from the HF checkpoint
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+    return GPTModel(
+        config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        parallel_output=False,
+    )
+
+
+def load_hf_weights(model_dir: Any) -> dict[str, Any]:
+    """All tensors of an HF directory's safetensors files (single file or sharded)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    state: dict[str, Any] = {}
+    for path in files:
+        state.update(load_file(str(path)))
+    return state
+
+
+def load_into(model: Any, mg_state: dict[str, Any]) -> None:
+    """Copy the converted weights in; every parameter must be covered."""
+    result = model.load_state_dict(mg_state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"megatron weights do not fit: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+class MegatronTrainer(Trainer):
+    backend = "megatron"
+
+    def __init__(self, model_dir: str | os.PathLike, options: TrainerOptions, device: str = "cpu"):
+        super().__init__(model_dir, options, device)
+        import torch
+
+        self.arch = Architecture.from_hf_config(self.hf_config)
+        self._dtype = resolve_dtype(options.dtype, device)
+        torch.manual_seed(options.seed)
+        _init_single_rank(device, options.seed)
+        self.gpt = build_gpt_model(self.arch, self._dtype)
+        load_into(self.gpt, hf_to_megatron(load_hf_weights(model_dir), self.arch))
+        self.gpt.to(device)
+        if device.startswith("cuda"):
+            self._gpu = _MegatronGpuStep(self.gpt, options)
+            self.model = self._gpu.model
+        else:
+            self._gpu = None
+            self.model = self.gpt
+            self.optimizer = torch.optim.AdamW(
+                self.gpt.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
+            )
+        self._masks: dict[int, Any] = {}
+
+    @property
+    def param_dtype(self) -> Any:
+        return self._dtype
+
+    def _causal_mask(self, length: int) -> Any:
+        # Megatron's default causal mask is built on CUDA; pass one (True = masked out).
+        import torch
+
+        mask = self._masks.get(length)
+        if mask is None:
+            mask = torch.triu(torch.ones(length, length, dtype=torch.bool, device=self.device), diagonal=1)
+            mask = self._masks[length] = mask.view(1, 1, length, length)
+        return mask
+
+    def _forward_logits(self, input_ids: Any) -> Any:
+        import torch
+
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, length)
+        return self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+
+    def _zero_grad(self) -> None:
+        if self._gpu is not None:
+            self._gpu.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        if self._gpu is not None:
+            return self._gpu.step()
+        import torch
+
+        max_norm = self.options.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def _set_train(self, training: bool) -> None:
+        self.model.train(training)
+
+    def hf_state_dict(self) -> dict[str, Any]:
+        return megatron_to_hf(self.gpt.state_dict(), self.arch)
+
+
+class _MegatronGpuStep:
+    """Megatron's DDP wrapper and optimizer (CUDA only: both allocate on the current CUDA device).
+
+    Gradients accumulate in DDP's contiguous buffers (`main_grad`), so zeroing and stepping go
+    through the wrapper and the megatron optimizer instead of torch's.
+    """
+
+    def __init__(self, gpt: Any, options: TrainerOptions):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer.module import Float16Module
+
+        config = gpt.config
+        module = Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt
+        self.model = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+            module=module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=options.lr,
+                weight_decay=options.weight_decay,
+                adam_beta1=options.betas[0],
+                adam_beta2=options.betas[1],
+                clip_grad=options.max_grad_norm,
+                bf16=config.bf16,
+                fp16=config.fp16,
+                params_dtype=config.params_dtype,
+            ),
+            [self.model],
+        )
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        self.model.finish_grad_sync()
+        success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise FloatingPointError("megatron optimizer step skipped (non-finite gradients)")
+        return float(grad_norm or 0.0)

@@ -1,0 +1,57 @@
+"""The `torch` backend: a Hugging Face transformers causal LM with AdamW (CPU or one GPU)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlfleet.trainer.base import Trainer, TrainerOptions, resolve_dtype
+
+
+class TorchTrainer(Trainer):
+    backend = "torch"
+
+    def __init__(self, model_dir: str | os.PathLike, options: TrainerOptions, device: str = "cpu"):
+        super().__init__(model_dir, options, device)
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(options.seed)
+        self._dtype = resolve_dtype(options.dtype, device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype).to(device)
+        self.model.config.use_cache = False
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
+        )
+
+    @property
+    def param_dtype(self) -> Any:
+        return self._dtype
+
+    def _forward_logits(self, input_ids: Any) -> Any:
+        # Right padding under a causal mask: pads only follow the tokens that are scored.
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        import torch
+
+        max_norm = self.options.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def _set_train(self, training: bool) -> None:
+        self.model.train(training)
+
+    def hf_state_dict(self) -> dict[str, Any]:
+        return dict(self.model.state_dict())
+
+    def hf_generate(self, input_ids: Any, **kwargs: Any) -> Any:
+        """transformers' own generate (KV cache), for fast local rollouts in measurements."""
+        import torch
+
+        self._set_train(False)
+        with torch.no_grad():
+            return self.model.generate(input_ids=input_ids, use_cache=True, **kwargs)
