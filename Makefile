@@ -23,8 +23,11 @@ test-e2e: setup
 quickstart: setup
 	.venv/bin/rlfleet run examples/quickstart.yaml
 
+# The CRDs (crds/*.yaml) and the API reference (docs/api-reference.md), both from the models.
 crds:
 	$(PY) -m rlfleet.crds.generate
+
+docs: crds
 
 bench: setup
 	for b in benchmarks/bench_*.py; do $(PY) -P $$b || exit 1; done

@@ -48,6 +48,10 @@ def build_engine_launch(
         "--tp-size", str(engine.tensor_parallel_size),
         "--weight-version", weight_version,
     ]
+    for flag, size in (("--pp-size", engine.pipeline_parallel_size), ("--dp-size", engine.data_parallel_size),
+                       ("--ep-size", engine.expert_parallel_size)):
+        if size != 1:
+            args += [flag, str(size)]
     if engine.device == "cpu":
         args += [
             "--device", "cpu",

@@ -7,22 +7,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
+import subprocess
 from collections import deque
 from pathlib import Path
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the parent dies (even by SIGKILL), so a killed test
+    run or supervisor cannot leave its process groups behind (they run in sessions of their own)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class ManagedProcess:
     """One child process group with its output appended to a log file."""
 
     def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None):
+                 cwd: str | None = None, die_with_parent: bool = False):
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
         self.cwd = cwd
+        self.die_with_parent = die_with_parent
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -47,6 +60,7 @@ class ManagedProcess:
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,
             )
 
     async def wait(self) -> int:
@@ -108,3 +122,57 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class GroupProcess:
+    """The blocking twin of ManagedProcess, for code without an event loop (the local control plane).
+
+    Same rules: own session, output appended to a log file, stop = SIGTERM the group then SIGKILL.
+    """
+
+    def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+                 cwd: str | None = None, die_with_parent: bool = True):
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = env
+        self.cwd = cwd
+        self.die_with_parent = die_with_parent
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if self.env:
+            env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, cwd=self.cwd, start_new_session=True,
+                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
+
+    def stop(self, grace_s: float = 8.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        if self.proc is None:
+            return None
+        try:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(grace_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return tail_file(self.log_path, lines)

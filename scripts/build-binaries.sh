@@ -45,7 +45,7 @@ GO
   go mod tidy -e >/dev/null 2>&1
   local ver=$KUBERNETES_VERSION
   local ld="-s -w -X k8s.io/component-base/version.gitVersion=$ver -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=${minor%%.*} -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$ver -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=${minor%%.*}"
-  mkdir -p "$out.tmp"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
   go build -trimpath -ldflags "$ld" -o "$out.tmp/" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl
   rm -rf "$out"; mkdir -p "$(dirname "$out")"; mv "$out.tmp" "$out"
   echo "built   $out (kube-apiserver, kube-controller-manager, kubectl $ver)"
@@ -59,7 +59,7 @@ build_etcd() {
   cd "$work"
   go mod init rlfleet.local/etcdbuild >/dev/null 2>&1
   go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >/dev/null
-  mkdir -p "$out.tmp"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
   go build -trimpath -ldflags "-s -w" -o "$out.tmp/etcd" go.etcd.io/etcd/server/v3
   rm -rf "$out"; mv "$out.tmp" "$out"
   echo "built   $out/etcd $ETCD_VERSION"
@@ -68,7 +68,7 @@ build_etcd() {
 build_helm() {
   local out="$CACHE/helm-$HELM_VERSION/bin"
   if have "$out/helm"; then return; fi
-  mkdir -p "$out.tmp"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
   GOBIN="$out.tmp" go install -trimpath -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
   rm -rf "$out"; mv "$out.tmp" "$out"
   echo "built   $out/helm $HELM_VERSION"
@@ -84,11 +84,16 @@ fetch_prometheus() {
   # Download and unpack only: no service is installed or started on the machine.
   apt-get download "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get download "prometheus=$PROMETHEUS_DEB_VERSION" >/dev/null; }
   dpkg-deb -x prometheus_*.deb root
-  mkdir -p "$out.tmp"
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp"
   cp root/usr/bin/prometheus root/usr/bin/promtool "$out.tmp/"
   rm -rf "$out"; mv "$out.tmp" "$out"
   echo "built   $out (prometheus, promtool $short)"
 }
+
+# One build at a time per cache: concurrent set-ups (two checkouts, CI) wait instead of racing.
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.build.lock"
+flock 9
 
 targets=${*:-kubernetes etcd helm prometheus}
 for t in $targets; do

@@ -23,7 +23,6 @@ if [ ! -f "$heavy/.complete" ]; then
   step "building the pinned Python environment in $heavy (SGLang brings ~11 GB of wheels; minutes)"
   rm -rf "$heavy"
   $PYTHON -m venv "$heavy"
-  "$heavy/bin/python" -m pip install --quiet --upgrade pip==25.3
   "$heavy/bin/python" -m pip install --progress-bar off -r requirements.lock 2>&1 | grep -vE '^(Requirement already|  (Using cached|Downloading|Obtaining))' | grep -E '^(Collecting|Successfully|ERROR)' | tail -n 3 || true
   "$heavy/bin/python" -c 'import sglang, sglang_router, torch, transformers, megatron.core, kopf' \
     || { echo "setup: the Python environment is incomplete (see pip output above)" >&2; exit 1; }
@@ -48,6 +47,6 @@ step "pinned binaries"
 scripts/build-binaries.sh
 
 step "tiny model"
-.venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 >/dev/null
+.venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null
 
 step "done. Activate with: source .venv/bin/activate"

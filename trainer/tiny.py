@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--if-missing", action="store_true", help="keep an existing model of the same seed")
     args = parser.parse_args(argv)
-    path = write_tiny_model(args.out_dir, seed=args.seed, arch=args.arch)
+    write = ensure_tiny_model if args.if_missing else write_tiny_model
+    path = write(args.out_dir, seed=args.seed, arch=args.arch)
     print(path)
     return 0
 

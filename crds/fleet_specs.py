@@ -1,0 +1,118 @@
+"""Specs of engine fleets: the rollout template of a TrainingRun and the RolloutFleet/EvalFleet specs."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlfleet.crds.rules import Rule
+from rlfleet.crds.specs import (
+    IMAGE,
+    PATH,
+    SHORT,
+    ApiModel,
+    EngineSpec,
+    HealthSpec,
+    RecoverySpec,
+)
+
+
+class RouterSpec(ApiModel):
+    """The sglang-router in front of a fleet. Membership is driven by rlfleet, not by the router."""
+
+    image: str = Field(
+        "lmsysorg/sglang:v0.5.23", max_length=IMAGE,
+        description="Container image that provides `python -m sglang_router.launch_router`.",
+    )
+    port: int = Field(30000, ge=1024, le=65535, description="Port the router listens on.")
+    policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
+        "cache_aware",
+        description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's prefix cache.",
+    )
+    health_check_interval_seconds: int = Field(
+        2, ge=1, le=3600, description="The router's own health-check interval (sglang-router --health-check-interval-secs)."
+    )
+    health_failure_threshold: int = Field(
+        2, ge=1, le=100, description="Failed router health checks before it stops routing to an engine."
+    )
+
+
+MIN_READY_RULE = Rule(
+    cel="self.minReadyEngines <= self.replicas",
+    check=lambda s: s.min_ready_engines <= s.replicas,
+    field="minReadyEngines",
+    message="minReadyEngines must not exceed replicas",
+)
+
+# A fleet scaled to zero is switched off, whatever its minimum (`kubectl scale --replicas=0` works).
+FLEET_MIN_READY_RULE = Rule(
+    cel="self.replicas == 0 || self.minReadyEngines <= self.replicas",
+    check=lambda s: s.replicas == 0 or s.min_ready_engines <= s.replicas,
+    field="minReadyEngines",
+    message="minReadyEngines must not exceed replicas (unless the fleet is scaled to 0)",
+)
+
+
+class EngineTemplateSpec(EngineSpec):
+    """The rollout engine of a TrainingRun; the model path defaults to the run's modelPath."""
+
+    model_path: str | None = Field(
+        None, min_length=1, max_length=PATH,
+        description="Model served at start; defaults to the TrainingRun's modelPath.",
+    )
+
+
+class RolloutTemplateSpec(ApiModel):
+    """The rollout fleet of a TrainingRun: the operator creates a RolloutFleet from it."""
+
+    replicas: int = Field(1, ge=1, le=4096, description="Number of rollout engines.")
+    min_ready_engines: int = Field(
+        1, ge=1, le=4096, description="The run goes on while at least this many engines serve; below it, it waits and recovers."
+    )
+    engine: EngineTemplateSpec = Field(default_factory=EngineTemplateSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    request_timeout_seconds: float = Field(
+        600.0, ge=1, le=86400, description="Deadline of one rollout request, retries included."
+    )
+    max_retries: int = Field(
+        3, ge=0, le=100, description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a fixed-interval storm)."
+    )
+    concurrency_per_engine: int = Field(
+        64, ge=1, le=4096, description="Rollout requests in flight per ready engine."
+    )
+
+    cel_rules = (MIN_READY_RULE,)
+
+
+class SnapshotMountSpec(ApiModel):
+    """The run's snapshot volume as a fleet's pods mount it."""
+
+    claim_name: str = Field(..., min_length=1, max_length=SHORT, description="PersistentVolumeClaim (ReadWriteMany).")
+    mount_path: str = Field("/snapshots", max_length=PATH, pattern=r"^/", description="Mount path in engine pods.")
+
+
+class FleetSpec(ApiModel):
+    """A fleet of SGLang engines behind one router, one pod per slot."""
+
+    replicas: int = Field(1, ge=0, le=4096, description="Number of engine slots (the scale subresource sets it).")
+    min_ready_engines: int = Field(
+        1, ge=0, le=4096, description="The fleet is Ready with at least this many engines serving."
+    )
+    engine: EngineSpec
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    run_name: str | None = Field(None, max_length=SHORT, description="The TrainingRun this fleet belongs to, if any.")
+    snapshots: SnapshotMountSpec | None = Field(None, description="Shared snapshot volume mounted in every engine pod.")
+
+    cel_rules = (FLEET_MIN_READY_RULE,)
+
+
+class RolloutFleetSpec(FleetSpec):
+    """Rollout engines whose weights follow the trainer."""
+
+
+class EvalFleetSpec(FleetSpec):
+    """Evaluation engines, pinned to one snapshot at a time."""

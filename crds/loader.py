@@ -1,0 +1,225 @@
+"""Read rlfleet manifests (YAML, several documents a file) through the typed models.
+
+The local runner and `rlfleet validate` use this; it rejects what the API server rejects: the same
+types (strict, no string-to-number coercion), bounds, enums, unknown fields and cross-field rules,
+each error located by its field path (`spec.heatGuard.resumeAtC`) with the rule that failed.
+Defaults are filled in exactly as the API server fills them. As on the API server, `status` in a
+manifest is ignored (only the operator writes it).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from rlfleet.crds import API_VERSION
+from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun
+from rlfleet.crds.rules import RULE_ERROR_TYPE, check_transition
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One problem with a manifest: where (field path), what, and which rule or check."""
+
+    path: str
+    message: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<document>'}: {self.message}"
+
+
+@dataclass
+class Document:
+    """One YAML document of a file, validated."""
+
+    index: int
+    data: Any
+    obj: BaseModel | None = None
+    errors: list[FieldError] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str | None:
+        return self.data.get("kind") if isinstance(self.data, dict) else None
+
+    @property
+    def name(self) -> str | None:
+        meta = self.data.get("metadata") if isinstance(self.data, dict) else None
+        return meta.get("name") if isinstance(meta, dict) else None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind or 'document'}/{self.name or f'#{self.index + 1}'}"
+
+
+class ManifestError(ValueError):
+    """A manifest that does not validate; `errors` lists every problem."""
+
+    def __init__(self, source: str, errors: list[FieldError]):
+        self.source = source
+        self.errors = errors
+        super().__init__(f"{source}: " + "; ".join(str(e) for e in errors))
+
+
+# --- YAML as the API server reads it -------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2 numbers (1e-6 is a float), dates kept as strings, duplicate keys rejected."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> list[Any]:
+    """Every non-empty document of a YAML stream."""
+    return [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+def format_path(loc: Iterable[str | int]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+_JSON_TYPES = {
+    "int_type": "integer", "int_from_float": "integer", "int_parsing": "integer",
+    "float_type": "number", "float_parsing": "number",
+    "bool_type": "boolean", "bool_parsing": "boolean",
+    "string_type": "string", "list_type": "array", "dict_type": "object",
+    "model_type": "object", "model_attributes_type": "object",
+}
+
+
+def _message(error: dict[str, Any], path: str) -> str:
+    """Pydantic's message, worded like the API server's where the two differ most."""
+    kind = error["type"]
+    if kind == "missing":
+        return "Required value"
+    if kind == "extra_forbidden":
+        return f'unknown field "{path}"'
+    if kind == "literal_error":
+        expected = error.get("ctx", {}).get("expected", "")
+        supported = ", ".join(part.strip().replace("'", '"') for part in re.split(r",| or ", expected) if part.strip())
+        return f"Unsupported value: {json.dumps(error.get('input'))}: supported values: {supported}"
+    if kind in _JSON_TYPES:
+        return f"Invalid value: {json.dumps(error.get('input'), default=str)}: must be of type {_JSON_TYPES[kind]}"
+    # "Input should be less than 1" -> "should be less than 1", as the API server says it.
+    return re.sub(r"^(Input|String|List|Dictionary|Value) should", "should", error["msg"])
+
+
+def errors_of(exc: ValidationError, prefix: tuple[str | int, ...] = ()) -> list[FieldError]:
+    """A pydantic ValidationError as field errors; rule violations are split one per rule."""
+    out = []
+    for error in exc.errors(include_url=False):
+        loc = prefix + tuple(error["loc"])
+        if error["type"] == RULE_ERROR_TYPE:
+            for violation in error["ctx"]["violations"]:
+                sub = tuple(violation.field.split(".")) if violation.field else ()
+                out.append(FieldError(format_path(loc + sub), violation.message, violation.rule))
+        else:
+            path = format_path(loc)
+            out.append(FieldError(path, _message(error, path), error["type"]))
+    return out
+
+
+def validate_object(data: Any) -> tuple[BaseModel | None, list[FieldError]]:
+    """Validate one manifest object; returns the model (defaults filled) or the errors."""
+    if not isinstance(data, dict):
+        return None, [FieldError("", "a manifest must be a mapping", "type")]
+    errors = []
+    if data.get("apiVersion") != API_VERSION:
+        errors.append(FieldError("apiVersion", f"must be {API_VERSION}, got {data.get('apiVersion')!r}", "apiVersion"))
+    kind = KINDS_BY_NAME.get(data.get("kind"))  # type: ignore[arg-type]
+    if kind is None:
+        errors.append(FieldError(
+            "kind", f"unknown kind {data.get('kind')!r}: expected one of {', '.join(KINDS_BY_NAME)}", "kind"
+        ))
+    if errors:
+        return None, errors
+    body = {k: v for k, v in data.items() if k != "status"}
+    try:
+        return kind.model.model_validate(body), []
+    except ValidationError as exc:
+        return None, errors_of(exc)
+
+
+def validate_update(old: Any, new: Any) -> list[FieldError]:
+    """Errors of `new` as an update of the stored `old`: its own, then the transition rules."""
+    new_obj, errors = validate_object(new)
+    if errors:
+        return errors
+    old_obj, old_errors = validate_object(old)
+    if old_errors or type(old_obj) is not type(new_obj):
+        return [FieldError("", "the previous object is not a valid object of the same kind", "transition")]
+    return [
+        FieldError(format_path(path + (tuple(v.field.split(".")) if v.field else ())), v.message, v.rule)
+        for path, v in check_transition(new_obj, old_obj)
+    ]
+
+
+def load_text(text: str) -> list[Document]:
+    """Every document of a YAML stream, validated. A YAML syntax error raises ManifestError."""
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ManifestError("<yaml>", [FieldError("", f"not valid YAML: {exc}", "yaml")]) from exc
+    documents = []
+    for index, data in enumerate(raw):
+        obj, errors = validate_object(data)
+        documents.append(Document(index=index, data=data, obj=obj, errors=errors))
+    return documents
+
+
+def load_file(path: str | Path) -> list[Document]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ManifestError(str(path), [FieldError("", f"cannot read: {exc.strerror}", "file")]) from exc
+    try:
+        return load_text(text)
+    except ManifestError as exc:
+        raise ManifestError(str(path), exc.errors) from None
+
+
+def load_training_run(path: str | Path) -> TrainingRun:
+    """The single TrainingRun of a manifest file, validated with defaults filled; else ManifestError."""
+    documents = load_file(path)
+    runs = [d for d in documents if d.kind == "TrainingRun"]
+    errors = [e for d in runs for e in d.errors]
+    if errors:
+        raise ManifestError(str(path), errors)
+    if len(runs) != 1:
+        raise ManifestError(str(path), [FieldError("", f"expected one TrainingRun, found {len(runs)}", "kind")])
+    return runs[0].obj  # type: ignore[return-value]

@@ -1,0 +1,280 @@
+"""The three kinds of the rlfleet API: TrainingRun, RolloutFleet and EvalFleet.
+
+`KINDS` also holds what the CRDs need beyond the schema (names, printer columns, subresources), so
+`rlfleet.crds.generate` derives everything from this module.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field
+
+from rlfleet.crds import API_VERSION, GROUP, VERSION
+from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
+from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
+from rlfleet.crds.rules import Rule, immutable
+from rlfleet.crds.specs import (
+    IMAGE,
+    PATH,
+    ApiModel,
+    EnvVarSpec,
+    HeatGuardSpec,
+    ResourcesSpec,
+    TolerationSpec,
+    WatchdogSpec,
+    WeightSyncSpec,
+)
+from rlfleet.crds.status import EvalFleetStatus, RolloutFleetStatus, TrainingRunStatus
+
+TINY_MODEL_PATTERN = r"^tiny://(llama|qwen2)(\?seed=[0-9]{1,9})?$"
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Child objects are named <run>-rollout, <run>-eval-router, ...: keep room for the longest suffix
+# within the 63 characters of a label value.
+MAX_RUN_NAME = 40
+
+
+class TrainerSpec(ApiModel):
+    """The trainer: backend, resources, and the RL hyper-parameters of the loop."""
+
+    backend: Literal["megatron", "torch"] = Field(
+        "torch",
+        description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model (CPU or GPU).",
+    )
+    image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, description="Container image of the trainer pod.")
+    gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-model parallelism.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Megatron pipeline-model parallelism.")
+    steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (one weight version each).")
+    prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts sampled per step (the rollout batch).")
+    samples_per_prompt: int = Field(
+        8, ge=2, le=1024, description="Samples per prompt: the group whose rewards are normalised together (GRPO)."
+    )
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000, description="Samples per forward/backward pass; unset: the whole step.")
+    max_new_tokens: int = Field(1024, ge=1, le=1_000_000, description="Longest rollout response.")
+    temperature: float = Field(1.0, ge=0, le=10, description="Rollout sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling.")
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="Optimizer learning rate.")
+    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clipping.")
+    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to the initial model (0: off).")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0: off).")
+    max_staleness: int = Field(
+        1, ge=0, le=1000,
+        description="A step trains only on samples generated at most this many weight versions ago (0: on-policy).",
+    )
+    task: str = Field(
+        "reverse", max_length=256, pattern=TASK_PATTERN,
+        description="Prompt source: a built-in task name (e.g. reverse) or an import path module:object.",
+    )
+    reward_function: str | None = Field(
+        None, max_length=256, pattern=IMPORT_PATH_PATTERN, description="Reward function module:function; unset: the task's own."
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
+    tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
+
+    cel_rules = (
+        Rule(
+            cel="self.backend == 'megatron' || (self.tensorParallelSize == 1 && self.pipelineParallelSize == 1)",
+            check=lambda s: s.backend == "megatron" or (s.tensor_parallel_size == 1 and s.pipeline_parallel_size == 1),
+            field="tensorParallelSize",
+            message="model parallelism needs backend megatron",
+        ),
+        Rule(
+            cel="self.gpus == 0 ? self.tensorParallelSize * self.pipelineParallelSize == 1"
+            " : self.gpus % (self.tensorParallelSize * self.pipelineParallelSize) == 0",
+            check=lambda s: (s.tensor_parallel_size * s.pipeline_parallel_size == 1) if s.gpus == 0
+            else s.gpus % (s.tensor_parallel_size * s.pipeline_parallel_size) == 0,
+            field="gpus",
+            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize (no model parallelism on CPU)",
+        ),
+        immutable("backend", "backend", "trainer backend"),
+    )
+
+
+class TrainingRunSpec(ApiModel):
+    """An RL post-training run: a trainer, its rollout fleet, and optional evaluation."""
+
+    model_path: str = Field(
+        ..., min_length=1, max_length=PATH,
+        description="Initial model: a Hugging Face directory (on the snapshot volume in pods), a hub id, or "
+        "tiny://llama?seed=N (also tiny://qwen2) for the project's tiny offline model, generated on first use.",
+    )
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    rollout: RolloutTemplateSpec = Field(default_factory=RolloutTemplateSpec)
+    watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
+    heat_guard: HeatGuardSpec = Field(default_factory=HeatGuardSpec)
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    eval: EvalSpec | None = Field(
+        None, description="Evaluation during training, always on a pinned weight version; unset: no evaluation."
+    )
+    metrics_port: int = Field(9400, ge=1024, le=65535, description="Port of the run's Prometheus metrics.")
+
+    cel_rules = (
+        Rule(
+            cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('" + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
+            check=lambda s: not s.model_path.startswith("tiny://") or re.match(TINY_MODEL_PATTERN, s.model_path) is not None,
+            field="modelPath",
+            message="a tiny model path reads tiny://llama or tiny://qwen2, optionally with ?seed=N",
+        ),
+        Rule(
+            cel="self.weightSync.mode != 'nccl' || (self.trainer.gpus > 0 && self.rollout.engine.device == 'cuda')",
+            check=lambda s: s.weight_sync.mode != "nccl" or (s.trainer.gpus > 0 and s.rollout.engine.device == "cuda"),
+            field="weightSync.mode",
+            message="weight sync mode nccl needs a GPU trainer and cuda rollout engines; use disk",
+        ),
+        immutable("modelPath", "model_path"),
+    )
+
+
+class ObjectMeta(ApiModel):
+    """The parts of Kubernetes object metadata the loader checks; the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = Field(None, max_length=253, pattern=NAME_PATTERN)
+    generate_name: str | None = Field(None, max_length=253)
+    namespace: str | None = Field(None, max_length=63, pattern=NAME_PATTERN)
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RunMeta(ObjectMeta):
+    """TrainingRun metadata: the name is shorter, its children's names add a suffix to it."""
+
+    name: str | None = Field(None, max_length=MAX_RUN_NAME, pattern=NAME_PATTERN)
+
+
+class _Object(ApiModel):
+    api_version: Literal["rlfleet.io/v1alpha1"] = Field(API_VERSION)
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+
+
+class TrainingRun(_Object):
+    """An RL post-training run with a fault-tolerant SGLang rollout fleet."""
+
+    metadata: RunMeta = Field(default_factory=RunMeta)
+    kind: Literal["TrainingRun"] = "TrainingRun"
+    spec: TrainingRunSpec
+    status: TrainingRunStatus | None = None
+
+
+class RolloutFleet(_Object):
+    """SGLang rollout engines behind a router; a TrainingRun owns one."""
+
+    kind: Literal["RolloutFleet"] = "RolloutFleet"
+    spec: RolloutFleetSpec
+    status: RolloutFleetStatus | None = None
+
+
+class EvalFleet(_Object):
+    """SGLang evaluation engines pinned to weight snapshots; a TrainingRun may own one."""
+
+    kind: Literal["EvalFleet"] = "EvalFleet"
+    spec: EvalFleetSpec
+    status: EvalFleetStatus | None = None
+
+
+@dataclass(frozen=True)
+class PrinterColumn:
+    name: str
+    json_path: str
+    type: str
+    description: str
+    priority: int = 0
+
+    def to_crd(self) -> dict[str, Any]:
+        column = {"name": self.name, "type": self.type, "jsonPath": self.json_path, "description": self.description}
+        if self.priority:
+            column["priority"] = self.priority
+        return column
+
+
+AGE = PrinterColumn("Age", ".metadata.creationTimestamp", "date", "Time since creation.")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind and its CRD: names, printer columns, subresources, and object-level rules."""
+
+    model: type[_Object]
+    plural: str
+    short_names: tuple[str, ...]
+    columns: tuple[PrinterColumn, ...]
+    scale: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.model.__name__
+
+    @property
+    def crd_name(self) -> str:
+        return f"{self.plural}.{GROUP}"
+
+    @property
+    def spec_model(self) -> type[ApiModel]:
+        return self.model.model_fields["spec"].annotation  # type: ignore[return-value]
+
+    @property
+    def status_model(self) -> type[ApiModel]:
+        return self.model.model_fields["status"].annotation.__args__[0]  # type: ignore[union-attr]
+
+
+CATEGORY = "rlfleet"
+
+_FLEET_COLUMNS = (
+    PrinterColumn("Desired", ".spec.replicas", "integer", "Engine slots wanted."),
+    PrinterColumn("Ready", ".status.readyReplicas", "integer", "Engines serving."),
+)
+
+KINDS: tuple[Kind, ...] = (
+    Kind(
+        model=TrainingRun,
+        plural="trainingruns",
+        short_names=("tr",),
+        columns=(
+            PrinterColumn("Phase", ".status.phase", "string", "Lifecycle phase."),
+            PrinterColumn("Step", ".status.step", "integer", "Training steps completed."),
+            PrinterColumn("Weights", ".status.weightVersion", "string", "Weight version the rollout engines serve."),
+            PrinterColumn("Ready", ".status.ready", "string", "Rollout engines serving / slots."),
+            PrinterColumn("Last Eval", ".status.lastEval.summary", "string", "Most recent evaluation point."),
+            PrinterColumn("Reward", ".status.rewardMean", "number", "Mean reward of the last step.", priority=1),
+            PrinterColumn("Restarts", ".status.engineRestarts", "integer", "Engine recreations.", priority=1),
+            AGE,
+        ),
+    ),
+    Kind(
+        model=RolloutFleet,
+        plural="rolloutfleets",
+        short_names=("rf",),
+        columns=(
+            *_FLEET_COLUMNS,
+            PrinterColumn("Weights", ".status.weightVersion", "string", "Version every ready engine serves."),
+            PrinterColumn("Restarts", ".status.restarts", "integer", "Engine recreations."),
+            AGE,
+        ),
+        scale=True,
+    ),
+    Kind(
+        model=EvalFleet,
+        plural="evalfleets",
+        short_names=("ef",),
+        columns=(
+            *_FLEET_COLUMNS,
+            PrinterColumn("Pinned", ".status.pinnedVersion", "string", "Snapshot version the fleet is pinned to."),
+            PrinterColumn("Restarts", ".status.restarts", "integer", "Engine recreations."),
+            AGE,
+        ),
+        scale=True,
+    ),
+)
+
+KINDS_BY_NAME = {k.kind: k for k in KINDS}
+
+__all__ = [
+    "API_VERSION", "GROUP", "VERSION", "KINDS", "KINDS_BY_NAME", "Kind", "PrinterColumn",
+    "TrainerSpec", "TrainingRunSpec", "TrainingRun", "RolloutFleet", "EvalFleet", "ObjectMeta",
+]

@@ -1,0 +1,166 @@
+"""Status of TrainingRuns and fleets: what the operator and the orchestrator report.
+
+Conditions follow the Kubernetes conventions (type, status, reason, message, lastTransitionTime).
+A few short text fields (`ready`, `lastEval.summary`) exist only for `kubectl get` columns and are
+derived from the counted fields when not given.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, model_validator
+
+from rlfleet.crds.specs import PATH, SHORT, ApiModel
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Failed")
+REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+MESSAGE = 32768
+# Lists keyed by a field: one entry per condition type / slot, merged by key on server-side apply.
+CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+SLOT_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
+
+
+def _rfc3339(value: str) -> str:
+    try:
+        datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise ValueError(f"not an RFC 3339 time: {value!r}") from e
+    return value
+
+
+Timestamp = Annotated[
+    str,
+    AfterValidator(_rfc3339),
+    Field(max_length=64, json_schema_extra={"format": "date-time"}),
+]
+
+
+def now_rfc3339(clock: datetime | None = None) -> str:
+    """A Kubernetes-style timestamp (UTC, seconds, Z)."""
+    return (clock or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition."""
+
+    type: Literal["Ready", "Progressing", "Degraded", "Failed"] = Field(..., description="Condition type.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str = Field(
+        ..., min_length=1, max_length=1024, pattern=REASON_PATTERN,
+        description="CamelCase reason, e.g. RolloutEnginesUnavailable.",
+    )
+    message: str = Field("", max_length=MESSAGE, description="Human-readable details (may quote an engine's log).")
+    last_transition_time: Timestamp = Field(..., description="When status last changed.")
+    observed_generation: int | None = Field(None, ge=0, description="The spec generation the condition was set for.")
+
+
+class FailureStatus(ApiModel):
+    """Why an engine slot last failed."""
+
+    reason: str = Field(..., min_length=1, max_length=1024, pattern=REASON_PATTERN, description="e.g. ProbeTimeout, Crashed.")
+    message: str = Field("", max_length=MESSAGE, description="Details: the engine's last log lines or the probe error.")
+    exit_code: int | None = Field(None, description="Process or container exit code, when it exited.")
+    time: Timestamp | None = Field(None, description="When it failed.")
+
+
+class EngineSlotStatus(ApiModel):
+    """One engine slot of a fleet."""
+
+    slot: int = Field(..., ge=0, le=65535, description="Stable slot index.")
+    pod: str | None = Field(None, max_length=SHORT, description="Pod (or local process) currently in the slot.")
+    url: str | None = Field(None, max_length=PATH, description="Engine base URL.")
+    state: Literal["Pending", "Starting", "Ready", "Dead", "Recreating", "Failed"] = Field(
+        "Pending", description="Slot state."
+    )
+    restarts: int = Field(0, ge=0, description="Recreations of this slot.")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Weight version read back from the engine.")
+    last_failure: FailureStatus | None = Field(None, description="The slot's most recent failure.")
+
+
+def _ready_text(ready: int | None, total: int | None) -> str | None:
+    if ready is None or total is None:
+        return None
+    return f"{ready}/{total}"
+
+
+class LastEvalStatus(ApiModel):
+    """The most recent evaluation point, and skip counts so far."""
+
+    step: int = Field(..., ge=0, description="Training step the point belongs to.")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Weight version every eval engine reported.")
+    scores: dict[str, float] = Field(default_factory=dict, max_length=64, description="Score per dataset.")
+    skipped_reason: str | None = Field(
+        None, max_length=64, description="Why this point was skipped (busy, export_failed, ckpt_missing, unhealthy, pin_violation, crashed, custom)."
+    )
+    skipped: dict[str, int] = Field(default_factory=dict, max_length=64, description="Skipped points so far, by reason.")
+    time: Timestamp | None = Field(None, description="When the point settled.")
+    summary: str | None = Field(None, max_length=256, description="One-line summary for kubectl get.")
+
+    @model_validator(mode="after")
+    def _fill_summary(self):
+        if self.summary is None:
+            if self.skipped_reason:
+                what = f"skipped {self.skipped_reason}"
+            else:
+                what = " ".join(f"{k}={v:.3g}" for k, v in sorted(self.scores.items())) or "no scores"
+            self.summary = f"@{self.step} {what}"[:256]
+        return self
+
+
+class TrainingRunStatus(ApiModel):
+    """What a TrainingRun is doing."""
+
+    phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = Field(None, description="Lifecycle phase.")
+    message: str | None = Field(None, max_length=MESSAGE, description="Why the run is in its phase.")
+    step: int | None = Field(None, ge=0, description="Training steps completed.")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Weight version the rollout engines serve.")
+    reward_mean: float | None = Field(None, description="Mean reward of the last step.")
+    ready_engines: int | None = Field(None, ge=0, description="Rollout engines serving.")
+    total_engines: int | None = Field(None, ge=0, description="Rollout engine slots.")
+    ready: str | None = Field(None, max_length=32, description="ready/total engines, for kubectl get.")
+    engine_restarts: int | None = Field(None, ge=0, description="Engine recreations in this run, all slots.")
+    engines: list[EngineSlotStatus] = Field(
+        default_factory=list, max_length=4096, description="Rollout engine slots.", json_schema_extra=SLOT_LIST
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+    )
+    last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
+    start_time: Timestamp | None = Field(None, description="When training started.")
+    completion_time: Timestamp | None = Field(None, description="When the run ended.")
+    observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
+
+    @model_validator(mode="after")
+    def _fill_ready(self):
+        if self.ready is None:
+            self.ready = _ready_text(self.ready_engines, self.total_engines)
+        return self
+
+
+class FleetStatus(ApiModel):
+    """What a fleet's engine slots are doing."""
+
+    replicas: int | None = Field(None, ge=0, description="Engine slots that exist (scale subresource).")
+    ready_replicas: int | None = Field(None, ge=0, description="Engines serving.")
+    selector: str | None = Field(None, max_length=1024, description="Label selector of the engine pods (scale subresource).")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Version every ready engine reported; unset when they differ.")
+    restarts: int | None = Field(None, ge=0, description="Recreations in this fleet, all slots (the per-run budget counts these).")
+    engines: list[EngineSlotStatus] = Field(
+        default_factory=list, max_length=4096, description="Engine slots.", json_schema_extra=SLOT_LIST
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+    )
+    observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
+
+
+class RolloutFleetStatus(FleetStatus):
+    """Status of a RolloutFleet."""
+
+
+class EvalFleetStatus(FleetStatus):
+    """Status of an EvalFleet."""
+
+    pinned_version: str | None = Field(None, max_length=SHORT, description="Snapshot version the fleet is pinned to.")
+    pinned_snapshot: str | None = Field(None, max_length=PATH, description="Snapshot directory the fleet is pinned to.")

@@ -1,0 +1,3 @@
+from rlfleet.operator.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""FleetRuntime: one fleet's backend, health monitor, router membership and weight sync, wired.
+
+- The monitor probes the backend's alive engines and marks the dead through the backend.
+- Every death (probe, process exit, failed load) reaches the membership at once, which removes the
+  engine from the router, and the monitor, which stops probing that incarnation.
+- Weight syncs pause the monitor, recover, load, read back and admit replacements.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import aiohttp
+
+from rlfleet.crds.specs import HealthSpec, WeightSyncSpec
+from rlfleet.orchestrator.backend import DeathCause, DeathEvent, EngineState, FleetBackend
+from rlfleet.orchestrator.engine_client import EngineClient, EngineTimeouts, PauseMode
+from rlfleet.orchestrator.membership import RouterMembership
+from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+from rlfleet.orchestrator.router_client import RouterClient
+from rlfleet.orchestrator.snapshot import SnapshotReference
+from rlfleet.orchestrator.weight_sync import WeightSync, WeightSyncResult
+
+log = logging.getLogger(__name__)
+
+
+class FleetRuntime:
+    def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
+                 reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
+                 timeouts: EngineTimeouts | None = None):
+        self.backend = backend
+        self.fleet = backend.fleet
+        self.health_spec = health
+        self.router_url = router_url
+        self.timeouts = timeouts or EngineTimeouts(health=health.timeout_seconds)
+        self._reference = reference
+        self._pause_mode = pause_mode
+        self._weight_sync_spec = weight_sync
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: HealthMonitor | None = None
+        self.membership: RouterMembership | None = None
+        self.weights: WeightSync | None = None
+        self.router: RouterClient | None = None
+        self._unsubscribe = None
+
+    def engine_client(self, url: str) -> EngineClient:
+        assert self.session is not None, "FleetRuntime not started"
+        return EngineClient(self.session, url, self.timeouts)
+
+    def _probe_targets(self) -> list[ProbeTarget]:
+        return [ProbeTarget(e.slot, e.incarnation, e.url) for e in self.backend.engines()
+                if e.state is EngineState.ALIVE and e.url]
+
+    async def _probe(self, target: ProbeTarget) -> None:
+        await self.engine_client(target.url).health_generate(self.health_spec.timeout_seconds)
+
+    async def _on_probe_dead(self, target: ProbeTarget, reason: str) -> None:
+        await self.backend.mark_dead(target.slot, reason, cause=DeathCause.PROBE_FAILED,
+                                     incarnation=target.incarnation)
+
+    async def _on_death(self, event: DeathEvent) -> None:
+        assert self.monitor is not None and self.membership is not None
+        self.monitor.forget(event.slot, event.incarnation)
+        await self.membership.on_death(event)
+
+    def _alive_urls(self) -> list[str]:
+        return [e.url for e in self.backend.engines() if e.state is EngineState.ALIVE and e.url]
+
+    async def start(self) -> None:
+        """Create the clients and loops; launch the engines (not yet in the router)."""
+        # No connection cap: a thousand engines are probed in the same round.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.router = RouterClient(self.session, self.router_url)
+        self.membership = RouterMembership(self.router, engine_client=self.engine_client,
+                                           alive_urls=self._alive_urls, fleet=self.fleet,
+                                           interval_s=self.health_spec.interval_seconds)
+        self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, probe=self._probe,
+                                     on_dead=self._on_probe_dead, fleet=self.fleet)
+        self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
+                                  engine_client=self.engine_client, monitor=self.monitor,
+                                  pause_mode=self._pause_mode, reference=self._reference)
+        self._unsubscribe = self.backend.subscribe(self._on_death)
+        await self.backend.start()
+        await self.monitor.start()
+        await self.membership.start()
+
+    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:
+        """Wait for the engines to serve their launch weights, then admit them to the router."""
+        assert self.membership is not None
+        alive = await self.backend.wait_all_alive(timeout)
+        admitted = []
+        for engine in alive:
+            if engine.url and not self.membership.is_member(engine.url):
+                await self.membership.admit(engine.url, version)
+                self.backend.record_weight_version(engine.slot, engine.incarnation, version)
+                admitted.append(engine.slot)
+        return admitted
+
+    async def sync_weights(self, snapshot_dir: str | Path, step: int) -> WeightSyncResult:
+        assert self.weights is not None
+        return await self.weights.sync(snapshot_dir, step)
+
+    async def stop(self) -> None:
+        try:
+            if self.monitor is not None:
+                await self.monitor.stop()
+            if self.membership is not None:
+                await self.membership.stop()
+            if self._unsubscribe is not None:
+                self._unsubscribe()
+        finally:
+            try:
+                await self.backend.stop()
+            finally:
+                if self.session is not None:
+                    await self.session.close()

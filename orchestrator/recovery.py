@@ -1,0 +1,109 @@
+"""Pure recovery decisions: restart budgets, exponential backoff, crash loops, the ready floor.
+
+Both fleet backends (local processes, Kubernetes pods) take their decisions here, so a slot is
+recreated, held back or given up for the same reasons everywhere.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from rlfleet.crds.specs import RecoverySpec
+
+
+def backoff_delay(restarts: int, spec: RecoverySpec) -> float:
+    """Seconds to wait before recreating a slot that has been recreated `restarts` times already.
+
+    base, 2*base, 4*base, ... capped at backoff_max_seconds.
+    """
+    if restarts < 0:
+        raise ValueError(f"restarts must be >= 0, got {restarts}")
+    exponent = min(restarts, 60)  # 2**60 * base overflows any sane cap long before
+    return min(spec.backoff_max_seconds, spec.backoff_base_seconds * (2 ** exponent))
+
+
+def backoff_schedule(spec: RecoverySpec, recreations: int) -> list[float]:
+    """The delays before each of the first `recreations` recreations of one slot."""
+    return [backoff_delay(n, spec) for n in range(recreations)]
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What the planner needs to know about one slot."""
+
+    slot: int
+    dead: bool  # dead and not yet recreated
+    failed: bool  # given up for good
+    restarts: int  # recreations so far
+    dead_since: float | None = None
+
+
+@dataclass
+class RecoveryPlan:
+    recreate: dict[int, float] = field(default_factory=dict)  # slot -> time it may be recreated
+    give_up: dict[int, str] = field(default_factory=dict)  # slot -> why it will not be recreated
+    fleet_failed: bool = False  # fewer than min_ready slots can ever serve again
+    serviceable: int = 0  # slots that are alive, starting or still recreatable
+
+
+def plan_recovery(slots: Iterable[SlotView], *, spec: RecoverySpec, run_restarts: int, min_ready: int,
+                  now: float) -> RecoveryPlan:
+    """Decide, for every dead slot, to recreate it (when) or give it up; and whether the fleet failed.
+
+    Slots are considered in slot order, so when the run budget runs short the lowest slots get it.
+    """
+    plan = RecoveryPlan()
+    budget_left = spec.max_restarts_per_run - run_restarts
+    for view in sorted(slots, key=lambda v: v.slot):
+        if view.failed:
+            continue
+        if not view.dead:
+            plan.serviceable += 1
+            continue
+        if view.restarts >= spec.max_restarts_per_engine:
+            plan.give_up[view.slot] = (f"slot {view.slot} used its restart budget "
+                                       f"({spec.max_restarts_per_engine} per engine)")
+            continue
+        if budget_left <= 0:
+            plan.give_up[view.slot] = f"the run used its restart budget ({spec.max_restarts_per_run} per run)"
+            continue
+        budget_left -= 1
+        since = view.dead_since if view.dead_since is not None else now
+        plan.recreate[view.slot] = max(now, since + backoff_delay(view.restarts, spec))
+        plan.serviceable += 1
+    plan.fleet_failed = plan.serviceable < min_ready
+    return plan
+
+
+# Lines that carry an engine's own error (Python exceptions, SGLang's fatal messages).
+_ERROR_LINE = re.compile(r"(^\w+(\.\w+)*(Error|Exception|Exit)\b.*:)|(\b(ERROR|FATAL|CRITICAL)\b)|"
+                         r"(^(RuntimeError|OSError|ValueError|AssertionError|KeyError)\b)")
+
+
+def engine_error_line(log_tail: list[str]) -> str | None:
+    """The last line of a log tail that states an error (the exception line of a traceback)."""
+    for line in reversed(log_tail):
+        stripped = line.strip()
+        if _ERROR_LINE.search(stripped):
+            return stripped
+    return None
+
+
+def crash_loop_message(*, fleet: str, slot: int, why: str, starts: int, exit_code: int | None,
+                       last_failure: str | None, log_tail: list[str], log_path: str | None) -> str:
+    """The FleetFailed message: what gave up, the engine's own error line, then its last log lines."""
+    parts = [f"fleet {fleet}: engine slot {slot} cannot be kept running: {why}; {starts} start(s)"]
+    if exit_code is not None:
+        parts.append(f"last exit code {exit_code}")
+    if last_failure:
+        parts.append(f"last failure: {last_failure}")
+    head = ", ".join(parts) + "."
+    error = engine_error_line(log_tail)
+    lines = [head]
+    if error:
+        lines.append(f"engine error: {error}")
+    where = f" ({log_path})" if log_path else ""
+    lines.append(f"last log lines{where}:")
+    lines.extend("    " + line for line in (log_tail or ["(empty log)"]))
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""The run summary written by `rlfleet run --summary PATH` (pure: built from recorded step results)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class StepRecord:
+    step: int
+    reward_mean: float
+    weight_versions: list[str]  # versions of the samples the step trained on
+    seconds: float
+    samples: int
+    engine_versions: dict[int, str] = field(default_factory=dict)  # slot -> version read back after the sync
+    recovered_slots: list[int] = field(default_factory=list)  # slots recreated before this step's sync
+
+
+@dataclass
+class RunSummary:
+    steps_planned: int
+    steps: list[StepRecord] = field(default_factory=list)
+    engines_marked_dead: int = 0
+    engines_recreated: int = 0
+    wall_seconds: float = 0.0
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    eval_snapshots_left: int | None = None
+    failure: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        first, last = reward_means_first_last(self.steps)
+        return {
+            "steps_completed": len(self.steps),
+            "steps_planned": self.steps_planned,
+            "reward_mean_first": first,
+            "reward_mean_last": last,
+            "reward_mean_per_step": [round(s.reward_mean, 6) for s in self.steps],
+            "engines_marked_dead": self.engines_marked_dead,
+            "engines_recreated": self.engines_recreated,
+            "weight_versions_per_step": {str(s.step): sorted(set(s.weight_versions)) for s in self.steps},
+            "engine_versions_per_step": {str(s.step): {str(k): v for k, v in sorted(s.engine_versions.items())}
+                                         for s in self.steps},
+            "recovered_slots_per_step": {str(s.step): s.recovered_slots for s in self.steps if s.recovered_slots},
+            "wall_seconds": round(self.wall_seconds, 3),
+            "eval": self.eval,
+            "eval_snapshots_left": self.eval_snapshots_left,
+            "failure": self.failure,
+        }
+
+    def write(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+def reward_means_first_last(steps: list[StepRecord]) -> tuple[float | None, float | None]:
+    """Mean reward over the first and the last 10% of steps (at least one step each)."""
+    if not steps:
+        return None, None
+    k = max(1, math.ceil(len(steps) * 0.1))
+    first = sum(s.reward_mean for s in steps[:k]) / k
+    last = sum(s.reward_mean for s in steps[-k:]) / k
+    return round(first, 6), round(last, 6)

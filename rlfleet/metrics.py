@@ -1,0 +1,141 @@
+"""Every Prometheus metric rlfleet exports, defined once (the names are API).
+
+Prefix `rlfleet_`; counters end in `_total`; durations are histograms in `_seconds`. Dashboards and
+alert rules may only query names defined here. All metrics live in REGISTRY (the process default
+registry, which `prometheus_client.start_http_server` serves); add new ones to this module.
+"""
+from __future__ import annotations
+
+from prometheus_client import REGISTRY as _DEFAULT_REGISTRY
+from prometheus_client import Counter, Gauge, Histogram
+
+REGISTRY = _DEFAULT_REGISTRY
+
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+# --- Engines: state, health probes, deaths, recreation ----------------------------------------------
+# 1 for the slot's current state (starting, alive, dead, failed, stopped), 0 for the others.
+ENGINE_STATE = Gauge(
+    "rlfleet_engine_state", "Engine slot state (1 = current).", ["fleet", "slot", "state"], registry=REGISTRY
+)
+ENGINE_PROBES = Counter(
+    "rlfleet_engine_probes_total", "Health probes (GET /health_generate) by result.", ["fleet", "result"],
+    registry=REGISTRY,
+)
+# kind: connection_refused, timeout, connection_closed, unavailable, client_error, server_error, ...
+ENGINE_PROBE_FAILURES = Counter(
+    "rlfleet_engine_probe_failures_total", "Failed health probes by failure kind.", ["fleet", "kind"],
+    registry=REGISTRY,
+)
+# reason: exited, probe_failed, startup_failed, startup_timeout, load_failed, unreachable, requested
+ENGINES_MARKED_DEAD = Counter(
+    "rlfleet_engines_marked_dead_total", "Engines marked dead by reason.", ["fleet", "reason"], registry=REGISTRY
+)
+ENGINE_RECREATIONS = Counter(
+    "rlfleet_engine_recreations_total", "Engine slots recreated after a death.", ["fleet"], registry=REGISTRY
+)
+ENGINE_RESTARTS = Gauge(
+    "rlfleet_engine_restarts", "Recreations of the slot so far in this run.", ["fleet", "slot"], registry=REGISTRY
+)
+RECOVERY_DURATION = Histogram(
+    "rlfleet_recovery_duration_seconds", "Time from recreating dead slots to all slots alive.", ["fleet"],
+    buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+
+# --- Weights ----------------------------------------------------------------------------------------
+WEIGHT_SYNC_DURATION = Histogram(
+    "rlfleet_weight_sync_duration_seconds", "Whole weight sync (validate, recover, load, read back).",
+    ["fleet", "outcome"], buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+WEIGHT_SYNCS = Counter(
+    "rlfleet_weight_syncs_total", "Weight syncs by outcome (ok, degraded, invalid_snapshot, failed).",
+    ["fleet", "outcome"], registry=REGISTRY,
+)
+# The numeric step of the version read back from the engine (-1 when the label is not a number).
+ENGINE_WEIGHT_VERSION = Gauge(
+    "rlfleet_engine_weight_version", "Weight version (step) read back from the engine.", ["fleet", "slot"],
+    registry=REGISTRY,
+)
+ENGINE_WEIGHT_LOAD_DURATION = Histogram(
+    "rlfleet_engine_weight_load_duration_seconds", "One engine's update_weights_from_disk call.", ["fleet"],
+    buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+
+# --- Router membership ------------------------------------------------------------------------------
+# change: add, remove
+ROUTER_MEMBERSHIP_CHANGES = Counter(
+    "rlfleet_router_membership_changes_total", "Workers added to or removed from the router.",
+    ["fleet", "change"], registry=REGISTRY,
+)
+ROUTER_WORKERS = Gauge(
+    "rlfleet_router_workers", "Workers the router listed at the last reconcile.", ["fleet"], registry=REGISTRY
+)
+
+
+# --- Rollout request path -------------------------------------------------------------------------
+# One per request (sample) when it settles: ok, failed (retries exhausted or not retryable), deadline.
+ROLLOUT_REQUESTS = Counter(
+    "rlfleet_rollout_requests_total", "Rollout requests (samples) by final outcome.", ["fleet", "outcome"], registry=REGISTRY,
+)
+# One per HTTP attempt: ok, or the failure kind (connection_refused, connection_closed, timeout,
+# unavailable, server_error, client_error, aborted = HTTP 200 with finish_reason abort, bad_response),
+# or duplicate_rid.
+ROLLOUT_ATTEMPTS = Counter(
+    "rlfleet_rollout_attempts_total", "Rollout HTTP attempts through the router by result.", ["fleet", "result"], registry=REGISTRY,
+)
+ROLLOUT_REQUEST_DURATION = Histogram(
+    "rlfleet_rollout_request_duration_seconds", "Time from first attempt to final outcome of a rollout request.",
+    ["fleet"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800), registry=REGISTRY,
+)
+
+# --- 503 watchdog ---------------------------------------------------------------------------------
+WATCHDOG_STRIKES = Counter(
+    "rlfleet_watchdog_strikes_total", "Watchdog checks whose window held more failures than the limit.", ["fleet"], registry=REGISTRY,
+)
+WATCHDOG_TRIPS = Counter(
+    "rlfleet_watchdog_trips_total", "Times the watchdog saw its number of strikes in a row.", ["fleet"], registry=REGISTRY,
+)
+WATCHDOG_STRIKES_IN_A_ROW = Gauge(
+    "rlfleet_watchdog_strikes_in_a_row", "Current run of consecutive watchdog strikes.", ["fleet"], registry=REGISTRY,
+)
+WATCHDOG_WINDOW_FAILURES = Gauge(
+    "rlfleet_watchdog_window_failures", "Failed rollout requests in the window at the last check.", ["fleet"], registry=REGISTRY,
+)
+
+# --- Heat guard -----------------------------------------------------------------------------------
+HEAT_GUARD_PAUSES = Counter(
+    "rlfleet_heat_guard_pauses_total", "Generation pauses by the heat guard.", ["fleet", "slot"], registry=REGISTRY,
+)
+# Its _sum is the paused seconds, its _count the finished pauses.
+HEAT_GUARD_PAUSE_DURATION = Histogram(
+    "rlfleet_heat_guard_pause_duration_seconds", "Length of finished heat-guard pauses.", ["fleet", "slot"],
+    buckets=(5, 15, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY,
+)
+HEAT_GUARD_PAUSED = Gauge(
+    "rlfleet_heat_guard_paused", "1 while the heat guard holds generation paused on the engine.", ["fleet", "slot"], registry=REGISTRY,
+)
+GPU_TEMPERATURE = Gauge(
+    "rlfleet_gpu_temperature_celsius", "Last GPU temperature read for the engine.", ["fleet", "slot"], registry=REGISTRY,
+)
+HEAT_GUARD_READ_ERRORS = Counter(
+    "rlfleet_heat_guard_read_errors_total", "Temperature reads that failed.", ["fleet", "source"], registry=REGISTRY,
+)
+HEAT_GUARD_ACTION_ERRORS = Counter(
+    "rlfleet_heat_guard_action_errors_total", "Pause/continue calls to an engine that failed.", ["fleet", "slot", "action"], registry=REGISTRY,
+)
+STEPS_OVERLAPPING_PAUSE = Counter(
+    "rlfleet_steps_overlapping_heat_pause_total", "Training steps that overlapped a heat-guard pause.", ["fleet"], registry=REGISTRY,
+)
+
+
+def version_number(version: str | None) -> float:
+    """The gauge value of a weight version label ("<step>"); -1 when it is not a number."""
+    try:
+        return float(version) if version is not None else -1.0
+    except ValueError:
+        return -1.0
+
+
+# --- The run (rlfleet run / the trainer pod) ---------------------------------------------------------
+RUN_STEP = Gauge("rlfleet_run_step", "Training steps completed.", ["run"], registry=REGISTRY)
+RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the last step.", ["run"], registry=REGISTRY)

@@ -1,0 +1,136 @@
+"""The Python loader and `rlfleet validate`: field paths, rule messages, YAML as the API server reads it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlfleet.crds.loader import ManifestError, load_text, load_training_run, validate_update
+from rlfleet.crds.validate_cli import main as validate_main
+
+REPO = Path(__file__).resolve().parents[2]
+
+RUN = """\
+apiVersion: rlfleet.io/v1alpha1
+kind: TrainingRun
+metadata: {name: t}
+spec:
+  modelPath: tiny://llama
+"""
+
+
+def errors(text: str) -> list[tuple[str, str]]:
+    (doc,) = load_text(text)
+    return [(e.path, e.message) for e in doc.errors]
+
+
+def test_a_minimal_run_gets_every_default():
+    (doc,) = load_text(RUN)
+    spec = doc.obj.spec
+    assert (spec.watchdog.window_seconds, spec.watchdog.check_interval_seconds, spec.watchdog.limit,
+            spec.watchdog.checks) == (60, 30, 100, 10)
+    assert (spec.heat_guard.pause_at_c, spec.heat_guard.resume_at_c) == (84.0, 74.0)
+    assert spec.rollout.health.failure_threshold == 3 and spec.weight_sync.mode == "disk"
+    assert spec.eval is None and spec.trainer.backend == "torch"
+
+
+def test_several_documents_each_with_its_own_errors():
+    text = RUN + "---\n" + RUN.replace("modelPath: tiny://llama", "modelPath: tiny://llama\n  watchdog: {checks: 0}")
+    first, second = load_text(text)
+    assert first.errors == [] and first.obj is not None
+    assert [(e.path, e.rule) for e in second.errors] == [("spec.watchdog.checks", "greater_than_equal")]
+
+
+def test_cross_field_rules_report_each_field_and_the_rule():
+    found = errors(RUN + "  heatGuard: {resumeAtC: 90, minPauseSeconds: 500}\n")
+    assert found == [
+        ("spec.heatGuard.resumeAtC", "resumeAtC must be below pauseAtC"),
+        ("spec.heatGuard.minPauseSeconds", "minPauseSeconds must not exceed maxPauseSeconds"),
+    ]
+    (doc,) = load_text(RUN + "  heatGuard: {resumeAtC: 90}\n")
+    assert doc.errors[0].rule == "self.resumeAtC < self.pauseAtC"
+
+
+def test_types_are_strict_like_the_api_server():
+    assert errors(RUN + '  watchdog: {checks: "10"}\n') == [
+        ("spec.watchdog.checks", 'Invalid value: "10": must be of type integer')
+    ]
+    assert errors(RUN + "  watchdog: {checks: 2.5}\n")[0][0] == "spec.watchdog.checks"
+    assert errors(RUN + "  heatGuard: {enabled: 'yes'}\n")[0][0] == "spec.heatGuard.enabled"
+
+
+def test_yaml_numbers_dates_and_duplicate_keys_read_as_the_api_server_reads_them():
+    (doc,) = load_text(RUN + "  trainer: {learningRate: 1e-5}\n")
+    assert doc.obj.spec.trainer.learning_rate == pytest.approx(1e-5)
+    (doc,) = load_text(RUN.replace("tiny://llama", "2024-01-01"))
+    assert doc.obj.spec.model_path == "2024-01-01"
+    with pytest.raises(ManifestError, match="duplicate key"):
+        load_text(RUN + "  modelPath: other\n")
+
+
+def test_unknown_fields_kinds_and_enums_are_named():
+    assert errors(RUN + "  rollout: {replica: 2}\n") == [("spec.rollout.replica", 'unknown field "spec.rollout.replica"')]
+    assert errors(RUN + "  trainer: {backend: jax}\n") == [
+        ("spec.trainer.backend", 'Unsupported value: "jax": supported values: "megatron", "torch"')
+    ]
+    assert errors(RUN.replace("TrainingRun", "Trainingrun"))[0][0] == "kind"
+    assert errors(RUN.replace("v1alpha1", "v1"))[0][0] == "apiVersion"
+
+
+def test_status_in_a_manifest_is_ignored_as_on_the_api_server():
+    (doc,) = load_text(RUN + "status: {phase: Bogus}\n")
+    assert doc.errors == [] and doc.obj.status is None
+
+
+def test_errors_inside_lists_carry_the_index():
+    text = RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse}\n      - {name: b, task: reverse, path: b.jsonl}\n"
+    assert errors(text) == [("spec.eval.datasets[1].path", "set exactly one of path and task")]
+
+
+def test_updates_may_not_change_immutable_fields():
+    old = load_text(RUN)[0].data
+    new = load_text(RUN.replace("tiny://llama", "tiny://qwen2") + "  trainer: {steps: 5}\n")[0].data
+    assert [(e.path, e.message) for e in validate_update(old, new)] == [
+        ("spec.modelPath", "modelPath is immutable once the object exists")
+    ]
+    assert validate_update(old, load_text(RUN + "  trainer: {steps: 5}\n")[0].data) == []
+
+
+def test_load_training_run_returns_the_run_or_every_error(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(RUN)
+    assert load_training_run(path).metadata.name == "t"
+    path.write_text(RUN + "  watchdog: {checks: 0, limit: -1}\n")
+    with pytest.raises(ManifestError) as caught:
+        load_training_run(path)
+    assert [e.path for e in caught.value.errors] == ["spec.watchdog.limit", "spec.watchdog.checks"]
+
+
+def test_validate_cli_exit_status_and_output(tmp_path, capsys):
+    assert validate_main([str(REPO / "examples" / "quickstart.yaml"), str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
+    assert "TrainingRun/quickstart: valid" in capsys.readouterr().out
+    assert validate_main(["-q", str(REPO / "examples")]) == 0  # a directory: every *.yaml in it
+    assert capsys.readouterr().out == ""
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(RUN + "  heatGuard: {resumeAtC: 90}\n---\n" + RUN.replace("name: t", "name: u"))
+    assert validate_main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert f"{bad}: TrainingRun/t: spec.heatGuard.resumeAtC: resumeAtC must be below pauseAtC" in out
+    assert f"{bad}: TrainingRun/u: valid" in out
+
+    assert validate_main([str(tmp_path / "missing.yaml")]) == 1
+    assert "cannot read" in capsys.readouterr().out
+
+    previous = tmp_path / "previous.yaml"
+    previous.write_text(RUN.replace("tiny://llama", "tiny://qwen2"))
+    good = tmp_path / "good.yaml"
+    good.write_text(RUN)
+    assert validate_main(["--previous", str(previous), str(good)]) == 1
+    assert "spec.modelPath: modelPath is immutable" in capsys.readouterr().out
+
+
+def test_validate_is_a_cli_subcommand():
+    from rlfleet.cli import COMMANDS
+
+    assert COMMANDS["validate"][0] == "rlfleet.crds.validate_cli"

@@ -1,0 +1,124 @@
+"""The per-engine health state machine (pure: time is passed in)."""
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.crds.specs import HealthSpec
+from rlfleet.orchestrator.health import EngineHealth, HealthState, ProbeTicket, hang_detection_bound, next_round
+
+SPEC = HealthSpec(interval_seconds=5, timeout_seconds=2, failure_threshold=3, first_wait_seconds=0)
+
+
+def probe(h: EngineHealth, now: float, ok: bool, reason: str = "timeout") -> bool:
+    ticket = h.start_probe(now)
+    if ok:
+        h.probe_succeeded(ticket, now + 0.1)
+        return False
+    return h.probe_failed(ticket, now + SPEC.timeout_seconds, reason)
+
+
+def test_next_round_is_on_the_grid_strictly_after():
+    assert next_round(10.0, 5.0, 10.0) == 15.0
+    assert next_round(10.0, 5.0, 14.9) == 15.0
+    assert next_round(10.0, 5.0, 15.0) == 20.0
+    assert next_round(10.0, 5.0, 3.0) == 10.0
+
+
+def test_healthy_engine_is_probed_once_per_round():
+    h = EngineHealth(SPEC, origin=0.0)
+    assert h.is_due(0.0)
+    probe(h, 0.0, ok=True)
+    assert not h.is_due(4.9)
+    assert h.next_due == 5.0
+    probe(h, 5.0, ok=True)
+    assert h.next_due == 10.0 and h.state is HealthState.HEALTHY
+
+
+def test_threshold_consecutive_failures_mark_dead_and_dead_is_final():
+    h = EngineHealth(SPEC, origin=0.0)
+    assert probe(h, 0.0, ok=False) is False
+    assert h.state is HealthState.SUSPECT
+    # Suspect: probed again after min(interval, timeout), not at the next round.
+    assert h.next_due == 2.0
+    assert probe(h, 2.0, ok=False) is False
+    assert probe(h, 4.0, ok=False) is True
+    assert h.dead and h.consecutive_failures == 3
+    assert not h.is_due(100.0)
+    # A late success (e.g. a hung process continued) changes nothing.
+    h.probe_succeeded(ProbeTicket(epoch=h.epoch, started_at=4.0), 6.0)
+    assert h.dead
+
+
+def test_a_success_clears_the_failure_count():
+    h = EngineHealth(SPEC, origin=0.0)
+    probe(h, 0.0, ok=False)
+    probe(h, 2.0, ok=False)
+    probe(h, 4.0, ok=True)
+    assert h.state is HealthState.HEALTHY and h.consecutive_failures == 0
+    assert h.next_due == 5.0  # back on the round grid
+    probe(h, 5.0, ok=False)
+    probe(h, 7.0, ok=False)
+    assert not h.dead
+
+
+def test_fast_failures_are_spaced_by_the_probe_timeout():
+    # A refused connection fails at once; the retry still waits min(interval, timeout).
+    h = EngineHealth(SPEC, origin=0.0)
+    ticket = h.start_probe(0.0)
+    h.probe_failed(ticket, 0.01, "connection refused")
+    assert h.next_due == 2.0
+
+
+def test_result_of_a_probe_started_before_a_pause_is_ignored():
+    h = EngineHealth(SPEC, origin=0.0)
+    ticket = h.start_probe(0.0)
+    h.pause()
+    assert h.probe_failed(ticket, 2.0, "timeout") is False
+    assert h.consecutive_failures == 0
+    h.resume(3.0)
+    # Started before the pause, finished after the resume: still ignored.
+    assert h.probe_failed(ticket, 3.5, "timeout") is False
+    assert h.consecutive_failures == 0
+
+
+def test_resume_waits_first_wait_and_forgets_failures():
+    spec = HealthSpec(interval_seconds=5, timeout_seconds=2, failure_threshold=3, first_wait_seconds=30)
+    h = EngineHealth(spec, origin=0.0)
+    assert not h.is_due(0.0) and h.is_due(30.0)
+    ticket = h.start_probe(30.0)
+    h.probe_failed(ticket, 32.0, "timeout")
+    h.pause()
+    assert not h.is_due(40.0)
+    h.resume(50.0)
+    assert h.consecutive_failures == 0 and h.state is HealthState.HEALTHY
+    assert not h.is_due(79.9) and h.is_due(80.0)
+    # The round grid restarts at the resume.
+    probe(h, 80.0, ok=True)
+    assert h.next_due == 85.0
+
+
+def test_mark_dead_from_outside_invalidates_probes_in_flight():
+    h = EngineHealth(SPEC, origin=0.0)
+    ticket = h.start_probe(0.0)
+    h.mark_dead("process exited with code -9")
+    h.probe_succeeded(ticket, 0.5)
+    assert h.dead and h.last_failure == "process exited with code -9"
+
+
+def test_a_probe_cannot_start_twice():
+    h = EngineHealth(SPEC, origin=0.0)
+    h.start_probe(0.0)
+    with pytest.raises(RuntimeError):
+        h.start_probe(0.0)
+
+
+def test_hang_detection_bound():
+    assert hang_detection_bound(SPEC) == 5 + 3 * 2
+
+
+def test_pause_releases_the_probe_in_flight():
+    h = EngineHealth(SPEC, origin=0.0)
+    h.start_probe(0.0)
+    h.pause()
+    h.resume(10.0)
+    assert h.is_due(10.0)

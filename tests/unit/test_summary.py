@@ -1,0 +1,27 @@
+from rlfleet.orchestrator.summary import RunSummary, StepRecord, reward_means_first_last
+
+
+def test_first_and_last_ten_percent():
+    steps = [StepRecord(i, float(i), [str(i)], 1.0, 4) for i in range(1, 21)]
+    # 20 steps: first 2 (1, 2) and last 2 (19, 20)
+    assert reward_means_first_last(steps) == (1.5, 19.5)
+
+
+def test_short_runs_use_one_step_each_side():
+    steps = [StepRecord(1, 0.25, ["0"], 1.0, 4), StepRecord(2, 0.75, ["1"], 1.0, 4)]
+    assert reward_means_first_last(steps) == (0.25, 0.75)
+    assert reward_means_first_last([]) == (None, None)
+
+
+def test_summary_keys_and_versions(tmp_path):
+    summary = RunSummary(steps_planned=3, steps=[StepRecord(1, 0.5, ["0", "0", "1"], 2.0, 3)], engines_marked_dead=1,
+                         engines_recreated=1, wall_seconds=12.3456)
+    out = tmp_path / "s.json"
+    summary.write(out)
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["steps_completed"] == 1 and data["steps_planned"] == 3
+    assert data["weight_versions_per_step"] == {"1": ["0", "1"]}
+    assert data["engines_marked_dead"] == 1 and data["engines_recreated"] == 1
+    assert data["wall_seconds"] == 12.346 and data["eval"] == []
