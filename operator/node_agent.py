@@ -21,7 +21,6 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
-import json
 import logging
 import os
 import shutil

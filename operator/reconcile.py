@@ -22,7 +22,6 @@ from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPl
 log = logging.getLogger("rlfleet.operator")
 
 FLEET_PLURALS = {"RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
-FLEET_KINDS = {v: k for k, v in FLEET_PLURALS.items()}
 
 
 def custom(plural: str) -> Resource:
