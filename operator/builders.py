@@ -13,7 +13,9 @@ Contract with the orchestrator and the node (labels and annotations are API):
   orchestrator to mark the slot dead; the operator then recreates it within the budget;
 - `rlfleet.io/weight-version` on an engine pod: the version the orchestrator read back from it;
 - `rlfleet.io/model-path` and `rlfleet.io/weight-version` on a fleet: the snapshot a replacement
-  engine starts from (set by the orchestrator after each weight sync; unset: the spec's model).
+  engine starts from (set by the orchestrator after each weight sync; unset: the spec's model);
+- `rlfleet.io/failed-reason` and `rlfleet.io/failed-message` on a TrainingRun: the orchestrator
+  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ ANN_DEAD = f"{GROUP}/dead"
 ANN_DEAD_MESSAGE = f"{GROUP}/dead-message"
 ANN_WEIGHT_VERSION = f"{GROUP}/weight-version"
 ANN_MODEL_PATH = f"{GROUP}/model-path"
+ANN_FAILED_REASON = f"{GROUP}/failed-reason"
+ANN_FAILED_MESSAGE = f"{GROUP}/failed-message"
 
 MANAGER = "rlfleet-operator"
 ROUTER_METRICS_PORT = 29000

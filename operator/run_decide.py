@@ -2,8 +2,9 @@
 
 The run's children are built by `builders`; this decides which are missing, which fleet specs have
 drifted from the run's, and the status fields the operator owns. The orchestrator (in the trainer
-pod) owns `step`, `weightVersion`, `rewardMean` and `lastEval`; the operator never writes those, and
-never overrides a `Failed` condition the orchestrator set (e.g. reason RolloutEnginesUnavailable).
+pod) owns `step`, `weightVersion`, `rewardMean` and `lastEval`; the operator never writes those. The
+orchestrator fails a run through the annotations `rlfleet.io/failed-reason` / `failed-message` (e.g.
+RolloutEnginesUnavailable); the operator makes them the run's Failed condition.
 
 Phase: Pending -> Running (trainer pod running) -> Succeeded (trainer exited 0) or Failed (trainer
 failed or vanished, or the rollout fleet failed: its crash-loop message becomes the run's). A
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.operator import builders as b
-from rlfleet.operator.conditions import condition, find, iso, is_true
+from rlfleet.operator.conditions import condition, find, iso, is_true, reason_word
 from rlfleet.operator.fleet_decide import Event
 
 TERMINAL = ("Succeeded", "Failed")
@@ -99,8 +100,12 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     trainer_phase = (trainer.get("status") or {}).get("phase") if trainer else None
     old_failed = find(old.get("conditions"), "Failed")
     failed_reason = failed_message = None
-    if old_failed and old_failed.get("status") == "True" and old_failed.get("reason") not in OWN_FAILED_REASONS:
-        failed_reason, failed_message = old_failed["reason"], old_failed.get("message", "")  # the orchestrator's
+    annotations = meta.get("annotations") or {}
+    if annotations.get(b.ANN_FAILED_REASON):  # the orchestrator failed the run
+        failed_reason = reason_word(annotations[b.ANN_FAILED_REASON])
+        failed_message = annotations.get(b.ANN_FAILED_MESSAGE, "")
+    elif old_failed and old_failed.get("status") == "True" and old_failed.get("reason") not in OWN_FAILED_REASONS:
+        failed_reason, failed_message = old_failed["reason"], old_failed.get("message", "")
     message = old.get("message") or ""
     new_phase = phase
     if not terminal:

@@ -340,3 +340,37 @@ async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int) ->
         if view.ready and view.pod_ip and not view.terminating:
             return f"http://{view.pod_ip}:{port}"
     return None
+
+
+TRAININGRUNS = Resource(b.GROUP, "v1alpha1", "trainingruns")
+# The TrainingRun status fields the orchestrator owns; the operator writes the others.
+ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval")
+
+
+async def report_run_progress(kube: KubeClient, namespace: str, run: str, **fields) -> None:
+    """Write the orchestrator's part of a TrainingRun's status (step, weightVersion, rewardMean, lastEval).
+
+    Keyword names are the status' camelCase names; anything else is refused so the two writers never
+    overwrite each other's fields.
+    """
+    unknown = set(fields) - set(ORCHESTRATOR_STATUS_KEYS)
+    if unknown:
+        raise ValueError(f"not orchestrator-owned status fields: {sorted(unknown)}")
+    await kube.merge_patch(TRAININGRUNS, run, {"status": fields}, namespace, sub="status")
+
+
+async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, message: str) -> None:
+    """Fail the run from the orchestrator (e.g. reason RolloutEnginesUnavailable, the engines' log lines).
+
+    Written as annotations (`rlfleet.io/failed-reason`, `rlfleet.io/failed-message`), never into the
+    status conditions the operator owns; the operator turns them into the run's Failed condition.
+    """
+    patch = {"metadata": {"annotations": {b.ANN_FAILED_REASON: reason, b.ANN_FAILED_MESSAGE: message[-30000:]}}}
+    await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
+
+
+async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, model_path: str, weight_version: str,
+                             kind: str = "RolloutFleet") -> None:
+    """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
+    patch = {"metadata": {"annotations": {b.ANN_MODEL_PATH: model_path, b.ANN_WEIGHT_VERSION: weight_version}}}
+    await kube.merge_patch(Resource(b.GROUP, "v1alpha1", PLURALS[kind]), fleet, patch, namespace)

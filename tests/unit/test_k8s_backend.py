@@ -88,3 +88,12 @@ async def test_wait_all_alive_is_bounded_and_says_why():
         assert "0 of 1 engines alive" in str(e) and "slot 0: starting" in str(e)
     else:
         raise AssertionError("expected FleetNotReady")
+
+
+async def test_orchestrator_may_not_write_the_operators_status_fields():
+    import pytest
+
+    from rlfleet.orchestrator.k8s_backend import report_run_progress
+
+    with pytest.raises(ValueError, match="phase"):
+        await report_run_progress(None, "ns", "r", step=3, phase="Succeeded")

@@ -87,6 +87,16 @@ def test_failed_trainer_fails_the_run_with_its_log_and_nothing_is_recreated():
     assert later.create == [] and later.status["phase"] == "Failed" and later.events == []
 
 
+def test_orchestrator_failure_annotation_fails_the_run():
+    r = run(status={"phase": "Running"})
+    r["metadata"]["annotations"] = {b.ANN_FAILED_REASON: "RolloutEnginesUnavailable",
+                                    b.ANN_FAILED_MESSAGE: "no engine can serve:\nengine 0: CUDA error"}
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Running"), pvc={}), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.status["phase"] == "Failed" and failed["reason"] == "RolloutEnginesUnavailable"
+    assert "CUDA error" in failed["message"] and plan.status["message"].endswith("CUDA error")
+
+
 def test_orchestrator_failure_condition_is_kept():
     cond = {"type": "Failed", "status": "True", "reason": "RolloutEnginesUnavailable", "message": "503 storm",
             "lastTransitionTime": "2026-01-01T00:00:00Z"}
