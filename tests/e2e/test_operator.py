@@ -98,10 +98,16 @@ def events_of(cp, name: str) -> list[dict]:
             or {}).get("items", [])
 
 
-def delete_and_wait(cp, kind: str, name: str, pods_selector: str) -> None:
+def diagnostics(cp, *processes) -> str:
+    """What to print when a wait fails: the pods, then the last lines of the agent's and operator's logs."""
+    pods = cp.kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
+    return "\n".join([pods, *(p.tail() for p in processes if p is not None)])
+
+
+def delete_and_wait(cp, kind: str, name: str, pods_selector: str, *processes) -> None:
     cp.kubectl("delete", kind, name, "-n", NS, "--wait=false", check=False)
     wait_for(lambda: not (get_json(cp, "pods", "-l", pods_selector, namespace=NS) or {}).get("items"),
-             timeout=120, what=f"{kind} {name}'s pods to be gone")
+             timeout=180, what=f"{kind} {name}'s pods to be gone", context=lambda: diagnostics(cp, *processes))
 
 
 def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
@@ -120,7 +126,8 @@ def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
 
 @pytest.mark.engines
 @pytest.mark.timeout(2400)
-def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control_plane, operator, tiny_model):
+def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control_plane, operator, node_agent,
+                                                                       tiny_model):
     cp = control_plane
     started = time.monotonic()
     apply(cp, fleet_manifest("rf-a", tiny_model, replicas=2))
@@ -179,11 +186,12 @@ def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control
         # Scale subresource: down to one slot.
         cp.kubectl("scale", "rolloutfleet/rf-a", "-n", NS, "--replicas=1")
         wait_for(lambda: not engine_pods(cp, "rf-a", 1) and fleet_status(cp, "rf-a").get("replicas") == 1,
-                 timeout=120, what="slot 1 to be scaled away")
+                 timeout=180, what="slot 1 to be scaled away",
+                 context=lambda: diagnostics(cp, node_agent, operator))
         print(f"\nfigures: 2 engines ready after {ready_s:.0f} s; killed engine serving again after "
               f"{recovery_s:.0f} s (operator restarted in between)")
     finally:
-        delete_and_wait(cp, "rolloutfleet", "rf-a", "rlfleet.io/fleet=rf-a")
+        delete_and_wait(cp, "rolloutfleet", "rf-a", "rlfleet.io/fleet=rf-a", node_agent, operator)
 
 
 @pytest.mark.engines
