@@ -176,13 +176,15 @@ async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, 
                 requeue = await once()
                 errors = 0
                 metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="ok").inc()
-            except (ApiError, ValidationError, ValueError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001 - a level-based loop must outlive any one bad pass
                 requeue = ERROR_BACKOFF_S[min(errors, len(ERROR_BACKOFF_S) - 1)]
                 errors += 1
                 reason = f"api_{e.status}" if isinstance(e, ApiError) else type(e).__name__
                 metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="error").inc()
                 metrics.OPERATOR_RECONCILE_ERRORS.labels(kind=kind, reason=reason).inc()
-                log.warning("%s %s/%s: reconcile failed (retry in %ss): %s", kind, key[1], key[2], requeue, e)
+                expected = isinstance(e, (ApiError, ValidationError, ValueError, KeyError))
+                log.log(logging.WARNING if expected else logging.ERROR, "%s %s/%s: reconcile failed (retry in %ss): %s",
+                        kind, key[1], key[2], requeue, e, exc_info=not expected)
             finally:
                 metrics.OPERATOR_RECONCILE_DURATION.labels(kind=kind).observe(time.monotonic() - started)
             timeout = RESYNC_S if requeue is None else max(0.05, min(requeue, RESYNC_S))

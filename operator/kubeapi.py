@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+import aiohttp
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -145,7 +146,7 @@ class KubeClient:
                 status = resp.status
         except ApiException as e:  # raised by the transport for some failures
             raise _api_error(e.status or 0, e.reason or "", e.body) from None
-        except (TimeoutError, OSError) as e:
+        except (TimeoutError, OSError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, f"{method} {path}: {e or 'timed out'}") from None
         if not 200 <= status <= 299:
             raise _api_error(status, "", raw)
@@ -217,7 +218,7 @@ class KubeClient:
                 res.path(namespace), "GET", query_params=query, header_params={"Accept": "application/json"},
                 auth_settings=["BearerToken"], _preload_content=False,
                 _request_timeout=(self.timeout_s, line_timeout)), self.timeout_s)
-        except (TimeoutError, OSError) as e:
+        except (TimeoutError, OSError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, f"watch {res.plural}: {e or 'timed out'}") from None
         async with resp:
             if resp.status != 200:
@@ -225,8 +226,8 @@ class KubeClient:
             while True:
                 try:
                     line = await asyncio.wait_for(resp.content.readline(), line_timeout)
-                except (TimeoutError, OSError):
-                    return
+                except (TimeoutError, OSError, aiohttp.ClientError):
+                    return  # the caller watches again from the last version it saw
                 if not line:
                     return
                 event = json.loads(line)
