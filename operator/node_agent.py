@@ -115,8 +115,12 @@ class PodWorker:
                 try:
                     await self._run_pod(tg)
                 finally:
-                    # Always stop the processes, even when cancelled (shielded so SIGKILL is reaped).
-                    await asyncio.shield(self._stop_all())
+                    # Always stop the processes, even when cancelled (shielded so SIGKILL is reaped), and
+                    # always release a deleted pod object, even when stopping went wrong.
+                    try:
+                        await asyncio.shield(self._stop_all())
+                    except Exception:  # noqa: BLE001
+                        log.exception("stopping pod %s/%s", self.namespace, self.name)
                     if self.deleting.is_set():
                         await self._finish_deletion()
                     writer.cancel()
@@ -277,7 +281,7 @@ class PodWorker:
                     task.cancel()
                 await asyncio.gather(*helpers, return_exceptions=True)
             await proc.stop(grace_s=1.0)  # reap children the leader left behind
-            await asyncio.to_thread(self._remove_shm)
+            await self._remove_shm()
             run.ready = False
             run.exit_code, run.finished_at = code, now_iso()
             run.message = plan.termination_message(tail_file(proc.log_path, plan.TERMINATION_MESSAGE_LINES))
@@ -319,11 +323,9 @@ class PodWorker:
             self.shm_files |= await asyncio.to_thread(mapped_shm_files, proc.pid)
             await asyncio.sleep(SHM_SCAN_S)
 
-    def _remove_shm(self) -> None:
-        for path in self.shm_files:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-        self.shm_files.clear()
+    async def _remove_shm(self) -> None:
+        paths, self.shm_files = list(self.shm_files), set()  # taken on the loop: the tracker adds to the set
+        await asyncio.to_thread(_unlink_all, paths)
 
     async def _probe_once(self, probe: plan.HttpProbe) -> bool:
         try:
@@ -341,7 +343,7 @@ class PodWorker:
             if p.returncode is None:
                 self.shm_files |= await asyncio.to_thread(mapped_shm_files, p.pid)
         await asyncio.gather(*(p.stop(grace_s=max(grace_s, 0.5)) for p in procs), return_exceptions=True)
-        await asyncio.to_thread(self._remove_shm)
+        await self._remove_shm()
 
     async def _finish_deletion(self) -> None:
         """After the processes are gone: remove the pod object (grace 0, this uid only) and its files."""
@@ -384,6 +386,12 @@ class PodWorker:
                 log.warning("status of pod %s/%s: %s", self.namespace, self.name, e)
                 await asyncio.sleep(RETRY_S)
                 self.dirty.set()
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def _write_files(directory: Path, data: dict[str, str]) -> None:
