@@ -342,8 +342,11 @@ def test_two_operator_replicas_with_peering_only_one_acts(control_plane, operato
                           timeout=120, what="the chart's operator pod to run")[0]["metadata"]["name"]
     operator.start("--peering", "rlfleet", "--priority", "50000")  # higher than any pod-name priority
     try:
-        wait_for(lambda: "Pausing operations in favour of" in pod_log(node_agent, SYSTEM_NS, in_cluster, "operator"),
-                 timeout=120, what="the in-cluster replica to pause")
+        # Both replicas registered in the peering object; the lower priority (the pod's) stays paused.
+        peers = wait_for(lambda: len(p := (get_json(cp, "kopfpeering", "rlfleet", namespace=NS) or {})
+                                     .get("status") or {}) == 2 and p,
+                         timeout=120, what="two peers in the KopfPeering object")
+        assert sorted(v["priority"] for v in peers.values())[-1] == 50000
         unschedulable = fleet_manifest("rf-p", Path("/models/none"), replicas=2)
         unschedulable["spec"]["engine"]["nodeSelector"] = {"rlfleet.io/test": "nowhere"}
         apply(cp, unschedulable)
