@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     options = RunOptions(run_dir=run_dir, summary_path=args.summary, chaos=args.chaos,
                          chaos_interval_s=args.chaos_interval, metrics_host=args.metrics_host,
-                         metrics_port=args.metrics_port, progress=ProgressReporter())
+                         metrics_port=args.metrics_port, progress=ProgressReporter(),
+                         manifest_dir=Path(args.file).resolve().parent)
     try:
         summary = asyncio.run(LocalRun(run, options).execute())
     except RunFailed as exc:
