@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -65,10 +65,27 @@ def eval_snapshot_dir(volume: Path, step: int) -> Path:
     return Path(volume) / EVAL_DIR / f"step_{step}"
 
 
-def _check_snapshot(directory: Path, step: int) -> None:
+class SnapshotVolume:
+    """Eval snapshots on the run's volume: `<volume>/eval/step_<N>/` (the I/O of snapshot retirement)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def directory(self, step: int) -> Path:
+        return eval_snapshot_dir(self.root, step)
+
+    async def remove(self, directory: str) -> None:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+
+    async def usage(self) -> tuple[int, int]:
+        return await asyncio.to_thread(volume_usage, self.root / EVAL_DIR)
+
+
+async def check_snapshot(directory: Path, step: int) -> None:
+    """Marker, manifest, headers and checksums, in a thread; raises SnapshotInvalid."""
     from rlfleet.orchestrator.snapshot import validate_snapshot
 
-    validate_snapshot(directory, expected_step=step)
+    await asyncio.to_thread(validate_snapshot, directory, expected_step=step)
 
 
 def volume_usage(root: Path) -> tuple[int, int]:
@@ -95,9 +112,9 @@ class _Pending:
 class EvalDispatcher:
     def __init__(self, *, run: str, evaluator: PointEvaluator, max_in_flight: int, overflow_policy: str,
                  keep_snapshots: int, interval_steps: int, final_step: int, before_train: bool,
-                 current_step: Callable[[], int], datasets: tuple = (), volume: Path | None = None,
+                 current_step: Callable[[], int], datasets: tuple = (), volume: SnapshotVolume | None = None,
                  exporter: SnapshotExporter | None = None, on_settled: Callable[[EvalPoint], None] | None = None,
-                 check_snapshot: Callable[[Path, int], None] = _check_snapshot):
+                 check_snapshot: Callable[[Path, int], Awaitable[None]] = check_snapshot):
         if evaluator.uses_snapshots and (volume is None or exporter is None):
             raise ValueError(f"posture {evaluator.posture} evaluates snapshots: it needs a volume and an exporter")
         admit(0, max_in_flight=max_in_flight, overflow_policy=overflow_policy)  # validates both
@@ -157,7 +174,7 @@ class EvalDispatcher:
         dispatched_at = loop.time()
         if self.evaluator.uses_snapshots:
             assert self.volume is not None and self.exporter is not None
-            directory = eval_snapshot_dir(self.volume, step)
+            directory = self.volume.directory(step)
             self.ledger.take(step, str(directory))
             try:
                 blocked, write = await self.exporter.start(step, directory)
@@ -210,7 +227,7 @@ class EvalDispatcher:
                 metrics.EVAL_EXPORT_DURATION.labels(run=self.run).observe(point.export_seconds)
             if directory is not None:
                 try:
-                    await asyncio.to_thread(self._check_snapshot, directory, step)
+                    await self._check_snapshot(directory, step)
                 except SnapshotInvalid as exc:
                     raise EvalSkip("ckpt_missing", str(exc)) from exc
             async with self._slots:
@@ -254,13 +271,13 @@ class EvalDispatcher:
 
     async def _retire(self, step: int, *, usable: bool) -> None:
         doomed = self.ledger.retire(step, usable=usable)
+        assert self.volume is not None
         for path in doomed:
-            await asyncio.to_thread(shutil.rmtree, path, True)
+            await self.volume.remove(path)
             log.info("run %s: eval snapshot %s deleted", self.run, path)
-        if self.volume is not None:
-            count, size = await asyncio.to_thread(volume_usage, Path(self.volume) / EVAL_DIR)
-            metrics.EVAL_SNAPSHOTS.labels(run=self.run).set(count)
-            metrics.EVAL_SNAPSHOT_BYTES.labels(run=self.run).set(size)
+        count, size = await self.volume.usage()
+        metrics.EVAL_SNAPSHOTS.labels(run=self.run).set(count)
+        metrics.EVAL_SNAPSHOT_BYTES.labels(run=self.run).set(size)
 
     async def _record(self, point: EvalPoint) -> None:
         self.points.append(point)

@@ -22,7 +22,13 @@ from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import LastEvalStatus, now_rfc3339
 from rlfleet.orchestrator.checkpoint_eval import load_checkpoint_eval_fn
 from rlfleet.orchestrator.eval_datasets import resolve_datasets
-from rlfleet.orchestrator.eval_dispatcher import EVAL_DIR, EvalDispatcher, TrainerSnapshotExporter, volume_usage
+from rlfleet.orchestrator.eval_dispatcher import (
+    EVAL_DIR,
+    EvalDispatcher,
+    SnapshotVolume,
+    TrainerSnapshotExporter,
+    volume_usage,
+)
 from rlfleet.orchestrator.eval_policy import EvalPoint, last_eval_fields, summarize_points
 
 log = logging.getLogger(__name__)
@@ -89,7 +95,7 @@ class RunEvaluation:
             overflow_policy=self.eval_spec.overflow_policy, keep_snapshots=self.eval_spec.keep_snapshots,
             interval_steps=self.eval_spec.interval_steps, final_step=self.spec.trainer.steps,
             before_train=self.eval_spec.eval_before_train, current_step=lambda: self._current_step,
-            datasets=datasets, volume=self.volume if exporter else None, exporter=exporter,
+            datasets=datasets, volume=SnapshotVolume(self.volume) if exporter else None, exporter=exporter,
             on_settled=self._settled)
 
     async def after_step(self, step: int) -> None:
@@ -103,6 +109,7 @@ class RunEvaluation:
         return await self.dispatcher.drain()
 
     def snapshots_left(self) -> int:
+        """Eval snapshot directories on the volume now."""
         return volume_usage(self.volume / EVAL_DIR)[0]
 
     def summary_points(self) -> list[dict]:
