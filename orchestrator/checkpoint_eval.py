@@ -37,13 +37,14 @@ REASON_MAX = 64
 class EvalSkip(Exception):
     """Skip this evaluation point with a reason (a short word: busy, unhealthy, judge_down, ...)."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", *, engine_versions: Mapping[str, str] | None = None):
         reason = str(reason).strip()
         if not reason or len(reason) > REASON_MAX or any(c.isspace() for c in reason):
             raise ValueError(f"an EvalSkip reason is one short word (at most {REASON_MAX} characters), got {reason!r}")
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
+        self.engine_versions = dict(engine_versions or {})  # what each engine reported, when known
 
 
 @dataclass(frozen=True)

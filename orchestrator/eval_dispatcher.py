@@ -241,6 +241,7 @@ class EvalDispatcher:
             point.engine_versions = dict(outcome.engine_versions)
         except EvalSkip as skip:
             point.skipped, point.detail = skip.reason, skip.detail
+            point.engine_versions = dict(skip.engine_versions)
             log.warning("run %s: eval point %d skipped (%s) %s", self.run, step, skip.reason, skip.detail)
         except asyncio.CancelledError:
             point.skipped, point.detail = "cancelled", "the run stopped before the point settled"

@@ -101,7 +101,8 @@ class EvalFleet:
             errors = {slot: task.result()[1] for slot, task in loads.items() if task.result()[1]}
             if errors:
                 detail = "; ".join(f"slot {slot}: {error}" for slot, error in sorted(errors.items()))
-                raise EvalSkip("pin_violation", f"version {version} not pinned on every engine ({read_back}): {detail}")
+                raise EvalSkip("pin_violation", f"version {version} not pinned on every engine: {detail}",
+                               engine_versions=read_back)
             await self._admit(alive, version)
             return read_back
         finally:

@@ -159,7 +159,7 @@ async def test_points_evaluate_concurrently_up_to_what_the_evaluator_allows():
 
 
 async def test_every_settled_point_retires_exactly_one_snapshot_whatever_happened():
-    evaluator = ScriptedEvaluator(seconds=2, raises={2: RuntimeError("judge crashed"), 3: EvalSkip("judge_down", "502")})
+    evaluator = ScriptedEvaluator(seconds=2, raises={2: RuntimeError("judge crashed"), 3: EvalSkip("judge_down", "502", engine_versions={"judge": "2"})})
 
     async def check(directory, step):
         if step == 5:
@@ -173,6 +173,7 @@ async def test_every_settled_point_retires_exactly_one_snapshot_whatever_happene
                        6: "export_failed", 7: None}
     crashed = next(p for p in dispatcher.points if p.step == 2)
     assert "judge crashed" in crashed.detail
+    assert next(p for p in dispatcher.points if p.step == 3).engine_versions == {"judge": "2"}
     assert dispatcher.ledger.balanced and dispatcher.ledger.taken == 7
     # Unusable snapshots (failed export, failed check) went at once; of the rest the 2 newest stay.
     assert volume.dirs == {"/volume/eval/step_3", "/volume/eval/step_7"}
