@@ -13,6 +13,7 @@ The run loop calls, in order:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class RunEvaluation:
         self.dispatcher: EvalDispatcher | None = None
         self._router = None
         self._current_step = 0
+        self.loop_held_s: dict[int, float] = {}  # step -> seconds the eval hook held the training loop
 
     @property
     def posture(self) -> str:
@@ -99,9 +101,12 @@ class RunEvaluation:
             on_settled=self._settled)
 
     async def after_step(self, step: int) -> None:
+        """The training loop's eval hook; how long it held the loop is kept per step (loop_held_s)."""
         assert self.dispatcher is not None, "attach() first"
         self._current_step = step
+        started = time.monotonic()
         await self.dispatcher.after_step(step)
+        self.loop_held_s[step] = time.monotonic() - started
 
     async def finish(self) -> list[EvalPoint]:
         """Wait for every pending point (the final one included)."""
