@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import statistics
@@ -55,14 +56,31 @@ class ProbeSettings:
 # ---------------------------------------------------------------------------------------------------
 
 async def run_rlfleet(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
-    """rlfleet's HealthMonitor over the simulated engines."""
-    from rlfleet.orchestrator.monitor import HealthMonitor  # noqa: F401 - plug-in point, see run_rlfleet_monitor
+    """rlfleet's HealthMonitor, wired the way FleetRuntime wires it (EngineClient probes, no pool cap)."""
+    from rlfleet.crds.specs import HealthSpec
+    from rlfleet.orchestrator.engine_client import EngineClient
+    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
 
-    await run_rlfleet_monitor(urls, settings, on_dead)
+    spec = HealthSpec(interval_seconds=settings.interval_s, timeout_seconds=settings.timeout_s,
+                      failure_threshold=settings.threshold)
+    targets = [ProbeTarget(slot=index, incarnation=0, url=url) for index, url in enumerate(urls)]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        clients = {t.slot: EngineClient(session, t.url) for t in targets}
+        alive = {t.slot: t for t in targets}
 
+        async def probe(target: ProbeTarget) -> None:
+            await clients[target.slot].health_generate(spec.timeout_seconds)
 
-async def run_rlfleet_monitor(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
-    raise NotImplementedError("HealthMonitor adapter: filled in once orchestrator/monitor.py is on main")
+        async def dead(target: ProbeTarget, reason: str) -> None:
+            alive.pop(target.slot, None)  # a dead incarnation leaves the fleet, as the backend does
+            on_dead(target.slot, reason)
+
+        monitor = HealthMonitor(spec, targets=lambda: alive.values(), probe=probe, on_dead=dead, fleet="bench")
+        await monitor.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await monitor.stop()
 
 
 async def run_miles(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
@@ -92,6 +110,7 @@ PROBERS: dict[str, Callable[[list[str], ProbeSettings, OnDead], Awaitable[None]]
 
 
 def prober_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.ERROR)  # deaths are reported as events, not log lines
     urls = json.loads(Path(args.urls_file).read_text())
     settings = ProbeSettings(args.interval, args.timeout, args.threshold)
 
@@ -131,7 +150,9 @@ class Result:
     hang_latencies: list[float] = field(default_factory=list)
     crash_missed: int = 0
     hang_missed: int = 0
-    false_deaths: int = 0
+    blip_deaths: int = 0  # blipping engines marked dead (a good prober tolerates a short blip)
+    healthy_deaths: int = 0  # engines that never had a fault, marked dead
+    false_death_reason: str = ""
 
 
 async def start_process(*argv: str) -> asyncio.subprocess.Process:
@@ -221,7 +242,11 @@ async def bench_one(impl: str, args: argparse.Namespace, workdir: Path) -> Resul
                 result.hang_latencies.append(deaths[engine][0] - fault_at[engine])
             else:
                 result.hang_missed += 1
-        result.false_deaths = len(set(deaths) - targets)
+        result.blip_deaths = len(set(deaths) & set(blip))
+        healthy_dead = sorted(set(deaths) - targets - set(blip))
+        result.healthy_deaths = len(healthy_dead)
+        if healthy_dead:
+            result.false_death_reason = deaths[healthy_dead[0]][1][:200]
         return result
     finally:
         if prober is not None:
@@ -252,7 +277,9 @@ def report(results: list[Result], args: argparse.Namespace) -> str:
             f"  probes per second    {r.probes_per_s:8.0f}",
             f"  crash detection      {fmt_latencies(r.crash_latencies, r.crash_missed)}",
             f"  hang detection       {fmt_latencies(r.hang_latencies, r.hang_missed)}",
-            f"  false deaths (blip)  {r.false_deaths} of {args.blip}",
+            f"  false deaths         {r.blip_deaths} of {args.blip} blipping, "
+            f"{r.healthy_deaths} of {args.engines - args.crash - args.hang - args.blip} healthy"
+            + (f" (e.g. {r.false_death_reason})" if r.false_death_reason else ""),
         ]
     by = {r.impl: r for r in results}
     if "rlfleet" in by and "miles" in by:

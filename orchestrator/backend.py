@@ -61,6 +61,7 @@ class EngineSlot:
     pid: int | None = None
     pod: str | None = None
     log_path: str | None = None
+    started_at: float | None = None  # event-loop clock when this incarnation was launched
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class DeathEvent:
     reason: str
     at: float  # wall clock (epoch seconds)
     monotonic: float  # event-loop clock
+    started_at: float | None = None  # event-loop clock when the incarnation was launched
 
 
 DeathListener = Callable[[DeathEvent], Awaitable[None] | None]
@@ -153,13 +155,14 @@ class SlotRecord:
     pod: str | None = None
     log_path: str | None = None
     starts: int = 0
+    started_at: float | None = None
     handle: object = field(default=None, repr=False)  # the backend's process / pod handle
 
     def view(self) -> EngineSlot:
         return EngineSlot(slot=self.slot, url=self.url, state=self.state, incarnation=self.incarnation,
                           restarts=self.restarts, weight_version=self.weight_version,
                           last_failure=self.last_failure, exit_code=self.exit_code, pid=self.pid,
-                          pod=self.pod, log_path=self.log_path)
+                          pod=self.pod, log_path=self.log_path, started_at=self.started_at)
 
 
 class SlotFleetBackend(FleetBackend):
@@ -282,7 +285,8 @@ class SlotFleetBackend(FleetBackend):
         log.warning("fleet %s slot %d incarnation %d (%s) marked dead (%s): %s", self.fleet, slot,
                     rec.incarnation, rec.url, cause.value, reason)
         self._emit(DeathEvent(fleet=self.fleet, slot=slot, incarnation=rec.incarnation, url=rec.url,
-                              cause=cause, reason=reason, at=time.time(), monotonic=now))
+                              cause=cause, reason=reason, at=time.time(), monotonic=now,
+                              started_at=rec.started_at))
         # Tear down even a hung process now: a late answer from it must never count again.
         await self._terminate(rec, graceful=False)
         return True
@@ -324,6 +328,7 @@ class SlotFleetBackend(FleetBackend):
         rec.exit_code = None
         rec.weight_version = None
         rec.dead_since = None
+        rec.started_at = self._now()
         self._set_state(rec, EngineState.STARTING)
         try:
             await self._launch(rec)

@@ -20,8 +20,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from rlfleet import metrics
 from rlfleet.crds.specs import HeatGuardSpec
+from rlfleet.orchestrator.engine_client import EngineClient
 from rlfleet.orchestrator.heat_sources import TemperatureSource
 
 log = logging.getLogger(__name__)
@@ -142,7 +145,7 @@ EngineCall = Callable[[str, HeatAction], Awaitable[None]]
 
 
 class HeatGuardTask:
-    """Polls the temperature source every `poll_interval_s` and pauses/resumes engines.
+    """Polls the temperature source every `pollIntervalSeconds` and pauses/resumes engines.
 
     `engines()` returns the current slot -> engine URL map (dead or replaced slots drop out).
     `on_pause` / `on_resume` let the health monitor stop counting probe failures of an engine the
@@ -152,14 +155,14 @@ class HeatGuardTask:
 
     def __init__(self, spec: HeatGuardSpec, source: TemperatureSource, *,
                  engines: Callable[[], Mapping[str, str]], call_engine: EngineCall,
-                 fleet: str = "rollout", poll_interval_s: float = 5.0,
+                 fleet: str = "rollout", poll_interval_s: float | None = None,
                  on_pause: Callable[[str], None] | None = None, on_resume: Callable[[str], None] | None = None,
                  on_event: Callable[[HeatEvent], None] | None = None, keep_events: int = 10_000):
         check_heat_spec(spec)
         self.spec = spec
         self.source = source
         self.fleet = fleet
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s = spec.poll_interval_seconds if poll_interval_s is None else poll_interval_s
         self._engines = engines
         self._call_engine = call_engine
         self._on_pause = on_pause
@@ -263,13 +266,11 @@ class HeatGuardTask:
                                    for slot, state in paused))
 
 
-async def post_engine_action(session, url: str, action: HeatAction, *, timeout_s: float = 10.0) -> None:
-    """The engine side of an action: POST /pause_generation {"mode": "retract"} or /continue_generation {}."""
-    import aiohttp
-
-    path, body = (("/pause_generation", {"mode": PAUSE_MODE}) if action is HeatAction.PAUSE
-                  else ("/continue_generation", {}))
-    async with session.post(url.rstrip("/") + path, json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{path} answered {resp.status}: {(await resp.text())[:200]}")
+async def post_engine_action(session: aiohttp.ClientSession, url: str, action: HeatAction, *,
+                             timeout_s: float = 10.0) -> None:
+    """The engine side of an action: /pause_generation {"mode": "retract"} or /continue_generation."""
+    client = EngineClient(session, url)
+    if action is HeatAction.PAUSE:
+        await client.pause_generation(PAUSE_MODE, timeout_s=timeout_s)
+    else:
+        await client.continue_generation(timeout_s=timeout_s)

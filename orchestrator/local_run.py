@@ -246,7 +246,11 @@ class LocalRun:
                 await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
             versions = [s.weight_version for s in batch.samples]
-            self.summary.steps.append(StepRecord(step, stats["reward_mean"], versions, seconds, len(batch.samples)))
+            self.summary.steps.append(StepRecord(
+                step, stats["reward_mean"], versions, seconds, len(batch.samples),
+                engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
+                recovered_slots=list(result.recovered_slots),
+            ))
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
             self.state.step = step
@@ -257,7 +261,7 @@ class LocalRun:
             self.progress.event(
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome if hasattr(result, 'outcome') else 'ok'} {seconds:.1f} s",
+                f"sync {result.outcome} {seconds:.1f} s",
                 self.state,
             )
         if self.evaluation is not None:  # eval: every point settles before the run ends

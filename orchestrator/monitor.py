@@ -151,7 +151,10 @@ class HealthMonitor:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            self._sync_targets()
+            try:
+                self._sync_targets()
+            except Exception:  # noqa: BLE001 - keep probing the engines already known
+                log.exception("fleet %s: reading the engine list failed", self.fleet)
             now = loop.time()
             wake_at = now + self.spec.interval_seconds  # re-read targets at least once a round
             for key, health in self._health.items():
@@ -188,6 +191,9 @@ class HealthMonitor:
             else:
                 metrics.ENGINE_PROBES.labels(**labels, result="success").inc()
                 health.probe_succeeded(ticket, loop.time())
+        except asyncio.CancelledError:
+            health.probe_abandoned(ticket)
+            raise
         finally:
             if self._probes.get(target.key) is asyncio.current_task():
                 del self._probes[target.key]

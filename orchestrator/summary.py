@@ -16,6 +16,8 @@ class StepRecord:
     weight_versions: list[str]  # versions of the samples the step trained on
     seconds: float
     samples: int
+    engine_versions: dict[int, str] = field(default_factory=dict)  # slot -> version read back after the sync
+    recovered_slots: list[int] = field(default_factory=list)  # slots recreated before this step's sync
 
 
 @dataclass
@@ -40,6 +42,9 @@ class RunSummary:
             "engines_marked_dead": self.engines_marked_dead,
             "engines_recreated": self.engines_recreated,
             "weight_versions_per_step": {str(s.step): sorted(set(s.weight_versions)) for s in self.steps},
+            "engine_versions_per_step": {str(s.step): {str(k): v for k, v in sorted(s.engine_versions.items())}
+                                         for s in self.steps},
+            "recovered_slots_per_step": {str(s.step): s.recovered_slots for s in self.steps if s.recovered_slots},
             "wall_seconds": round(self.wall_seconds, 3),
             "eval": self.eval,
             "eval_snapshots_left": self.eval_snapshots_left,

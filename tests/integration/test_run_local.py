@@ -1,0 +1,86 @@
+"""`rlfleet run` on real parts: a short training with an engine SIGKILLed mid-run.
+
+Real SGLang CPU engines, the real sglang-router, the real torch trainer. The run must complete
+every step, train each step only on samples of the intended weight versions, and count the
+recovery in its summary.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet.orchestrator.local_run import LocalRun, RunOptions
+from rlfleet.orchestrator.progress import ProgressReporter
+
+pytestmark = pytest.mark.engines
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+
+
+def quickstart_run(steps: int, replicas: int = 2):
+    from rlfleet.crds.loader import load_training_run
+
+    run = load_training_run(EXAMPLES / "quickstart.yaml")
+    run.spec.trainer.steps = steps
+    run.spec.rollout.replicas = replicas
+    run.spec.eval = None
+    return run
+
+
+async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
+    run = quickstart_run(steps=6)
+    max_staleness = run.spec.trainer.max_staleness
+    log = io.StringIO()
+    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
+                                     metrics_port=0, progress=ProgressReporter(log, tty=False)))
+    task = asyncio.create_task(local.execute())
+    # Wait until two steps are done, then SIGKILL one engine's whole process group.
+    async with asyncio.timeout(900):
+        while len(local.summary.steps) < 2:
+            assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
+            await asyncio.sleep(0.5)
+    victim = local.backend.engines()[0]
+    deaths = []
+    local.backend.subscribe(deaths.append)
+    killed_at = asyncio.get_running_loop().time()  # the clock DeathEvent.monotonic uses
+    local.backend.process(victim.slot).signal_group(signal.SIGKILL)
+    async with asyncio.timeout(30):
+        while not deaths:
+            await asyncio.sleep(0.05)
+    detected_s = deaths[0].monotonic - killed_at
+    summary = await asyncio.wait_for(task, 1200)
+
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["steps_completed"] == data["steps_planned"] == 6, log.getvalue()
+    assert data["engines_marked_dead"] >= 1 and data["engines_recreated"] >= 1, data
+    assert detected_s < 1.0, f"crash detected after {detected_s:.2f} s"
+    # Step N trains on weights N-1 (and up to maxStaleness versions older), never newer, never older.
+    for step, versions in data["weight_versions_per_step"].items():
+        allowed = {str(v) for v in range(max(0, int(step) - 1 - max_staleness), int(step))}
+        assert versions and set(versions) <= allowed, (step, versions)
+    # The killed slot was recreated before a sync, and every slot (the replacement included) read
+    # back each step's version.
+    assert victim.slot in {s for slots in data["recovered_slots_per_step"].values() for s in slots}, data
+    for step, engines in data["engine_versions_per_step"].items():
+        assert engines == {"0": step, "1": step}, (step, engines)
+    assert summary.failure is None
+    assert "marked dead" in log.getvalue()
+
+
+def test_run_rejects_an_invalid_manifest_naming_the_field(tmp_path: Path):
+    bad = (EXAMPLES / "quickstart.yaml").read_text().replace("maxStaleness: 1", "maxStaleness: -1")
+    path = tmp_path / "bad.yaml"
+    path.write_text(bad)
+    proc = subprocess.run([sys.executable, "-P", "-m", "rlfleet.cli", "run", str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "spec.trainer.maxStaleness" in proc.stderr
