@@ -1,14 +1,14 @@
 """Eval datasets: a TrainingRun's `eval.datasets` resolved into prompts, answers and sampling settings.
 
 A dataset is either a JSONL file (one object per line with the prompt and the expected answer, under
-`inputKey` / `labelKey`) or a task: a built-in name (e.g. `reverse`, a fixed problem set far from the
-training stream's seed) or an import path `module:object` to a callable `f(count) -> [(prompt, answer)]`.
+`inputKey` / `labelKey`) or a task (`rlfleet.trainer.tasks.load_task`): a built-in name (e.g. `reverse`, a fixed problem set
+far from the training stream's seed) or an import path `module:object` (its stream at the eval seed).
 Unset sampling settings come from the trainer: greedy with one sample per prompt, the trainer's
 temperature otherwise.
 """
 from __future__ import annotations
 
-import importlib
+import itertools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -19,6 +19,7 @@ from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
 
 DEFAULT_TASK_PROMPTS = 64
+EVAL_SEED = 1_000_003  # far from the training streams' seeds: eval prompts are not training prompts
 RewardFn = Callable[[str, str, str], float]
 
 
@@ -67,45 +68,38 @@ def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", labe
     return problems
 
 
-def _import(path: str, what: str):
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DatasetError(f"cannot import {what} module {module_name!r}: {exc}") from exc
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise DatasetError(f"{module_name!r} has no {attr!r} ({what})")
-    return obj
-
-
 def task_problems(task: str, count: int) -> list[tuple[str, str]]:
-    if ":" in task:
-        source = _import(task, "task")
-        if not callable(source):
-            raise DatasetError(f"task {task!r} is not callable")
-        rows = list(source(count))
-    else:
-        from rlfleet.trainer.tasks import TaskSpec, eval_problems
+    """`count` problems of a task: built-in tasks use their fixed eval set (a seed far from training's),
+    an import path its own stream at that seed."""
+    from rlfleet.trainer.tasks import TaskSpec, eval_problems, load_task
 
-        try:
-            spec = TaskSpec(name=task)
-        except ValueError as exc:
-            raise DatasetError(str(exc)) from None
-        rows = [(p.prompt, p.answer) for p in eval_problems(spec, count)]
-    problems = []
-    for row in rows:
-        prompt, answer = (row.prompt, row.answer) if hasattr(row, "prompt") else row
-        problems.append((str(prompt), str(answer)))
+    try:
+        if ":" in task:
+            problems = list(itertools.islice(load_task(task).problems(EVAL_SEED), count))
+        else:
+            problems = eval_problems(TaskSpec(name=task), count, seed=EVAL_SEED)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
     if not problems:
         raise DatasetError(f"task {task!r} produced no problems")
-    return problems[:count]
+    return [(p.prompt, p.answer) for p in problems]
+
+
+def _reward_fn(spec: EvalDatasetSpec, trainer: TrainerSpec) -> RewardFn:
+    """The dataset's reward, else the trainer's (eval scores what training rewards), else the task's own."""
+    from rlfleet.trainer.tasks import DEFAULT_REWARD, load_reward_fn, load_task
+
+    path = spec.reward_function or trainer.reward_function
+    try:
+        if path is None and spec.task is not None:
+            return load_task(spec.task).reward
+        return load_reward_fn(path or DEFAULT_REWARD)
+    except ValueError as exc:
+        raise DatasetError(f"dataset {spec.name}: {exc}") from None
 
 
 def resolve_dataset(spec: EvalDatasetSpec, trainer: TrainerSpec, *, base_dir: Path | None = None,
                     stop_token_ids: Sequence[int] = ()) -> EvalDataset:
-    from rlfleet.trainer.tasks import DEFAULT_REWARD, load_reward_fn
-
     if spec.path is not None:
         path = Path(spec.path)
         if not path.is_absolute() and base_dir is not None:
@@ -115,11 +109,7 @@ def resolve_dataset(spec: EvalDatasetSpec, trainer: TrainerSpec, *, base_dir: Pa
             problems = problems[: spec.max_prompts]
     else:
         problems = task_problems(spec.task or "", spec.max_prompts or DEFAULT_TASK_PROMPTS)
-    reward_path = spec.reward_function or trainer.reward_function or DEFAULT_REWARD
-    try:
-        reward_fn = load_reward_fn(reward_path)
-    except ValueError as exc:
-        raise DatasetError(f"dataset {spec.name}: {exc}") from None
+    reward_fn = _reward_fn(spec, trainer)
     if spec.temperature is not None:
         temperature = spec.temperature
     else:
