@@ -134,12 +134,12 @@ def test_eval_skip_reasons_are_short_words():
 
 
 def test_eval_metrics_are_exported_under_their_api_names():
-    from prometheus_client import Counter
+    from prometheus_client import Counter, Gauge, Histogram
 
     from rlfleet import metrics
 
     assert isinstance(metrics.EVAL_SKIPPED, Counter)
-    names = {m.describe()[0].name for m in vars(metrics).values() if hasattr(m, "describe")}
+    names = {m.describe()[0].name for m in vars(metrics).values() if isinstance(m, (Counter, Gauge, Histogram))}
     for expected in ("rlfleet_eval_in_flight", "rlfleet_eval_duration_seconds", "rlfleet_eval_skipped",
                      "rlfleet_eval_score", "rlfleet_eval_snapshot_bytes", "rlfleet_eval_export_duration_seconds",
                      "rlfleet_eval_mixed_version_ratio", "rlfleet_eval_lag_steps"):
