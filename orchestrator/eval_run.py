@@ -12,6 +12,7 @@ The run loop calls, in order:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +22,8 @@ import aiohttp
 
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import LastEvalStatus, now_rfc3339
-from rlfleet.orchestrator.checkpoint_eval import load_checkpoint_eval_fn
-from rlfleet.orchestrator.eval_datasets import resolve_datasets
+from rlfleet.orchestrator.checkpoint_eval import EvaluatorLoadError, load_checkpoint_eval_fn
+from rlfleet.orchestrator.eval_datasets import DatasetError, resolve_datasets
 from rlfleet.orchestrator.eval_dispatcher import (
     EVAL_DIR,
     EvalDispatcher,
@@ -33,6 +34,10 @@ from rlfleet.orchestrator.eval_dispatcher import (
 from rlfleet.orchestrator.eval_policy import EvalPoint, last_eval_fields, summarize_points
 
 log = logging.getLogger(__name__)
+
+
+class EvalSetupError(ValueError):
+    """The eval spec cannot work (a dataset cannot be read, the evaluator class cannot be loaded)."""
 
 
 class RunEvaluation:
@@ -53,6 +58,7 @@ class RunEvaluation:
         self.dispatcher: EvalDispatcher | None = None
         self._router = None
         self._current_step = 0
+        self.datasets: tuple = ()
         self.loop_held_s: dict[int, float] = {}  # step -> seconds the eval hook held the training loop
 
     @property
@@ -64,7 +70,11 @@ class RunEvaluation:
         return list(self.dispatcher.points) if self.dispatcher else []
 
     async def launch(self, launch_model: Path) -> None:
-        """Start what takes long (the eval fleet) or may fail early (the user's class)."""
+        """Check the datasets and load the user's class (EvalSetupError), start the eval fleet."""
+        try:
+            self.datasets = resolve_datasets(self.eval_spec.datasets, self.spec.trainer, base_dir=self.manifest_dir)
+        except DatasetError as exc:
+            raise EvalSetupError(f"eval dataset: {exc}") from None
         if self.posture == "fleet":
             from rlfleet.orchestrator.eval_fleet import start_local_eval_fleet
 
@@ -77,8 +87,11 @@ class RunEvaluation:
             external = self.eval_spec.external
             assert external is not None
             search = [self.manifest_dir] if self.manifest_dir else []
-            self.evaluator = ExternalEvaluator(load_checkpoint_eval_fn(external.class_path, external.args,
-                                                                       search_dirs=search))
+            try:
+                fn = load_checkpoint_eval_fn(external.class_path, external.args, search_dirs=search)
+            except EvaluatorLoadError as exc:
+                raise EvalSetupError(str(exc)) from None
+            self.evaluator = ExternalEvaluator(fn)
 
     def attach(self, *, trainer, rollout, producer, session: aiohttp.ClientSession,
                stop_token_ids: Sequence[int] = ()) -> None:
@@ -89,8 +102,7 @@ class RunEvaluation:
             self.evaluator = SharedEvaluator(rollout, producer, session,
                                              pause_timeout_s=self.spec.rollout.request_timeout_seconds)
         assert self.evaluator is not None, "launch() first"
-        datasets = resolve_datasets(self.eval_spec.datasets, self.spec.trainer, base_dir=self.manifest_dir,
-                                    stop_token_ids=stop_token_ids)
+        datasets = tuple(dataclasses.replace(d, stop_token_ids=tuple(stop_token_ids)) for d in self.datasets)
         exporter = TrainerSnapshotExporter(trainer.state_for_export) if self.evaluator.uses_snapshots else None
         self.dispatcher = EvalDispatcher(
             run=self.run_name, evaluator=self.evaluator, max_in_flight=self.eval_spec.max_in_flight,

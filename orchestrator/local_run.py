@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -26,11 +27,11 @@ from rlfleet.crds.derive import parse_tiny_model, rollout_engine
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.backend import DeathEvent, EngineState
 from rlfleet.orchestrator.eval_policy import EvalPoint
-from rlfleet.orchestrator.eval_run import RunEvaluation
+from rlfleet.orchestrator.eval_run import EvalSetupError, RunEvaluation
 from rlfleet.orchestrator.fleet import FleetRuntime
 from rlfleet.orchestrator.local_backend import LocalBackend
 from rlfleet.orchestrator.local_router import LocalRouter
-from rlfleet.orchestrator.local_volume import default_local_volume
+from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
 from rlfleet.orchestrator.metrics_server import MetricsServer
 from rlfleet.orchestrator.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.progress import ProgressReporter, ProgressState
@@ -95,7 +96,10 @@ class LocalRun:
         self.progress = options.progress
         self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
         self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
-        self.snapshots = Path(self.spec.weight_sync.snapshot_volume.local_path or default_local_volume(options.run_dir))
+        local_path = self.spec.weight_sync.snapshot_volume.local_path
+        self.snapshots = Path(local_path or default_local_volume(options.run_dir))
+        # A volume chosen on tmpfs is scratch memory: removed when the run ends (set localPath to keep it).
+        self._scratch_volume = local_path is None and is_scratch_volume(self.snapshots)
         self.current_snapshot: Path | None = None
         self.backend: LocalBackend | None = None
         self.fleet: FleetRuntime | None = None
@@ -112,6 +116,8 @@ class LocalRun:
             self.summary.failure = f"RolloutEnginesUnavailable: {exc}"
             raise RunFailed("RolloutEnginesUnavailable", str(exc)) from None
         finally:
+            if self._scratch_volume:
+                await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
             self.summary.wall_seconds = time.monotonic() - started
             self._count_recoveries()
             if self.options.summary_path is not None:
@@ -141,6 +147,17 @@ class LocalRun:
             )
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
+            # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
+            if spec.eval is not None:
+                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, run_dir=opts.run_dir,
+                                                manifest_dir=opts.manifest_dir,
+                                                eval_engine_python=opts.eval_engine_python, on_point=self._on_eval)
+                stack.push_async_callback(self._close_evaluation)
+                try:
+                    await self.evaluation.launch(self.current_snapshot)
+                except EvalSetupError as exc:
+                    raise RunFailed("EvalInvalid", str(exc)) from None
+            # --- end eval ---
             self._phase("starting the router")
             router = LocalRouter(opts.run_dir)
             router_url = await router.start()
@@ -156,14 +173,6 @@ class LocalRun:
             stack.push_async_callback(self.fleet.stop)
             self.backend.subscribe(self._on_death)
             await self.fleet.start()
-            # --- eval: the eval fleet starts beside the rollout engines; nothing waits for it here ---
-            if spec.eval is not None:
-                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, run_dir=opts.run_dir,
-                                                manifest_dir=opts.manifest_dir,
-                                                eval_engine_python=opts.eval_engine_python, on_point=self._on_eval)
-                stack.push_async_callback(self._close_evaluation)
-                await self.evaluation.launch(self.current_snapshot)
-            # --- end eval ---
             await self.fleet.bring_up("0", timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
             self._engines_changed()
             self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)

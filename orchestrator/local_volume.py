@@ -2,7 +2,8 @@
 
 In Kubernetes the volume is the run's ReadWriteMany claim; locally every engine is a process on this
 machine, so any directory works, and tmpfs (/dev/shm) makes writing and loading snapshots cost memory
-bandwidth instead of disk I/O.
+bandwidth instead of disk I/O. A volume there is scratch: the run removes it when it ends (its
+summary has already counted what was left); set `weightSync.snapshotVolume.localPath` to keep snapshots.
 """
 from __future__ import annotations
 
@@ -26,3 +27,8 @@ def default_local_volume(run_dir: str | os.PathLike, *, tmpfs: Path = TMPFS,
     except OSError:
         pass
     return run_dir / "snapshots"
+
+
+def is_scratch_volume(path: str | os.PathLike, *, tmpfs: Path = TMPFS) -> bool:
+    """A volume `default_local_volume` put on tmpfs."""
+    return Path(path).is_relative_to(tmpfs / "rlfleet")

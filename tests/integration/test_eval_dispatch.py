@@ -126,3 +126,23 @@ async def test_a_missing_class_or_a_wrong_base_class_is_a_clear_error():
         load_checkpoint_eval_fn("eval_user_classes:weight_score", search_dirs=[HERE])
     with pytest.raises(EvaluatorLoadError, match="unexpected keyword"):
         load_checkpoint_eval_fn("eval_user_classes:SlowWeightNormEval", {"delay": 1}, search_dirs=[HERE])
+
+
+@pytest.mark.parametrize("eval_yaml, message", [
+    ("eval:\n    posture: external\n    external:\n      classPath: no_such_evaluator:Eval\n",
+     "cannot import evaluator module 'no_such_evaluator'"),
+    ("eval:\n    posture: fleet\n    fleet: {replicas: 1}\n    datasets:\n      - {name: mine, path: missing.jsonl}\n",
+     "missing.jsonl"),
+])
+def test_rlfleet_run_rejects_an_unusable_eval_spec_before_starting_any_engine(tmp_path, capsys, eval_yaml, message):
+    from rlfleet.orchestrator.run_cli import main
+
+    manifest = (HERE.parents[1] / "examples" / "quickstart.yaml").read_text()
+    head, _, _ = manifest.partition("  eval:\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(head + "  " + eval_yaml.replace("\n", "\n  ").rstrip() + "\n  metricsPort: 9400\n")
+    code = main([str(path), "--run-dir", str(tmp_path / "run"), "--metrics-port", "0"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "FAILED (EvalInvalid)" in err and message in err, err
+    assert not (tmp_path / "run" / "engines").exists()  # no rollout engine was started

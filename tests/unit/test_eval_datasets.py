@@ -8,7 +8,7 @@ import pytest
 from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
 from rlfleet.orchestrator.eval_datasets import DatasetError, read_jsonl_problems, resolve_dataset
-from rlfleet.orchestrator.local_volume import default_local_volume
+from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
 from rlfleet.trainer.tasks import positional_match
 
 TRAINER = TrainerSpec(max_new_tokens=16, temperature=0.7, top_p=0.9)
@@ -64,3 +64,4 @@ def test_the_local_volume_is_on_tmpfs_when_there_is_room(tmp_path):
     assert default_local_volume(tmp_path / "run-2", tmpfs=roomy, min_free_bytes=1) != chosen
     assert default_local_volume(tmp_path / "run-1", tmpfs=roomy, min_free_bytes=2**62) == tmp_path / "run-1" / "snapshots"
     assert default_local_volume(tmp_path / "run-1", tmpfs=tmp_path / "absent") == tmp_path / "run-1" / "snapshots"
+    assert is_scratch_volume(chosen, tmpfs=roomy) and not is_scratch_volume(tmp_path / "run-1" / "snapshots", tmpfs=roomy)
