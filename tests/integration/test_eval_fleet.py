@@ -1,11 +1,12 @@
 """Posture fleet end to end, in one real run shared by the tests of this module: one rollout engine,
 one eval engine behind its own router, the real torch trainer.
 
-Fault: the eval engine runs in a mount namespace of its own, where `<volume>/eval/step_4` is covered
-by an empty tmpfs: the orchestrator exports and validates step 4 normally, but the engine cannot see
-it and refuses the load (like an eval pod without the volume's latest contents). That point must be
-skipped `pin_violation` with nothing measured, every other point must be scored on the pinned
-version, and training must not notice.
+Faults: the eval engine is SIGKILLed while it starts (the first pin must recreate it); its
+replacement runs in a mount namespace of its own, where `<volume>/eval/step_4` is covered by an
+empty tmpfs: the orchestrator exports and validates step 4 normally, but the engine cannot see it and
+refuses the load (like an eval pod without the volume's latest contents). That point must be skipped
+`pin_violation` with nothing measured, every other point must be scored on the pinned version, and
+training must not notice.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -46,26 +48,34 @@ def mount_namespace(pid: int | str) -> str:
     return os.readlink(f"/proc/{pid}/ns/mnt")
 
 
-async def hide_in_engine_namespace(local: LocalRun, path: Path) -> int:
-    """Once the eval engine runs in its own mount namespace, cover `path` there with an empty tmpfs."""
+async def eval_engine_pid(local: LocalRun, incarnation: int) -> int:
+    """The pid of the eval engine's given incarnation, once it runs in its own mount namespace."""
     async with asyncio.timeout(600):
         while True:
             evaluator = local.evaluation.evaluator if local.evaluation else None
-            process = evaluator.runtime.backend.process(0) if evaluator is not None else None
-            pid = process.pid if process is not None else None
-            if pid is not None:
-                try:
-                    if mount_namespace(pid) != mount_namespace("self"):
-                        break
-                except FileNotFoundError:
-                    pass
-            await asyncio.sleep(0.2)
+            if evaluator is not None:
+                slot = evaluator.runtime.backend.engines()[0]
+                process = evaluator.runtime.backend.process(0)
+                if slot.incarnation == incarnation and process is not None and process.pid is not None:
+                    try:
+                        if mount_namespace(process.pid) != mount_namespace("self"):
+                            return process.pid
+                    except FileNotFoundError:
+                        pass
+            await asyncio.sleep(0.1)
+
+
+async def inject_faults(local: LocalRun, hidden: Path) -> None:
+    """SIGKILL the eval engine while it starts (the first pin must recreate it), then hide `hidden`
+    from the replacement."""
+    first = await eval_engine_pid(local, 1)
+    os.killpg(first, signal.SIGKILL)
+    second = await eval_engine_pid(local, 2)
     done = await asyncio.create_subprocess_exec(
-        "nsenter", "-t", str(pid), "-m", "--", "mount", "-t", "tmpfs", "-o", "size=1m", "rlfleet-test-hidden",
-        str(path), stderr=asyncio.subprocess.PIPE)
+        "nsenter", "-t", str(second), "-m", "--", "mount", "-t", "tmpfs", "-o", "size=1m", "rlfleet-test-hidden",
+        str(hidden), stderr=asyncio.subprocess.PIPE)
     _, err = await done.communicate()
     assert done.returncode == 0, err.decode()
-    return pid
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -98,7 +108,7 @@ async def fleet_run(tmp_path_factory):
     skipped_before = REGISTRY.get_sample_value("rlfleet_eval_skipped_total",
                                                {"run": RUN, "reason": "pin_violation"}) or 0.0
     run_task = asyncio.create_task(local.execute())
-    hider = asyncio.create_task(hide_in_engine_namespace(local, volume / "eval" / f"step_{HIDDEN_STEP}"))
+    hider = asyncio.create_task(inject_faults(local, volume / "eval" / f"step_{HIDDEN_STEP}"))
     done, _ = await asyncio.wait([run_task, hider], return_when=asyncio.FIRST_EXCEPTION)
     if hider in done and hider.exception() is not None:
         run_task.cancel()
@@ -139,6 +149,15 @@ async def test_an_engine_that_cannot_load_the_snapshot_makes_the_point_a_pin_vio
     assert skipped - fleet_run["skipped_before"] == 1
     status = fleet_run["local"].evaluation.last_eval_status()
     assert status.step == STEPS and status.skipped == {"pin_violation": 1} and status.weight_version == str(STEPS)
+
+
+async def test_the_dead_eval_engine_was_recreated_before_the_first_pin(fleet_run):
+    backend = fleet_run["local"].evaluation.evaluator.runtime.backend
+    slot = backend.engines()[0]
+    assert slot.restarts == 1 and slot.incarnation == 2
+    assert "process exited" in (slot.last_failure or ""), slot
+    first = next(p for p in fleet_run["summary"]["eval"] if p["step"] == 0)
+    assert first["skipped"] is None and first["engine_versions"] == {"0": "0"}
 
 
 async def test_training_is_unaffected_by_the_skipped_point(fleet_run):
