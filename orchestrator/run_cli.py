@@ -65,5 +65,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlfleet run: eval {len(scored)}/{len(data['eval'])} points scored"
               + (f", last @{last['step']} {last['scores']}" if last else "")
               + (f", skipped {' '.join(skipped)}" if skipped else "")
-              + f", {data['eval_snapshots_left']} eval snapshot(s) kept", file=sys.stderr)
+              + f", {data['eval_snapshots_left']} eval snapshot(s) left on the volume", file=sys.stderr)
     return 0
