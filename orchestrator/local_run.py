@@ -180,14 +180,15 @@ class LocalRun:
             self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
 
     def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
-        from rlfleet.trainer.tasks import DEFAULT_REWARD, ProblemStream, TaskSpec, load_reward_fn
+        from rlfleet.trainer.tasks import load_reward_fn, load_task
 
         t = self.spec.trainer
-        stream = ProblemStream(TaskSpec(name=t.task), seed=t.seed)
+        task = load_task(t.task)
+        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        problems = iter(task.problems(t.seed))
 
         def prompts():
-            while True:
-                p = stream.next_problem()
+            for p in problems:
                 yield p.prompt, p.answer
 
         tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
@@ -197,7 +198,7 @@ class LocalRun:
             tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
         eos = tokenizer.eos_token_id
         return RolloutProducer(
-            client, prompts(), load_reward_fn(t.reward_function or DEFAULT_REWARD),
+            client, prompts(), reward_fn,
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
