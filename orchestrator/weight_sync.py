@@ -102,6 +102,11 @@ class WeightSync:
         self.last_error: str | None = None
 
     @property
+    def lock(self) -> asyncio.Lock:
+        """Held for a whole sync; holding it elsewhere (shared-engine eval) keeps any sync from interleaving."""
+        return self._lock
+
+    @property
     def reference(self) -> SnapshotReference | None:
         return self._reference
 
