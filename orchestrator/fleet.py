@@ -1,6 +1,7 @@
 """FleetRuntime: one fleet's backend, health monitor, router membership and weight sync, wired.
 
-- The monitor probes the backend's alive engines and marks the dead through the backend.
+- The monitor probes the backend's alive engines and marks the dead through the backend; a refused
+  connection (nothing listens: the process is gone) is a death at once.
 - Every death (probe, process exit, failed load) reaches the membership at once, which removes the
   engine from the router, and the monitor, which stops probing that incarnation.
 - Weight syncs pause the monitor, recover, load, read back and admit replacements.
@@ -51,9 +52,6 @@ class FleetRuntime:
         return [ProbeTarget(e.slot, e.incarnation, e.url) for e in self.backend.engines()
                 if e.state is EngineState.ALIVE and e.url]
 
-    async def _probe(self, target: ProbeTarget) -> None:
-        await self.engine_client(target.url).health_generate(self.health_spec.timeout_seconds)
-
     async def _on_probe_dead(self, target: ProbeTarget, reason: str) -> None:
         await self.backend.mark_dead(target.slot, reason, cause=DeathCause.PROBE_FAILED,
                                      incarnation=target.incarnation)
@@ -74,8 +72,9 @@ class FleetRuntime:
         self.membership = RouterMembership(self.router, engine_client=self.engine_client,
                                            alive_urls=self._alive_urls, fleet=self.fleet,
                                            interval_s=self.health_spec.interval_seconds)
-        self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, probe=self._probe,
-                                     on_dead=self._on_probe_dead, fleet=self.fleet)
+        # Probes go through the monitor's own keep-alive client (GET /health_generate), not the session.
+        self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, on_dead=self._on_probe_dead,
+                                     fleet=self.fleet)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference)
