@@ -22,8 +22,8 @@ Rules (the settings come from HealthSpec):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from rlfleet.crds.specs import HealthSpec
 
@@ -34,8 +34,7 @@ class HealthState(StrEnum):
     DEAD = "dead"
 
 
-@dataclass(frozen=True)
-class ProbeTicket:
+class ProbeTicket(NamedTuple):
     """Issued when a probe starts; its result only counts if the epoch is still current."""
 
     epoch: int

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -73,16 +74,12 @@ class HealthMonitor:
         self.spec = spec
         self.fleet = fleet
         self._targets = targets
-        self.client: HealthProbeClient | None = None
-        if probe is None:
-            self.client = HealthProbeClient()
-            self._probe_fn: ProbeFn = self._probe_health_generate
-        else:
-            self._probe_fn = probe
+        self._probe_fn = probe
+        self.client = HealthProbeClient() if probe is None else None
         self._on_dead = on_dead
         self._health: dict[tuple[int, int], EngineHealth] = {}
         self._known: dict[tuple[int, int], ProbeTarget] = {}
-        self._probes: dict[tuple[int, int], asyncio.Task] = {}
+        self._probes: dict[tuple[int, int], asyncio.Future] = {}  # probes in flight
         self._holds: dict[int, _Hold] = {}
         self._callbacks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -94,10 +91,6 @@ class HealthMonitor:
         self._probe_ok = metrics.ENGINE_PROBES.labels(**labels, result="success")
         self._probe_failed = metrics.ENGINE_PROBES.labels(**labels, result="failure")
         self._failure_kinds: dict[str, object] = {}
-
-    async def _probe_health_generate(self, target: ProbeTarget) -> None:
-        assert self.client is not None
-        await self.client.probe(target.url, self.spec.timeout_seconds)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -205,6 +198,7 @@ class HealthMonitor:
 
     def _sync_targets(self) -> None:
         current = {t.key: t for t in self._targets()}
+        urls: set[str] | None = None
         for key in list(self._health):
             if key not in current:
                 del self._health[key]
@@ -213,7 +207,9 @@ class HealthMonitor:
                 if task is not None:
                     task.cancel()
                 if self.client is not None and gone is not None:
-                    self.client.forget(gone.url)
+                    urls = urls if urls is not None else {t.url for t in current.values()}
+                    if gone.url not in urls:
+                        self.client.forget(gone.url)
                 hold = self._holds.get(key[0])
                 if hold is not None and hold.incarnation == key[1]:
                     del self._holds[key[0]]  # the held engine is gone; its replacement is not held
@@ -239,8 +235,7 @@ class HealthMonitor:
             wake_at = now + self.spec.interval_seconds  # re-read targets at least once a round
             for key, health in self._health.items():
                 if health.is_due(now):
-                    ticket = health.start_probe(now)
-                    self._probes[key] = asyncio.create_task(self._probe_one(self._known[key], health, ticket))
+                    self._launch(key, health, health.start_probe(now))
                 due = health.wake_time()
                 if due is not None and due < wake_at:
                     wake_at = due
@@ -249,46 +244,62 @@ class HealthMonitor:
                 async with asyncio.timeout(max(0.0, wake_at - loop.time())):
                     await self._wake.wait()
 
-    async def _probe_one(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket) -> None:
-        loop = asyncio.get_running_loop()
-        try:
+    def _launch(self, key: tuple[int, int], health: EngineHealth, ticket: ProbeTicket) -> None:
+        """Start one probe as a future; `_settle` applies its outcome."""
+        target = self._known[key]
+        probe: asyncio.Future
+        if self.client is not None:
             try:
-                if self.client is not None:
-                    await self._probe_fn(target)  # the probe client enforces the timeout itself
-                else:
-                    async with asyncio.timeout(self.spec.timeout_seconds):
-                        await self._probe_fn(target)
-            except Exception as exc:  # noqa: BLE001 - every failure counts as a failed probe
-                kind, reason = describe_failure(exc, self.spec.timeout_seconds)
-                self._probe_failed.inc()
-                self._failure_counter(kind).inc()
-                refused = is_refusal(exc)
-                if health.probe_failed(ticket, loop.time(), reason, refused=refused):
-                    if refused:
-                        message = f"connection refused, nothing listens on the engine's port: {reason}"
-                    else:
-                        message = (f"{health.consecutive_failures} consecutive failed health probes, "
-                                   f"last: {reason}")
-                    log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot,
-                                target.url, message)
-                    task = asyncio.create_task(self._report_dead(target, message))
-                    self._callbacks.add(task)
-                    task.add_done_callback(self._callbacks.discard)
-            else:
-                self._probe_ok.inc()
-                health.probe_succeeded(ticket, loop.time())
-        except asyncio.CancelledError:
+                # The client bounds the probe by the timeout itself, with no task per probe.
+                probe = self.client.submit(target.url, self.spec.timeout_seconds)
+            except Exception as exc:  # noqa: BLE001 - e.g. a URL the client cannot probe: a failed probe
+                probe = asyncio.get_running_loop().create_future()
+                probe.set_exception(exc)
+        else:
+            probe = asyncio.ensure_future(self._bounded_probe(target))
+        self._probes[key] = probe
+        probe.add_done_callback(functools.partial(self._settle, target, health, ticket))
+
+    async def _bounded_probe(self, target: ProbeTarget) -> None:
+        async with asyncio.timeout(self.spec.timeout_seconds):
+            await self._probe_fn(target)  # type: ignore[misc]
+
+    def _settle(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, probe: asyncio.Future) -> None:
+        key = target.key
+        if self._probes.get(key) is probe:
+            del self._probes[key]
+        if probe.cancelled():
             health.probe_abandoned(ticket)
-            raise
-        finally:
-            key = target.key
-            if key in self._probes and self._probes[key] is asyncio.current_task():
-                del self._probes[key]
-            # Wake the loop only when this engine is due before the loop wakes anyway (after a
-            # success it is due at the next round, which the loop already waits for).
-            due = health.wake_time()
-            if due is not None and due < self._wake_at:
-                self._wake.set()
+        else:
+            now = asyncio.get_running_loop().time()
+            exc = probe.exception()
+            if exc is None:
+                self._probe_ok.inc()
+                health.probe_succeeded(ticket, now)
+            else:
+                self._probe_failure(target, health, ticket, exc, now)
+        # Wake the loop only when this engine is due before the loop wakes anyway (after a success
+        # it is due at the next round, which the loop already waits for).
+        due = health.wake_time()
+        if due is not None and due < self._wake_at:
+            self._wake.set()
+
+    def _probe_failure(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, exc: BaseException,
+                       now: float) -> None:
+        kind, reason = describe_failure(exc, self.spec.timeout_seconds)
+        self._probe_failed.inc()
+        self._failure_counter(kind).inc()
+        refused = is_refusal(exc)
+        if not health.probe_failed(ticket, now, reason, refused=refused):
+            return
+        if refused:
+            message = f"connection refused, nothing listens on the engine's port: {reason}"
+        else:
+            message = f"{health.consecutive_failures} consecutive failed health probes, last: {reason}"
+        log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot, target.url, message)
+        task = asyncio.create_task(self._report_dead(target, message))
+        self._callbacks.add(task)
+        task.add_done_callback(self._callbacks.discard)
 
     def _failure_counter(self, kind: str):
         counter = self._failure_kinds.get(kind)

@@ -10,6 +10,9 @@ core. A probe here is one write and one read on an open HTTP/1.1 connection, par
   which is allowed for an idempotent GET (RFC 9110 9.2.2).
 - Every probe is bounded by its timeout: connect, send and the whole answer. A probe that times out or
   is cancelled closes its connection, so a late answer can never be read as the next probe's.
+- A probe is a future resolved by the connection's callbacks, with one timer: no task per probe
+  (a task only while a connection opens), since at 1,000 probes a second per-probe overhead is most
+  of the prober's CPU.
 - Answers: status line, headers, body by Content-Length, chunked, or until close. A 2xx succeeds;
   anything else raises the CallError of its kind (errors.py): refused connections (nothing listens:
   the process is gone), timeouts, connections closed without an answer, 503, other 4xx/5xx, garbage.
@@ -23,6 +26,7 @@ from urllib.parse import urlsplit
 
 from rlfleet.orchestrator.errors import (
     BadResponse,
+    CallError,
     CallTimeout,
     ConnectionClosed,
     ConnectionRefused,
@@ -161,29 +165,21 @@ class ResponseParser:
 
     def _parse_head(self, head: bytes) -> None:
         eol = head.find(b"\r\n")
-        status_line, fields = (head, b"") if eol < 0 else (head[:eol], head[eol + 2:].lower())
+        status_line, fields = (head, b"") if eol < 0 else (head[:eol], head[eol:].lower())
         version, _, rest = status_line.partition(b" ")
         code = rest[:3]
         if version not in (b"HTTP/1.1", b"HTTP/1.0") or not code.isdigit() or rest[3:4] not in (b"", b" "):
             raise BadResponse(f"not an HTTP/1.x status line: {status_line[:80]!r}")
         status = int(code)
+        # Only the fields that frame the answer are read; the others do not matter to a probe.
         length: int | None = None
-        chunked = False
-        connection = b""
-        if fields:
-            for line in fields.split(b"\r\n"):
-                name, colon, value = line.partition(b":")
-                if name == b"content-length":
-                    value = value.strip()
-                    if not value.isdigit() or (length is not None and int(value) != length):
-                        raise BadResponse(f"bad Content-Length {value[:20]!r}")
-                    length = int(value)
-                elif name == b"transfer-encoding":
-                    chunked = value.strip().endswith(b"chunked")
-                elif name == b"connection":
-                    connection = value.strip()
-                elif not colon or not name or name[-1] in (32, 9):  # no name, or whitespace before ':'
-                    raise BadResponse(f"malformed header line {line[:80]!r}")
+        value = _field(fields, b"\r\ncontent-length:")
+        if value is not None:
+            if not value.isdigit():
+                raise BadResponse(f"bad Content-Length {value[:20]!r}")
+            length = int(value)
+        chunked = (_field(fields, b"\r\ntransfer-encoding:") or b"").endswith(b"chunked")
+        connection = _field(fields, b"\r\nconnection:") or b""
         if 100 <= status < 200:
             # An interim answer (100 Continue) before the real one: a GET without Expect gets none.
             raise BadResponse(f"unexpected interim response {status}")
@@ -206,53 +202,60 @@ class ResponseParser:
             self._keep_alive = False
 
 
+def _field(fields: bytes, marker: bytes) -> bytes | None:
+    """The value of the header field that `marker` (CRLF + lower-case name + colon) starts, if any.
+
+    A field sent twice must carry the same value (RFC 9110 8.6 for Content-Length).
+    """
+    start = fields.find(marker)
+    if start < 0:
+        return None
+    start += len(marker)
+    end = fields.find(b"\r\n", start)
+    value = fields[start:end if end >= 0 else None].strip()
+    if end >= 0 and fields.find(marker, end) >= 0 and _field(fields[end:], marker) != value:
+        raise BadResponse(f"conflicting {marker[2:-1].decode()} fields")
+    return value
+
+
 # --- one connection -------------------------------------------------------------------------------
 
-class _Closed(Exception):
-    """The connection ended before the answer was complete; `got_bytes` says whether any arrived."""
-
-    def __init__(self, message: str, got_bytes: bool):
-        super().__init__(message)
-        self.got_bytes = got_bytes
-
-
 class _ProbeConnection(asyncio.Protocol):
-    """One HTTP/1.1 connection: at most one request in flight; answers are handed over in a future."""
+    """One HTTP/1.1 connection with at most one request in flight; reports to the requesting endpoint."""
 
-    __slots__ = ("transport", "open", "_parser", "_answer")
+    __slots__ = ("transport", "open", "_parser", "_requester")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.open = False
         self._parser: ResponseParser | None = None
-        self._answer: asyncio.Future | None = None
+        self._requester: _Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.open = True
 
-    def request(self, data: bytes, answer: asyncio.Future) -> None:
+    def request(self, data: bytes, requester: _Endpoint) -> None:
         self._parser = ResponseParser()
-        self._answer = answer
+        self._requester = requester
         self.transport.write(data)  # type: ignore[union-attr]
 
     def data_received(self, data: bytes) -> None:
-        answer = self._answer
-        if answer is None or answer.done():
+        requester = self._requester
+        if requester is None:
             self.abort()  # bytes nobody asked for: this stream can no longer be trusted
             return
         try:
             reply = self._parser.feed(data)  # type: ignore[union-attr]
         except BadResponse as exc:
-            self._answer = None
             self.abort()
-            answer.set_exception(exc)
+            requester.failed(exc)
             return
         if reply is not None:
-            self._answer = None
+            self._requester = None
             if not reply.keep_alive:
                 self.close()
-            answer.set_result(reply)
+            requester.answered(reply)
 
     def eof_received(self) -> bool:
         self._ended(None)
@@ -263,15 +266,17 @@ class _ProbeConnection(asyncio.Protocol):
 
     def _ended(self, exc: Exception | None) -> None:
         self.open = False
-        answer, self._answer = self._answer, None
-        if answer is None or answer.done():
+        requester, self._requester = self._requester, None
+        if requester is None:
             return
         parser = self._parser
         try:
-            answer.set_result(parser.feed_eof())  # type: ignore[union-attr]
+            reply = parser.feed_eof()  # type: ignore[union-attr]
         except IncompleteAnswer as incomplete:
             detail = f"{incomplete}" + (f" ({exc})" if exc else "")
-            answer.set_exception(_Closed(detail, got_bytes=parser.received > 0))  # type: ignore[union-attr]
+            requester.closed_early(detail, got_bytes=parser.received > 0)  # type: ignore[union-attr]
+        else:
+            requester.answered(reply)
 
     def close(self) -> None:
         self.open = False
@@ -279,28 +284,32 @@ class _ProbeConnection(asyncio.Protocol):
             self.transport.close()
 
     def abort(self) -> None:
+        """Close at once and never report again (the requester has moved on)."""
         self.open = False
+        self._requester = None
         if self.transport is not None:
             self.transport.abort()
 
 
-def _expire(answer: asyncio.Future) -> None:
-    if not answer.done():
-        answer.set_exception(TimeoutError())
-
-
-# --- the client -----------------------------------------------------------------------------------
+# --- one engine -----------------------------------------------------------------------------------
 
 class _Endpoint:
-    """What one engine URL needs: address, the request bytes, its connection."""
+    """One engine URL: its address, request bytes, connection, and the probe in flight (at most one).
 
-    __slots__ = ("url", "host", "port", "request", "connection", "busy")
+    A probe is a future resolved from the connection's callbacks and one timer; a task exists only
+    while a connection is being opened.
+    """
 
-    def __init__(self, url: str, path: str):
+    __slots__ = ("client", "url", "where", "host", "port", "request", "connection", "result", "timer", "started",
+                 "timeout_s", "reused", "opening", "exchange", "loop")
+
+    def __init__(self, client: HealthProbeClient, url: str, path: str):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"health probes need an http://host[:port][/prefix] URL, got {url!r}")
+        self.client = client
         self.url = url
+        self.where = url.rstrip("/") + path
         self.host = parts.hostname
         self.port = parts.port or 80
         target = parts.path.rstrip("/") + path
@@ -308,20 +317,147 @@ class _Endpoint:
         self.request = (f"GET {target} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: rlfleet-probe\r\n"
                         f"Accept: */*\r\n\r\n").encode("latin-1")
         self.connection: _ProbeConnection | None = None
-        self.busy = False
+        self.result: asyncio.Future | None = None  # the probe in flight
+        self.timer: asyncio.TimerHandle | None = None
+        self.opening: asyncio.Task | None = None
+        self.started = 0.0
+        self.timeout_s = 0.0
+        self.reused = False
+        self.exchange = 0  # counts probes, so late callbacks of an earlier one are recognised
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.result is not None and not self.result.done()
+
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> asyncio.Future:
+        if self.result is not None:
+            # An earlier probe was cancelled before it settled: its connection may still carry its
+            # answer, so it cannot be trusted.
+            self.abandon()
+        self.exchange += 1
+        self.loop = loop
+        self.result = result = loop.create_future()
+        self.started = started = loop.time()
+        self.timeout_s = timeout_s
+        self.timer = loop.call_at(started + timeout_s, self._expire, self.exchange)
+        connection = self.connection
+        if connection is not None and connection.open:
+            self.reused = True
+            connection.request(self.request, self)
+        else:
+            self.reused = False
+            self._open(loop)
+        return result
+
+    # --- connection callbacks
+
+    def answered(self, reply: ProbeAnswer) -> None:
+        result = self._settle()
+        if result is None or result.done():
+            return  # cancelled meanwhile; the connection finished its exchange and stays usable
+        status = reply.status
+        if 200 <= status < 300:
+            result.set_result(reply)
+            return
+        kind = classify_status(status)
+        text = reply.body[:BODY_EXCERPT_CHARS].decode("utf-8", "replace")
+        elapsed = self.loop.time() - self.started  # type: ignore[union-attr]
+        if kind is None:
+            error: CallError = BadResponse(f"unexpected status {status}", method="GET", url=self.where, status=status)
+        else:
+            error = error_for(kind, text or "(empty body)", method="GET", url=self.where, status=status,
+                              body=text, elapsed_s=elapsed)
+        result.set_exception(error)
+
+    def closed_early(self, detail: str, got_bytes: bool) -> None:
+        if self.reused and not got_bytes and self.result is not None and not self.result.done():
+            # The server closed the idle connection as the request went out (e.g. uvicorn's 5 s
+            # keep-alive): a GET may be sent again, once, on a fresh connection.
+            self.reused = False
+            self.connection = None
+            self._open(self.loop)  # type: ignore[arg-type]
+            return
+        self.failed(ConnectionClosed(detail, method="GET", url=self.where))
+
+    def failed(self, error: CallError) -> None:
+        if not error.url:
+            error.method, error.url = "GET", self.where
+        result = self._settle()
+        self.drop()
+        if result is not None and not result.done():
+            result.set_exception(error)
+
+    # --- internals
+
+    def _expire(self, exchange: int) -> None:
+        if exchange != self.exchange or self.result is None:
+            return
+        self.timer = None
+        self.failed(CallTimeout(f"no complete answer within {self.timeout_s:g} s", method="GET", url=self.where,
+                                elapsed_s=self.loop.time() - self.started))  # type: ignore[union-attr]
+
+    def _settle(self) -> asyncio.Future | None:
+        """End the probe in flight (timer, opening task); returns its future."""
+        result, self.result = self.result, None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        opening, self.opening = self.opening, None
+        if opening is not None and opening is not asyncio.current_task():
+            opening.cancel()
+        return result
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.drop()
+        self.opening = loop.create_task(self._connect(loop, self.exchange))
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, exchange: int) -> None:
+        try:
+            _, connection = await loop.create_connection(_ProbeConnection, self.host, self.port)
+        except ConnectionRefusedError as exc:
+            error: CallError = ConnectionRefused(f"connection refused ({exc.strerror or exc})")
+        except OSError as exc:
+            # Unreachable, reset while connecting, no local ports or descriptors: not proof the
+            # engine is gone, so not a refusal.
+            if exc.errno == errno.ECONNREFUSED:
+                error = ConnectionRefused(f"connection refused ({exc})")
+            else:
+                error = ConnectionClosed(f"cannot connect: {exc}")
+        else:
+            if exchange != self.exchange or self.result is None or self.result.done():
+                connection.abort()  # the probe ended (cancelled, timed out) while connecting
+                return
+            self.opening = None
+            self.connection = connection
+            self.client.connections_opened += 1
+            connection.request(self.request, self)
+            return
+        if exchange == self.exchange:
+            self.failed(error)
 
     def drop(self) -> None:
-        if self.connection is not None:
-            self.connection.abort()
-            self.connection = None
+        connection, self.connection = self.connection, None
+        if connection is not None:
+            connection.abort()
 
+    def abandon(self) -> None:
+        """Forget the probe in flight, if any, and its connection."""
+        result = self._settle()
+        self.drop()
+        if result is not None and not result.done():
+            result.cancel()
+
+
+# --- the client -----------------------------------------------------------------------------------
 
 class HealthProbeClient:
     """Probes engines' /health_generate over persistent connections (one per engine URL).
 
-    `await probe(url, timeout_s)` returns the ProbeAnswer of a 2xx and raises the classified CallError
-    otherwise. One probe per URL at a time. `forget(url)` closes an engine's connection when it leaves
-    the fleet; `close()` closes them all.
+    `submit(url, timeout_s)` starts a probe and returns its future: the ProbeAnswer of a 2xx, or the
+    classified CallError. `await probe(url, timeout_s)` is the same as a coroutine. One probe per URL
+    at a time; cancelling the future abandons the probe (and its connection). `forget(url)` closes
+    an engine's connection when it leaves the fleet; `close()` closes them all.
     """
 
     def __init__(self, path: str = HEALTH_PATH):
@@ -329,6 +465,7 @@ class HealthProbeClient:
             raise ValueError(f"probe path must start with '/', got {path!r}")
         self.path = path
         self._endpoints: dict[str, _Endpoint] = {}
+        self.connections_opened = 0  # over the client's life: a steady fleet opens one per engine
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -336,94 +473,26 @@ class HealthProbeClient:
     def open_connections(self) -> int:
         return sum(1 for e in self._endpoints.values() if e.connection is not None and e.connection.open)
 
-    async def probe(self, url: str, timeout_s: float) -> ProbeAnswer:
+    def submit(self, url: str, timeout_s: float) -> asyncio.Future:
+        """Start one probe of `url`, bounded by `timeout_s` (connect, send, whole answer)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         endpoint = self._endpoints.get(url)
         if endpoint is None:
-            endpoint = self._endpoints[url] = _Endpoint(url, self.path)
-        if endpoint.busy:
+            endpoint = self._endpoints[url] = _Endpoint(self, url, self.path)
+        elif endpoint.busy:
             raise RuntimeError(f"a probe of {url} is already in flight")
-        endpoint.busy = True
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        ok = False
-        try:
-            answer = await self._exchange(endpoint, loop, started + timeout_s)
-            ok = True
-        except TimeoutError:
-            raise CallTimeout(f"no complete answer within {timeout_s:g} s", method="GET",
-                              url=url + self.path, elapsed_s=loop.time() - started) from None
-        finally:
-            endpoint.busy = False
-            if not ok:
-                endpoint.drop()  # a late answer must never be taken for the next probe's
-        status = answer.status
-        if 200 <= status < 300:
-            return answer
-        kind = classify_status(status)
-        text = answer.body[:BODY_EXCERPT_CHARS].decode("utf-8", "replace")
-        if kind is None:
-            raise BadResponse(f"unexpected status {status}", method="GET", url=url + self.path, status=status)
-        raise error_for(kind, text or "(empty body)", method="GET", url=url + self.path, status=status,
-                        body=text, elapsed_s=loop.time() - started)
+        return endpoint.start(asyncio.get_running_loop(), timeout_s)
 
-    async def _exchange(self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop,
-                        deadline: float) -> ProbeAnswer:
-        connection = endpoint.connection
-        reused = connection is not None and connection.open
-        if not reused:
-            connection = await self._connect(endpoint, loop, deadline)
-        try:
-            return await self._send(endpoint, connection, loop, deadline)
-        except _Closed as closed:
-            if reused and not closed.got_bytes:
-                # The server closed the idle connection as the request went out: once more, afresh.
-                connection = await self._connect(endpoint, loop, deadline)
-                try:
-                    return await self._send(endpoint, connection, loop, deadline)
-                except _Closed as again:
-                    closed = again
-            raise ConnectionClosed(str(closed), method="GET", url=endpoint.url + self.path) from None
-
-    async def _send(self, endpoint: _Endpoint, connection: _ProbeConnection, loop: asyncio.AbstractEventLoop,
-                    deadline: float) -> ProbeAnswer:
-        answer = loop.create_future()
-        # One timer handle per probe (cheaper than asyncio.timeout, which matters at 1,000 probes/s).
-        timer = loop.call_at(deadline, _expire, answer)
-        connection.request(endpoint.request, answer)
-        try:
-            return await answer
-        except BadResponse as exc:
-            exc.method, exc.url = "GET", endpoint.url + self.path
-            raise
-        finally:
-            timer.cancel()
-
-    async def _connect(self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop,
-                       deadline: float) -> _ProbeConnection:
-        endpoint.drop()
-        where = endpoint.url + self.path
-        try:
-            async with asyncio.timeout_at(deadline):
-                _, connection = await loop.create_connection(_ProbeConnection, endpoint.host, endpoint.port)
-        except ConnectionRefusedError as exc:
-            raise ConnectionRefused(f"connection refused ({exc.strerror or exc})", method="GET", url=where) from None
-        except OSError as exc:
-            # Unreachable, reset during connect, no local ports or descriptors: not proof the engine is gone.
-            if exc.errno == errno.ECONNREFUSED:
-                raise ConnectionRefused(f"connection refused ({exc})", method="GET", url=where) from None
-            raise ConnectionClosed(f"cannot connect: {exc}", method="GET", url=where) from None
-        endpoint.connection = connection
-        return connection
+    async def probe(self, url: str, timeout_s: float) -> ProbeAnswer:
+        return await self.submit(url, timeout_s)
 
     def forget(self, url: str) -> None:
         endpoint = self._endpoints.pop(url, None)
         if endpoint is not None:
-            endpoint.drop()
+            endpoint.abandon()
 
     def close(self) -> None:
         for endpoint in self._endpoints.values():
-            endpoint.drop()
+            endpoint.abandon()
         self._endpoints.clear()
-
