@@ -155,6 +155,9 @@ class HealthMonitor:
         """Held slots and why."""
         return {slot: hold.reason for slot, hold in self._holds.items()}
 
+    def is_held(self, slot: int) -> bool:
+        return slot in self._holds
+
     def _hold_engine(self, key: tuple[int, int], reason: str) -> None:
         health = self._health.get(key)
         if health is not None:
