@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from rlfleet import metrics
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.errors import CallError, FailureKind
-from rlfleet.orchestrator.health import EngineHealth, ProbeTicket
+from rlfleet.orchestrator.health import EngineHealth, ProbeTicket, next_round
 from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class HealthMonitor:
         self._callbacks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._wake_at = 0.0  # when the loop wakes on its own next
+        self._targets_due = 0.0  # when the target list is read next (once a round, or when told)
         self._loop_task: asyncio.Task | None = None
         self._paused = False
         self._origin = 0.0
@@ -168,6 +169,7 @@ class HealthMonitor:
 
     def targets_changed(self) -> None:
         """Look at the target list now instead of at the next round (new or removed engines)."""
+        self._targets_due = 0.0
         self._wake.set()
 
     def forget(self, slot: int, incarnation: int) -> None:
@@ -230,12 +232,16 @@ class HealthMonitor:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            try:
-                self._sync_targets()
-            except Exception:  # noqa: BLE001 - keep probing the engines already known
-                log.exception("fleet %s: reading the engine list failed", self.fleet)
+            if loop.time() >= self._targets_due:
+                # Once a round, on the round grid (not on every wake: with a thousand engines that
+                # is a cost of its own).
+                self._targets_due = next_round(self._origin, self.spec.interval_seconds, loop.time())
+                try:
+                    self._sync_targets()
+                except Exception:  # noqa: BLE001 - keep probing the engines already known
+                    log.exception("fleet %s: reading the engine list failed", self.fleet)
             now = loop.time()
-            wake_at = now + self.spec.interval_seconds  # re-read targets at least once a round
+            wake_at = self._targets_due
             for key, health in self._health.items():
                 if health.is_due(now):
                     self._launch(key, health, health.start_probe(now))

@@ -314,3 +314,20 @@ async def test_a_hold_before_the_engine_is_known_applies_to_it():
     await asyncio.sleep(1)
     await monitor.stop()
     assert engines.probe_times(0) == pytest.approx([10.0])
+
+
+async def test_new_engines_join_at_the_next_round_or_at_once_when_announced():
+    spec = HealthSpec(interval_seconds=5, timeout_seconds=1, failure_threshold=1)
+    engines = Engines(2)
+    engines.gone.add(1)  # still starting: not a target yet
+    monitor = await started(spec, engines)
+    await asyncio.sleep(6)
+    engines.gone.discard(1)  # alive at 6; the list is read again at the next round
+    await asyncio.sleep(6)
+    assert engines.probe_times(1) == pytest.approx([10.0])
+    engines.behaviour[2] = "ok"  # a replacement, announced at 12
+    monitor.targets_changed()
+    await asyncio.sleep(1)
+    await monitor.stop()
+    assert engines.probe_times(2) == pytest.approx([12.0])
+    assert engines.probe_times(0) == pytest.approx([0.0, 5.0, 10.0])
