@@ -1,9 +1,10 @@
 """HealthMonitor: heart-beats every engine of one fleet, concurrently, and reports the dead.
 
 The decisions (when to probe, when an engine is dead) are EngineHealth's; this module only runs
-probes as tasks, bounds each by `timeout_seconds`, and calls `on_dead` once per dead incarnation.
-One event loop handles a thousand engines: a probe is a task, there is no thread per engine, and the
-default probe is HealthProbeClient's GET /health_generate on a kept-alive connection per engine.
+probes, bounds each by `timeout_seconds`, and calls `on_dead` once per dead incarnation. One event
+loop handles a thousand engines: the default probe is HealthProbeClient's GET /health_generate on a
+kept-alive connection per engine, a future with one timer (no thread, no task per probe); an
+injected probe function runs as a task. A refused connection is a death at once (health.py).
 
 Holds: `hold(slot, reason)` stops probing one engine (the heat guard paused its generation) until
 `release(slot)`, across fleet-wide pauses and resumes. A hold belongs to the incarnation it found:
@@ -109,6 +110,7 @@ class HealthMonitor:
         loop = asyncio.get_running_loop()
         self._paused = paused
         self._origin = loop.time()
+        self._targets_due = 0.0
         self._loop_task = asyncio.create_task(self._run(), name=f"health-monitor-{self.fleet}")
 
     def pause(self) -> None:
@@ -116,8 +118,8 @@ class HealthMonitor:
         self._paused = True
         for health in self._health.values():
             health.pause()
-        for task in self._probes.values():
-            task.cancel()
+        for probe in self._probes.values():
+            probe.cancel()
         self._wake.set()
 
     def resume(self) -> None:
@@ -125,6 +127,7 @@ class HealthMonitor:
         now = asyncio.get_running_loop().time()
         self._paused = False
         self._origin = now
+        self._targets_due = 0.0  # engines recreated while paused are probed from now on
         for health in self._health.values():
             health.resume(now)
         self._wake.set()
