@@ -188,6 +188,8 @@ class SlotFleetBackend(FleetBackend):
         self._failure: FleetFailed | None = None
         self._recovery_started: float | None = None
         self._stopping = False
+        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="engine").set(recovery.max_restarts_per_engine)
+        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="run").set(recovery.max_restarts_per_run)
 
     # --- subclass hooks -------------------------------------------------------------------------------
 

@@ -146,6 +146,7 @@ class WatchdogTask:
         self._recovery_timeout_s = recovery_timeout_s
         self.trips = 0
         self.last_check: CheckResult | None = None
+        metrics.WATCHDOG_STRIKES_TO_TRIP.labels(fleet=fleet).set(spec.checks)
 
     def record_failure(self, at: float | None = None) -> None:
         """Timestamp one failed rollout request (default: now on the running loop's clock)."""
