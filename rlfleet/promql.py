@@ -84,6 +84,21 @@ def _closing(toks: list[Token], start: int) -> int:
     raise PromQLSyntaxError(f"{toks[start].text!r} at offset {toks[start].pos} is never closed")
 
 
+def _check_balanced(toks: list[Token]) -> None:
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    stack: list[Token] = []
+    for tok in toks:
+        if tok.kind != "op":
+            continue
+        if tok.text in pairs:
+            stack.append(tok)
+        elif tok.text in (")", "]", "}"):
+            if not stack or pairs[stack.pop().text] != tok.text:
+                raise PromQLSyntaxError(f"unbalanced {tok.text!r} at offset {tok.pos}")
+    if stack:
+        raise PromQLSyntaxError(f"{stack[-1].text!r} at offset {stack[-1].pos} is never closed")
+
+
 def _matchers(toks: list[Token], start: int, end: int) -> tuple[tuple[str, ...], str | None]:
     """Label names in the matchers toks[start+1:end] (between braces), and a `__name__="x"` if any."""
     labels: list[str] = []
@@ -91,9 +106,10 @@ def _matchers(toks: list[Token], start: int, end: int) -> tuple[tuple[str, ...],
     i = start + 1
     while i < end:
         tok = toks[i]
-        if tok.kind in ("ident", "string") and i + 2 < end + 1 and toks[i + 1].text in ("=", "!=", "=~", "!~"):
+        if (tok.kind in ("ident", "string") and i + 2 < end and toks[i + 1].text in ("=", "!=", "=~", "!~")
+                and toks[i + 2].kind == "string"):
             label = tok.text if tok.kind == "ident" else tok.text[1:-1]
-            if label == "__name__" and toks[i + 1].text == "=" and toks[i + 2].kind == "string":
+            if label == "__name__" and toks[i + 1].text == "=":
                 name = toks[i + 2].text[1:-1]
             else:
                 labels.append(label)
@@ -108,14 +124,13 @@ def _matchers(toks: list[Token], start: int, end: int) -> tuple[tuple[str, ...],
 def selectors(expr: str) -> list[Selector]:
     """Every series selector in `expr`, in order."""
     toks = tokens(expr)
+    _check_balanced(toks)
     found: list[Selector] = []
     function_of: dict[int, str] = {}  # index of a token -> the function whose '(' it directly follows
     i = 0
     while i < len(toks):
         tok = toks[i]
         nxt = toks[i + 1] if i + 1 < len(toks) else None
-        if tok.kind == "op" and tok.text in "([{":
-            _closing(toks, i)  # balanced, or raise
         if tok.kind == "ident" and tok.text.lower() in KEYWORDS:
             if tok.text.lower() in LABEL_LIST_KEYWORDS and nxt is not None and nxt.text == "(":
                 i = _closing(toks, i + 1) + 1
@@ -156,10 +171,6 @@ def selectors(expr: str) -> list[Selector]:
             continue
         i += 1
     return found
-
-
-def metric_names(expr: str) -> set[str]:
-    return {s.metric for s in selectors(expr)}
 
 
 # --- what a registry exports ------------------------------------------------------------------------
