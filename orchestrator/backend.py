@@ -61,6 +61,7 @@ class EngineSlot:
     pid: int | None = None
     pod: str | None = None
     log_path: str | None = None
+    started_at: float | None = None  # event-loop clock when this incarnation was launched
 
 
 @dataclass(frozen=True)
@@ -153,13 +154,14 @@ class SlotRecord:
     pod: str | None = None
     log_path: str | None = None
     starts: int = 0
+    started_at: float | None = None
     handle: object = field(default=None, repr=False)  # the backend's process / pod handle
 
     def view(self) -> EngineSlot:
         return EngineSlot(slot=self.slot, url=self.url, state=self.state, incarnation=self.incarnation,
                           restarts=self.restarts, weight_version=self.weight_version,
                           last_failure=self.last_failure, exit_code=self.exit_code, pid=self.pid,
-                          pod=self.pod, log_path=self.log_path)
+                          pod=self.pod, log_path=self.log_path, started_at=self.started_at)
 
 
 class SlotFleetBackend(FleetBackend):
@@ -330,6 +332,7 @@ class SlotFleetBackend(FleetBackend):
         rec.exit_code = None
         rec.weight_version = None
         rec.dead_since = None
+        rec.started_at = self._now()
         self._set_state(rec, EngineState.STARTING)
         try:
             await self._launch(rec)

@@ -113,9 +113,15 @@ class EngineHealth:
         self.last_failure = reason
         self.epoch += 1
 
+    def probe_abandoned(self, ticket: ProbeTicket) -> None:
+        """The probe was cancelled (pause, stop): it neither failed nor succeeded."""
+        if self.in_flight == ticket:
+            self.in_flight = None
+
     def pause(self) -> None:
         self.paused = True
         self.epoch += 1  # results of probes already running no longer count
+        self.in_flight = None  # the monitor cancels them; the next probe must not wait for them
 
     def resume(self, now: float) -> None:
         self.paused = False

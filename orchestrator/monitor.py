@@ -188,6 +188,9 @@ class HealthMonitor:
             else:
                 metrics.ENGINE_PROBES.labels(**labels, result="success").inc()
                 health.probe_succeeded(ticket, loop.time())
+        except asyncio.CancelledError:
+            health.probe_abandoned(ticket)
+            raise
         finally:
             if self._probes.get(target.key) is asyncio.current_task():
                 del self._probes[target.key]

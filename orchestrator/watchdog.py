@@ -113,10 +113,11 @@ def unavailable_message(spec: WatchdogSpec, last: CheckResult, engine_logs: Mapp
             f"engine able to serve")
     if not engine_logs:
         return head + "; no engine log available"
-    parts = [head + ". Engine logs:"]
+    parts = [head + "."]
     for engine, lines in sorted(engine_logs.items()):
-        tail = [line for line in lines if line.strip()][-lines_per_engine:]
-        parts.append(f"[{engine}] " + (" | ".join(tail) if tail else "(empty log)"))
+        tail = [line.rstrip() for line in lines if line.strip()][-lines_per_engine:]
+        parts.append(f"[{engine}] last log lines:" if tail else f"[{engine}] (empty log)")
+        parts += ["    " + line.strip() for line in tail]
     return "\n".join(parts)
 
 

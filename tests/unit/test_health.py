@@ -114,3 +114,11 @@ def test_a_probe_cannot_start_twice():
 
 def test_hang_detection_bound():
     assert hang_detection_bound(SPEC) == 5 + 3 * 2
+
+
+def test_pause_releases_the_probe_in_flight():
+    h = EngineHealth(SPEC, origin=0.0)
+    h.start_probe(0.0)
+    h.pause()
+    h.resume(10.0)
+    assert h.is_due(10.0)

@@ -144,7 +144,12 @@ async def test_a_probe_in_flight_at_pause_does_not_count():
     monitor.pause()
     await asyncio.sleep(5)
     assert engines.dead == {}
+    # After the resume the still-hung engine is probed again (the cancelled probe does not block it).
+    monitor.resume()  # at 5.5
+    await asyncio.sleep(5)
     await monitor.stop()
+    assert engines.probe_times(0) == pytest.approx([0.0, 5.5])
+    assert engines.dead[0][0] == pytest.approx(6.5)
 
 
 async def test_stop_cancels_hung_probes_and_leaves_no_task():

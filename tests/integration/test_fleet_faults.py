@@ -1,0 +1,264 @@
+"""Fault tolerance on real parts: two SGLang CPU engines (local backend), a real sglang-router.
+
+One fleet is shared by the tests of this module, in order: a SIGKILLed engine, a SIGSTOPped
+engine, a corrupted snapshot. Each test leaves two alive engines behind. Latencies measured here
+are printed (run with -s to see them).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from safetensors.numpy import load_file, save_file
+
+from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
+from rlfleet.orchestrator.backend import DeathEvent, EngineState
+from rlfleet.orchestrator.errors import CallError, SnapshotInvalid
+from rlfleet.orchestrator.fleet import FleetRuntime
+from rlfleet.orchestrator.health import hang_detection_bound
+from rlfleet.orchestrator.local_backend import LocalBackend
+from rlfleet.orchestrator.local_router import LocalRouter
+from rlfleet.orchestrator.snapshot import finalize_snapshot, snapshot_dir_for
+from rlfleet.procs import group_alive
+
+pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
+
+# /health_generate takes about 1 s on an idle CPU engine and several seconds on a loaded 2-core
+# machine: a 5 s probe bound keeps healthy engines from being marked dead by load alone.
+HEALTH = HealthSpec(interval_seconds=2, timeout_seconds=5, failure_threshold=2)
+RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backoff_base_seconds=0.5,
+                        backoff_max_seconds=4, wait_all_alive_timeout_seconds=400)
+WEIGHT_SYNC = WeightSyncSpec(transfer_timeout_seconds=120, load_retries=1)
+GREEDY = {"text": "Hello", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+
+
+def make_snapshot(base: Path, root: Path, step: int, seed: int) -> Path:
+    """An exported snapshot: the base model with every weight perturbed, sealed for `step`."""
+    out = snapshot_dir_for(root, step)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns("rlfleet-*"))
+    rng = np.random.default_rng(seed)
+    weights = load_file(str(base / "model.safetensors"))
+    perturbed = {name: (t + 0.5 * rng.standard_normal(t.shape)).astype(t.dtype) for name, t in weights.items()}
+    save_file(perturbed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    finalize_snapshot(out, step)
+    return out
+
+
+class DeathLog:
+    def __init__(self):
+        self.events: list[DeathEvent] = []
+        self.changed = asyncio.Event()
+
+    def __call__(self, event: DeathEvent) -> None:
+        self.events.append(event)
+        self.changed.set()
+
+    async def wait_for(self, slot: int, incarnation: int, timeout: float) -> DeathEvent:
+        async with asyncio.timeout(timeout):
+            while True:
+                for event in self.events:
+                    if (event.slot, event.incarnation) == (slot, incarnation):
+                        return event
+                self.changed.clear()
+                await self.changed.wait()
+
+
+class Fleet:
+    def __init__(self, runtime: FleetRuntime, backend: LocalBackend, router: LocalRouter, deaths: DeathLog,
+                 base: Path, snapshots: Path):
+        self.runtime, self.backend, self.router, self.deaths = runtime, backend, router, deaths
+        self.base, self.snapshots = base, snapshots
+        self.version = "0"
+
+    async def router_urls(self) -> set[str]:
+        return {w.url for w in await self.runtime.router.list_workers()}
+
+    async def greedy(self, url: str) -> tuple[list[int], str]:
+        body = await self.runtime.engine_client(url).generate(GREEDY, timeout_s=60)
+        return body["output_ids"], body["meta_info"]["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A private copy of the tiny model (the shared cache copy may be rewritten by setup runs)."""
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "rlfleet.trainer.tiny", str(out), "--seed", "0"], check=True,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fleet(base_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fleet-run")
+    router = LocalRouter(run_dir)
+    await router.start()
+    backend = LocalBackend(engine=EngineSpec(model_path=str(base_model), device="cpu"), replicas=2,
+                           recovery=RECOVERY, run_dir=run_dir, startup_timeout_s=300)
+    runtime = FleetRuntime(backend, router.url, health=HEALTH, weight_sync=WEIGHT_SYNC, reference=base_model)
+    deaths = DeathLog()
+    backend.subscribe(deaths)
+    try:
+        started = time.monotonic()
+        await runtime.start()
+        await runtime.bring_up("0", timeout=400)
+        print(f"\n[fleet] 2 engines alive and in the router after {time.monotonic() - started:.1f} s")
+        yield Fleet(runtime, backend, router, deaths, base_model, run_dir / "snapshots")
+    finally:
+        await runtime.stop()
+        await router.stop()
+
+
+async def rollout_load(fleet: Fleet, stop: asyncio.Event, outcomes: dict[str, int]) -> None:
+    """Generation requests through the router until told to stop (the rollout of the test)."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+        payload = {"text": f"sample {n}", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        try:
+            await fleet.runtime.router.generate(payload, timeout_s=60)
+            outcomes["ok"] = outcomes.get("ok", 0) + 1
+        except CallError as exc:
+            outcomes[exc.kind.value] = outcomes.get(exc.kind.value, 0) + 1
+            await asyncio.sleep(0.05)
+
+
+class RouterWatch:
+    """Polls the router's worker list; for every URL it sees listed, reads that engine's version."""
+
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
+        self.seen: dict[str, str] = {}  # url -> version when first seen listed
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            for url in await self.fleet.router_urls():
+                if url not in self.seen:
+                    try:
+                        self.seen[url] = await self.fleet.runtime.engine_client(url).weight_version(timeout_s=5)
+                    except CallError as exc:
+                        self.seen[url] = f"unreadable: {exc.kind.value}"
+            await asyncio.sleep(0.1)
+
+    def __enter__(self):
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    def __exit__(self, *exc):
+        self.task.cancel()
+
+
+async def test_sigkill_mid_rollout(fleet: Fleet):
+    backend = fleet.backend
+    victim = backend.engines()[1]
+    survivor = backend.engines()[0]
+    assert victim.state is EngineState.ALIVE and victim.url in await fleet.router_urls()
+
+    stop, outcomes = asyncio.Event(), {}
+    load = asyncio.create_task(rollout_load(fleet, stop, outcomes))
+    await asyncio.sleep(2)
+    loop = asyncio.get_running_loop()
+    killed_at = loop.time()
+    os.killpg(victim.pid, signal.SIGKILL)
+    event = await fleet.deaths.wait_for(victim.slot, victim.incarnation, timeout=10)
+    detection = event.monotonic - killed_at
+    await fleet.runtime.router.wait_listed(victim.url, present=False, timeout_s=10)
+    removal = loop.time() - killed_at
+    await asyncio.sleep(2)
+    stop.set()
+    await load
+    print(f"\n[sigkill] marked dead {detection:.3f} s after SIGKILL ({event.cause.value}: {event.reason}); "
+          f"gone from the router after {removal:.3f} s; rollout outcomes {outcomes}")
+    assert detection < 1.0
+    assert event.cause.value == "exited"
+    assert removal < 2.0
+    assert backend.engines()[1].state is EngineState.DEAD
+    assert outcomes.get("ok", 0) > 0
+
+    # The next sync recreates the slot first; the replacement is listed by the router only once it
+    # serves the new version.
+    snapshot = make_snapshot(fleet.base, fleet.snapshots, step=1, seed=1)
+    with RouterWatch(fleet) as watch:
+        result = await fleet.runtime.sync_weights(snapshot, 1)
+        await asyncio.sleep(0.5)
+    replacement = backend.engines()[1]
+    print(f"[sigkill] sync with recovery: recovered {result.recovered_slots}, recover {result.recover_s:.1f} s, "
+          f"load {result.load_s:.2f} s, total {result.total_s:.1f} s; router saw {watch.seen}")
+    assert result.recovered_slots == [1]
+    assert replacement.incarnation == victim.incarnation + 1 and replacement.url != victim.url
+    assert {e.slot: e.version for e in result.engines} == {0: "1", 1: "1"}
+    assert await fleet.router_urls() == {survivor.url, replacement.url}
+    assert watch.seen[replacement.url] == "1"  # never listed while serving older weights
+    for url in (survivor.url, replacement.url):
+        assert (await fleet.greedy(url))[1] == "1"
+    fleet.version = "1"
+
+
+async def test_sigstop_hang(fleet: Fleet):
+    backend = fleet.backend
+    victim = backend.engines()[0]
+    assert victim.state is EngineState.ALIVE
+    loop = asyncio.get_running_loop()
+    stopped_at = loop.time()
+    os.killpg(victim.pid, signal.SIGSTOP)
+    bound = hang_detection_bound(HEALTH)
+    event = await fleet.deaths.wait_for(victim.slot, victim.incarnation, timeout=bound + 30)
+    detection = event.monotonic - stopped_at
+    await fleet.runtime.router.wait_listed(victim.url, present=False, timeout_s=10)
+    print(f"\n[sigstop] marked dead {detection:.2f} s after SIGSTOP (bound {bound:g} s + 1 s): {event.reason}")
+    assert event.cause.value == "probe_failed"
+    assert detection <= bound + 1.0
+    async with asyncio.timeout(10):  # a hung engine is killed when marked dead (reaped within seconds)
+        while group_alive(victim.pid):
+            await asyncio.sleep(0.1)
+
+    recovered = await backend.recover()
+    await backend.wait_all_alive(400)
+    replacement = backend.engines()[0]
+    assert recovered == [0] and replacement.incarnation == victim.incarnation + 1
+    # SIGCONT to the old engine reaches nothing: it was killed, so it cannot come back.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(victim.pid, signal.SIGCONT)
+    await asyncio.sleep(HEALTH.interval_seconds * 2)
+    assert backend.engines()[0].url == replacement.url and backend.engines()[0].state is EngineState.ALIVE
+    assert victim.url not in await fleet.router_urls()
+    # Not in the router before it has the current weights...
+    assert replacement.url not in await fleet.router_urls()
+    # ...and admitted by the next sync.
+    result = await fleet.runtime.sync_weights(make_snapshot(fleet.base, fleet.snapshots, step=2, seed=2), 2)
+    assert [e.version for e in result.engines] == ["2", "2"]
+    assert replacement.url in await fleet.router_urls()
+    fleet.version = "2"
+
+
+async def test_corrupted_snapshot_keeps_old_weights_serving(fleet: Fleet):
+    backend = fleet.backend
+    before = backend.engines()
+    outputs = {e.url: await fleet.greedy(e.url) for e in before}
+    snapshot = make_snapshot(fleet.base, fleet.snapshots, step=3, seed=3)
+    weights = snapshot / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+
+    with pytest.raises(SnapshotInvalid) as info:
+        await fleet.runtime.sync_weights(snapshot, 3)
+    message = str(info.value)
+    print(f"\n[corrupt] sync refused: {message}")
+    assert "model.safetensors" in message and "truncated" in message
+    assert fleet.runtime.weights.last_error == message
+    after = backend.engines()
+    assert [(e.incarnation, e.state) for e in after] == [(e.incarnation, EngineState.ALIVE) for e in before]
+    for engine in after:
+        assert await fleet.runtime.engine_client(engine.url).weight_version() == fleet.version
+        assert await fleet.greedy(engine.url) == outputs[engine.url]
+    assert await fleet.router_urls() == {e.url for e in after}
+    # The monitor was resumed: engines keep being probed.
+    assert fleet.runtime.monitor.running and not fleet.runtime.monitor.paused
