@@ -110,3 +110,18 @@ def test_selectors(expr, expected):
 def test_unreadable_expressions_raise(expr):
     with pytest.raises(promql.PromQLSyntaxError):
         promql.selectors(expr)
+
+
+def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tmp_path, capsys):
+    from rlfleet import monitoring_cli
+
+    board = json.loads((CHART / "dashboards" / "rlfleet-fleet.json").read_text())
+    assert monitoring_cli.main([str(CHART / "dashboards" / "rlfleet-fleet.json")]) == 0
+    panel = next(p for p in board["panels"] if p.get("title") == "Health probes")
+    panel["targets"][0]["expr"] = panel["targets"][0]["expr"].replace("rlfleet_engine_probes_total", "rlfleet_probes_total")
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(board))
+    capsys.readouterr()
+    assert monitoring_cli.main([str(edited)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "edited.json: Health probes [A]: rlfleet_probes_total is not exported by rlfleet.metrics"]
