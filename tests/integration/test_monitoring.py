@@ -52,6 +52,31 @@ def test_alerts_fire_and_resolve_on_synthetic_series():
     assert "SUCCESS" in result.stdout
 
 
+def test_engine_state_panel_shows_each_slots_current_state(tmp_path):
+    """The state-timeline panel folds the one-hot state gauge into one value per slot; its value mappings
+    must name the state the slot is in. Checked by promtool on synthetic series, minute by minute."""
+    board = json.loads((CHART / "dashboards" / "rlfleet-fleet.json").read_text())
+    panel = next(p for p in board["panels"] if p.get("title") == "Engine state per slot")
+    names = {int(code): m["text"] for mapping in panel["fieldConfig"]["defaults"]["mappings"]
+             for code, m in mapping["options"].items()}
+    timeline = ["starting", "alive", "dead", "starting", "alive", "failed"]  # slot 0, one state a minute
+    states = ["starting", "alive", "dead", "failed", "stopped"]
+    series = [{"series": f'rlfleet_engine_state{{fleet="f", slot="0", state="{state}"}}',
+               "values": " ".join("1" if now == state else "0" for now in timeline)} for state in states]
+    series.append({"series": 'rlfleet_engine_state{fleet="other", slot="0", state="alive"}', "values": "1x5"})
+    expr = monitoring.grafana_to_promql(panel["targets"][0]["expr"], variables={"fleet": "f"})
+    code = {name: code for code, name in names.items()}
+    cases = [{"expr": expr, "eval_time": f"{minute}m",
+              "exp_samples": [{"labels": '{fleet="f", slot="0"}', "value": code[state]}]}
+             for minute, state in enumerate(timeline)]
+    test_file = tmp_path / "state-panel.test.yaml"
+    test_file.write_text(yaml.safe_dump({"evaluation_interval": "1m", "tests": [
+        {"interval": "1m", "input_series": series, "promql_expr_test": cases}]}))
+    assert set(names.values()) == set(states)
+    result = run_tool(tool_path("promtool"), "test", "rules", test_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # --- a real Prometheus scraping a real metrics endpoint -------------------------------------------------
 
 class LocalPrometheus:
