@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import statistics
@@ -55,14 +56,31 @@ class ProbeSettings:
 # ---------------------------------------------------------------------------------------------------
 
 async def run_rlfleet(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
-    """rlfleet's HealthMonitor over the simulated engines."""
-    from rlfleet.orchestrator.monitor import HealthMonitor  # noqa: F401 - plug-in point, see run_rlfleet_monitor
+    """rlfleet's HealthMonitor, wired the way FleetRuntime wires it (EngineClient probes, no pool cap)."""
+    from rlfleet.crds.specs import HealthSpec
+    from rlfleet.orchestrator.engine_client import EngineClient
+    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
 
-    await run_rlfleet_monitor(urls, settings, on_dead)
+    spec = HealthSpec(interval_seconds=settings.interval_s, timeout_seconds=settings.timeout_s,
+                      failure_threshold=settings.threshold)
+    targets = [ProbeTarget(slot=index, incarnation=0, url=url) for index, url in enumerate(urls)]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        clients = {t.slot: EngineClient(session, t.url) for t in targets}
+        alive = {t.slot: t for t in targets}
 
+        async def probe(target: ProbeTarget) -> None:
+            await clients[target.slot].health_generate(spec.timeout_seconds)
 
-async def run_rlfleet_monitor(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
-    raise NotImplementedError("HealthMonitor adapter: filled in once orchestrator/monitor.py is on main")
+        async def dead(target: ProbeTarget, reason: str) -> None:
+            alive.pop(target.slot, None)  # a dead incarnation leaves the fleet, as the backend does
+            on_dead(target.slot, reason)
+
+        monitor = HealthMonitor(spec, targets=lambda: alive.values(), probe=probe, on_dead=dead, fleet="bench")
+        await monitor.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await monitor.stop()
 
 
 async def run_miles(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
@@ -92,6 +110,7 @@ PROBERS: dict[str, Callable[[list[str], ProbeSettings, OnDead], Awaitable[None]]
 
 
 def prober_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.ERROR)  # deaths are reported as events, not log lines
     urls = json.loads(Path(args.urls_file).read_text())
     settings = ProbeSettings(args.interval, args.timeout, args.threshold)
 

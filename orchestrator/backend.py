@@ -74,6 +74,7 @@ class DeathEvent:
     reason: str
     at: float  # wall clock (epoch seconds)
     monotonic: float  # event-loop clock
+    started_at: float | None = None  # event-loop clock when the incarnation was launched
 
 
 DeathListener = Callable[[DeathEvent], Awaitable[None] | None]
@@ -290,7 +291,8 @@ class SlotFleetBackend(FleetBackend):
         log.warning("fleet %s slot %d incarnation %d (%s) marked dead (%s): %s", self.fleet, slot,
                     rec.incarnation, rec.url, cause.value, reason)
         self._emit(DeathEvent(fleet=self.fleet, slot=slot, incarnation=rec.incarnation, url=rec.url,
-                              cause=cause, reason=reason, at=time.time(), monotonic=now))
+                              cause=cause, reason=reason, at=time.time(), monotonic=now,
+                              started_at=rec.started_at))
         # Tear down even a hung process now: a late answer from it must never count again.
         await self._terminate(rec, graceful=False)
         return True

@@ -20,8 +20,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from rlfleet import metrics
 from rlfleet.crds.specs import HeatGuardSpec
+from rlfleet.orchestrator.engine_client import EngineClient
 from rlfleet.orchestrator.heat_sources import TemperatureSource
 
 log = logging.getLogger(__name__)
@@ -263,13 +266,11 @@ class HeatGuardTask:
                                    for slot, state in paused))
 
 
-async def post_engine_action(session, url: str, action: HeatAction, *, timeout_s: float = 10.0) -> None:
-    """The engine side of an action: POST /pause_generation {"mode": "retract"} or /continue_generation {}."""
-    import aiohttp
-
-    path, body = (("/pause_generation", {"mode": PAUSE_MODE}) if action is HeatAction.PAUSE
-                  else ("/continue_generation", {}))
-    async with session.post(url.rstrip("/") + path, json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{path} answered {resp.status}: {(await resp.text())[:200]}")
+async def post_engine_action(session: aiohttp.ClientSession, url: str, action: HeatAction, *,
+                             timeout_s: float = 10.0) -> None:
+    """The engine side of an action: /pause_generation {"mode": "retract"} or /continue_generation."""
+    client = EngineClient(session, url)
+    if action is HeatAction.PAUSE:
+        await client.pause_generation(PAUSE_MODE, timeout_s=timeout_s)
+    else:
+        await client.continue_generation(timeout_s=timeout_s)

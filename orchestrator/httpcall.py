@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from rlfleet.orchestrator.errors import BadResponse, CallError, FailureKind, classify_exception, classify_status, error_for
+from rlfleet.orchestrator.errors import BadResponse, FailureKind, classify_exception, classify_status, error_for
 
 BODY_EXCERPT_CHARS = 500
 
@@ -26,12 +26,15 @@ class Reply:
     text: str
     elapsed_s: float
     headers: dict[str, str]
+    method: str = ""
+    url: str = ""
 
     def json(self) -> Any:
         try:
             return json.loads(self.text) if self.text else None
         except ValueError as exc:
-            raise BadResponse(f"body is not JSON: {self.text[:BODY_EXCERPT_CHARS]!r}", status=self.status) from exc
+            raise BadResponse(f"body is not JSON: {self.text[:BODY_EXCERPT_CHARS]!r}", method=self.method,
+                              url=self.url, status=self.status, body=self.text) from exc
 
 
 async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout_s: float,
@@ -53,9 +56,7 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout
         async with session.request(method, url, **kwargs) as response:
             text = await response.text(errors="replace")
             reply = Reply(status=response.status, text=text, elapsed_s=time.monotonic() - started,
-                          headers=dict(response.headers))
-    except CallError:
-        raise
+                          headers=dict(response.headers), method=method, url=url)
     except Exception as exc:  # noqa: BLE001 - every transport failure is classified below
         kind = classify_exception(exc)
         if kind is None:
@@ -76,5 +77,5 @@ def expect_dict(reply: Reply, what: str) -> dict[str, Any]:
     body = reply.json()
     if not isinstance(body, dict):
         raise BadResponse(f"{what}: expected a JSON object, got {reply.text[:BODY_EXCERPT_CHARS]!r}",
-                          status=reply.status, body=reply.text)
+                          method=reply.method, url=reply.url, status=reply.status, body=reply.text)
     return body

@@ -7,7 +7,7 @@
   without waiting for health probes.
 - Teardown is by process group, SIGKILL at once for a dead engine (a SIGSTOPped or port-blocked
   engine ignores SIGTERM), SIGTERM then SIGKILL after a grace period on a normal stop; the
-  `/dev/shm/sglang_loads_*` files an engine mapped are removed afterwards.
+  `/dev/shm` files an engine mapped (load snapshots, semaphores) are removed afterwards.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from rlfleet.tools import python_executable
 
 log = logging.getLogger(__name__)
 
-SHM_PREFIX = "/dev/shm/sglang_loads_"
+# Shared-memory files an engine leaves behind when its group is killed: SGLang's load snapshots and
+# the named semaphores of its multiprocessing children.
+SHM_PREFIXES = ("/dev/shm/sglang_loads_", "/dev/shm/sem.mp-")
 
 
 class _Incarnation:
@@ -45,7 +47,7 @@ class _Incarnation:
 
 
 def shm_files_of_group(pgid: int) -> set[str]:
-    """The SGLang load-snapshot files mapped by any process of a process group (Linux /proc)."""
+    """The /dev/shm files of SHM_PREFIXES mapped by any process of a process group (Linux /proc)."""
     found: set[str] = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -56,7 +58,7 @@ def shm_files_of_group(pgid: int) -> set[str]:
             with open(f"/proc/{entry.name}/maps", encoding="utf-8", errors="replace") as maps:
                 for line in maps:
                     path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                    if path.startswith(SHM_PREFIX):
+                    if path.startswith(SHM_PREFIXES):
                         found.add(path.removesuffix(" (deleted)"))
         except (OSError, ProcessLookupError):
             continue

@@ -151,7 +151,10 @@ class HealthMonitor:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            self._sync_targets()
+            try:
+                self._sync_targets()
+            except Exception:  # noqa: BLE001 - keep probing the engines already known
+                log.exception("fleet %s: reading the engine list failed", self.fleet)
             now = loop.time()
             wake_at = now + self.spec.interval_seconds  # re-read targets at least once a round
             for key, health in self._health.items():

@@ -15,7 +15,6 @@ Miles retries any error 60 times at a fixed 1 s, which turns a dead fleet into a
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,50 +23,41 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rlfleet import metrics
+from rlfleet.orchestrator.engine_client import finish_reason_type
+from rlfleet.orchestrator.errors import CallError, FailureKind, RequestAborted
+from rlfleet.orchestrator.httpcall import call, expect_dict
 
 log = logging.getLogger(__name__)
 
 
-class AttemptResult(enum.StrEnum):
-    OK = "ok"
-    UNAVAILABLE = "unavailable"  # 503 (no engine can take it), 429
-    CONNECTION = "connection"  # refused, reset, closed without an answer
-    TIMEOUT = "timeout"  # no answer within the attempt's time
-    SERVER_ERROR = "server_error"  # 500/502/504: e.g. the router tried an engine that just died
-    ABORTED = "aborted"  # HTTP 200 with finish_reason abort (pause, weight update)
-    DUPLICATE_RID = "duplicate_rid"  # the engine still holds the previous attempt of this sample
-    CLIENT_ERROR = "client_error"  # any other 4xx: the request is wrong, retrying cannot help
+OK = "ok"  # attempt label of a success; failures are labelled by their FailureKind
+DUPLICATE_RID = "duplicate_rid"  # a 400 while the engine still holds the previous attempt of this sample
+
+# What another try can fix: the engine or router is gone, busy, slow, or aborted the request (a pause
+# or weight update answers in-flight requests with an HTTP 200 abort).
+RETRYABLE_KINDS = frozenset({
+    FailureKind.CONNECTION_REFUSED, FailureKind.CONNECTION_CLOSED, FailureKind.TIMEOUT,
+    FailureKind.UNAVAILABLE, FailureKind.SERVER_ERROR, FailureKind.ABORTED,
+})
+RETRYABLE_CLIENT_STATUSES = frozenset({408, 429})
 
 
-RETRYABLE = frozenset(AttemptResult) - {AttemptResult.OK, AttemptResult.CLIENT_ERROR}
+def is_duplicate_rid(error: CallError) -> bool:
+    return error.kind is FailureKind.CLIENT_ERROR and error.status == 400 and "Duplicate request ID" in error.body
 
 
-def classify_response(status: int, body: object, text: str = "") -> AttemptResult:
-    """Classify an HTTP answer. `body` is the parsed JSON (None if not JSON), `text` the raw body."""
-    if status == 200:
-        if isinstance(body, dict):
-            finish = (body.get("meta_info") or {}).get("finish_reason") or {}
-            if isinstance(finish, dict) and finish.get("type") == "abort":
-                return AttemptResult.ABORTED
-            return AttemptResult.OK
-        return AttemptResult.SERVER_ERROR  # a 200 that is not a generation answer
-    if status in (503, 429):
-        return AttemptResult.UNAVAILABLE
-    if status == 408:
-        return AttemptResult.TIMEOUT
-    if status >= 500:
-        return AttemptResult.SERVER_ERROR
-    if status == 400 and "Duplicate request ID" in text:
-        return AttemptResult.DUPLICATE_RID
-    return AttemptResult.CLIENT_ERROR
+def attempt_label(error: CallError) -> str:
+    """The metric label of a failed attempt."""
+    return DUPLICATE_RID if is_duplicate_rid(error) else error.kind.value
 
 
-def classify_exception(exc: BaseException) -> AttemptResult:
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-        return AttemptResult.TIMEOUT
-    if isinstance(exc, aiohttp.ClientError | ConnectionError | OSError):
-        return AttemptResult.CONNECTION
-    raise exc
+def is_retryable(error: CallError) -> bool:
+    """Could another attempt succeed? A 4xx (other than 408/429/duplicate rid) is our request's fault."""
+    if error.kind in RETRYABLE_KINDS:
+        return True
+    if error.kind is FailureKind.CLIENT_ERROR:
+        return error.status in RETRYABLE_CLIENT_STATUSES or is_duplicate_rid(error)
+    return False
 
 
 @dataclass(frozen=True)
@@ -100,57 +90,44 @@ class GiveUp:
     why: str
 
 
-def next_step(policy: RetryPolicy, attempt: int, result: AttemptResult, elapsed_s: float,
+def next_step(policy: RetryPolicy, attempt: int, error: CallError, elapsed_s: float,
               rng: random.Random) -> Retry | GiveUp:
     """After failed attempt number `attempt` (1-based), `elapsed_s` into the request: retry or stop."""
-    if result not in RETRYABLE:
-        return GiveUp("failed", f"{result.value} is not retryable")
+    label = attempt_label(error)
+    if not is_retryable(error):
+        return GiveUp("failed", f"{label} is not retryable")
     if attempt >= policy.max_attempts:
-        return GiveUp("failed", f"{attempt} attempts, last {result.value}")
+        return GiveUp("failed", f"{attempt} attempts, last {label}")
     delay = rng.uniform(0.0, min(policy.backoff_max_s, policy.backoff_base_s * 2 ** (attempt - 1)))
     if elapsed_s + delay >= policy.deadline_s:
-        return GiveUp("deadline", f"deadline of {policy.deadline_s:.0f} s reached after {attempt} attempts, "
-                                  f"last {result.value}")
+        return GiveUp("deadline", f"deadline of {policy.deadline_s:g} s reached after {attempt} attempts, last {label}")
     return Retry(delay)
 
 
 class RolloutRequestFailed(Exception):
     """A sample got no answer within its attempts or deadline (or the request itself is wrong)."""
 
-    def __init__(self, sample_id: str, outcome: str, why: str, last: AttemptResult, detail: str = ""):
-        super().__init__(f"sample {sample_id}: {why}" + (f": {detail}" if detail else ""))
+    def __init__(self, sample_id: str, outcome: str, why: str, last: CallError):
+        super().__init__(f"sample {sample_id}: {why}: {last}")
         self.sample_id = sample_id
         self.outcome = outcome
         self.last = last
-        self.detail = detail
 
 
-@dataclass(frozen=True)
-class Attempt:
-    result: AttemptResult
-    body: object = None
-    detail: str = ""
-
-
-async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mapping, timeout_s: float) -> Attempt:
-    """One POST /generate, classified. Never raises for HTTP or network trouble."""
-    try:
-        async with session.post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            text = await resp.text()
-            try:
-                body = await resp.json(content_type=None) if text else None
-            except ValueError:
-                body = None
-            result = classify_response(resp.status, body, text)
-            return Attempt(result, body if result is AttemptResult.OK else None,
-                           "" if result is AttemptResult.OK else f"HTTP {resp.status}: {text[:200]}")
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        return Attempt(classify_exception(exc), None, f"{type(exc).__name__}: {exc}")
+async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mapping, timeout_s: float) -> dict:
+    """One POST /generate: the answer, or the classified CallError (an abort in a 200 included)."""
+    reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload))
+    body = expect_dict(reply, "generate")
+    if finish_reason_type(body) == "abort":
+        message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
+        raise RequestAborted(message, method="POST", url=url, status=reply.status, body=reply.text,
+                             elapsed_s=reply.elapsed_s)
+    return body
 
 
 FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure
-# Sends one attempt: (payload, timeout_s) -> Attempt. The default posts to the router.
-Transport = Callable[[Mapping, float], Awaitable[Attempt]]
+# Sends one attempt: (payload, timeout_s) -> answer, raising CallError. The default posts to the router.
+Transport = Callable[[Mapping, float], Awaitable[dict]]
 
 
 class RolloutClient:
@@ -165,7 +142,7 @@ class RolloutClient:
                 raise ValueError("RolloutClient needs an HTTP session or a transport")
             url = self.generate_url
 
-            async def transport(payload: Mapping, timeout_s: float) -> Attempt:
+            async def transport(payload: Mapping, timeout_s: float) -> dict:
                 return await post_generate(session, url, payload, timeout_s)
         self._send = transport
         self.policy = policy or RetryPolicy()
@@ -184,19 +161,23 @@ class RolloutClient:
             elapsed = loop.time() - started
             budget = self.policy.deadline_s - elapsed
             timeout = budget if self.policy.attempt_timeout_s is None else min(budget, self.policy.attempt_timeout_s)
-            outcome = await self._send(request, timeout)
-            metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=outcome.result.value).inc()
-            if outcome.result is AttemptResult.OK:
-                self._settle("ok", started)
-                return outcome.body  # type: ignore[return-value]
-            if self.on_failure is not None:
-                self.on_failure(loop.time())
-            step = next_step(self.policy, attempt, outcome.result, loop.time() - started, self.rng)
-            if isinstance(step, GiveUp):
-                self._settle(step.outcome, started)
-                raise RolloutRequestFailed(sample_id, step.outcome, step.why, outcome.result, outcome.detail)
-            log.debug("sample %s attempt %d: %s; retrying in %.2f s", sample_id, attempt, outcome.detail, step.delay_s)
-            await asyncio.sleep(step.delay_s)
+            try:
+                answer = await self._send(request, timeout)
+            except CallError as error:
+                metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=attempt_label(error)).inc()
+                if self.on_failure is not None:
+                    self.on_failure(loop.time())
+                step = next_step(self.policy, attempt, error, loop.time() - started, self.rng)
+                if isinstance(step, GiveUp):
+                    self._settle(step.outcome, started)
+                    raise RolloutRequestFailed(sample_id, step.outcome, step.why, error) from error
+                log.debug("sample %s attempt %d failed (%s); retrying in %.2f s", sample_id, attempt, error,
+                          step.delay_s)
+                await asyncio.sleep(step.delay_s)
+                continue
+            metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=OK).inc()
+            self._settle(OK, started)
+            return answer
 
     def _settle(self, outcome: str, started: float) -> None:
         metrics.ROLLOUT_REQUESTS.labels(fleet=self.fleet, outcome=outcome).inc()

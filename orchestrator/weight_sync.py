@@ -1,7 +1,8 @@
 """Weight sync from disk, done safely.
 
-The sequence: pause health monitoring; validate the snapshot (a bad one fails the sync before any
-engine sees it, so the old weights keep serving); recover dead slots; wait until every slot is
+The sequence: validate the snapshot (a bad one fails the sync before any engine sees it, so the old
+weights keep serving; validation touches no engine, so it runs before monitoring pauses and hashing
+a large snapshot does not blind the monitor); pause health monitoring; recover dead slots; wait until every slot is
 alive (bounded); on every engine in parallel pause generation (retract or abort, never in_place),
 `update_weights_from_disk {model_path, weight_version}` bounded by the transfer timeout, read the
 version back from `/model_info`, continue generation; retry a failing engine `loadRetries` times,
@@ -110,15 +111,30 @@ class WeightSync:
     async def sync(self, snapshot_dir: str | Path, step: int, *, version: str | None = None) -> WeightSyncResult:
         """Give every engine the snapshot's weights. Raises SnapshotInvalid (nothing loaded),
         FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines)."""
+        snapshot_dir = Path(snapshot_dir)
+        version = version or str(step)
         async with self._lock:
             started = time.monotonic()
             outcome = "failed"
-            if self.monitor is not None:
-                self.monitor.pause()
             try:
-                result = await self._sync(Path(snapshot_dir), step, version or str(step))
+                # Validation touches no engine, so monitoring keeps running while large files are hashed.
+                manifest: Manifest = await asyncio.to_thread(validate_snapshot, snapshot_dir, self._reference,
+                                                             expected_step=step)
+                validate_s = time.monotonic() - started
+                if self.monitor is not None:
+                    self.monitor.pause()
+                try:
+                    result = await self._apply(snapshot_dir, step, version)
+                finally:
+                    if self.monitor is not None:
+                        self.monitor.resume()
+                result.validate_s = validate_s
+                result.total_s = time.monotonic() - started
+                self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 outcome = result.outcome
                 self.last_result, self.last_error = result, None
+                log.info("fleet %s: synced version %s to %d engine(s) in %.2f s (load %.2f s)", self.fleet,
+                         version, len(result.synced), result.total_s, result.load_s)
                 return result
             except SnapshotInvalid as exc:
                 outcome = "invalid_snapshot"
@@ -131,16 +147,11 @@ class WeightSync:
                 metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome).inc()
                 metrics.WEIGHT_SYNC_DURATION.labels(fleet=self.fleet, outcome=outcome).observe(
                     time.monotonic() - started)
-                if self.monitor is not None:
-                    self.monitor.resume()
 
-    async def _sync(self, snapshot_dir: Path, step: int, version: str) -> WeightSyncResult:
+    async def _apply(self, snapshot_dir: Path, step: int, version: str) -> WeightSyncResult:
+        """Recover, wait, load everywhere, read back, admit. Monitoring is paused meanwhile."""
         result = WeightSyncResult(step=step, version=version, model_path=str(snapshot_dir))
-        t0 = time.monotonic()
-        manifest: Manifest = await asyncio.to_thread(validate_snapshot, snapshot_dir, self._reference,
-                                                     expected_step=step)
         t1 = time.monotonic()
-        result.validate_s = t1 - t0
         result.recovered_slots = await self.backend.recover()
         alive = await self.backend.wait_all_alive(self.wait_alive_timeout_s)
         t2 = time.monotonic()
@@ -151,14 +162,10 @@ class WeightSync:
         result.load_s = time.monotonic() - t2
         for outcome in result.synced:
             await self._admit(outcome)
-        result.total_s = time.monotonic() - t0
         if len(result.synced) < self.backend.min_ready:
             failures = "; ".join(f"slot {e.slot}: {e.error}" for e in result.failed)
             raise WeightSyncFailed(f"fleet {self.fleet}: only {len(result.synced)} engine(s) serve version "
                                    f"{version} after the sync; {failures}", result)
-        self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
-        log.info("fleet %s: synced version %s to %d engine(s) in %.2f s (load %.2f s)", self.fleet, version,
-                 len(result.synced), result.total_s, result.load_s)
         return result
 
     async def _admit(self, outcome: EngineSyncOutcome) -> None:

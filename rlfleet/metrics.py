@@ -83,8 +83,9 @@ ROUTER_WORKERS = Gauge(
 ROLLOUT_REQUESTS = Counter(
     "rlfleet_rollout_requests_total", "Rollout requests (samples) by final outcome.", ["fleet", "outcome"], registry=REGISTRY,
 )
-# One per HTTP attempt, by what happened: ok, unavailable (503), connection, timeout, server_error,
-# client_error, aborted (HTTP 200 with finish_reason abort), duplicate_rid.
+# One per HTTP attempt: ok, or the failure kind (connection_refused, connection_closed, timeout,
+# unavailable, server_error, client_error, aborted = HTTP 200 with finish_reason abort, bad_response),
+# or duplicate_rid.
 ROLLOUT_ATTEMPTS = Counter(
     "rlfleet_rollout_attempts_total", "Rollout HTTP attempts through the router by result.", ["fleet", "result"], registry=REGISTRY,
 )

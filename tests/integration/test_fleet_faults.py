@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
+from prometheus_client import REGISTRY
 from safetensors.numpy import load_file, save_file
 
 from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
@@ -38,7 +39,12 @@ HEALTH = HealthSpec(interval_seconds=2, timeout_seconds=5, failure_threshold=2)
 RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backoff_base_seconds=0.5,
                         backoff_max_seconds=4, wait_all_alive_timeout_seconds=400)
 WEIGHT_SYNC = WeightSyncSpec(transfer_timeout_seconds=120, load_retries=1)
+FLEET_LABEL = {"fleet": "rollout"}
 GREEDY = {"text": "Hello", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {**FLEET_LABEL, **labels}) or 0.0
 
 
 def make_snapshot(base: Path, root: Path, step: int, seed: int) -> Path:
@@ -163,6 +169,9 @@ async def test_sigkill_mid_rollout(fleet: Fleet):
     survivor = backend.engines()[0]
     assert victim.state is EngineState.ALIVE and victim.url in await fleet.router_urls()
 
+    dead_before = metric("rlfleet_engines_marked_dead_total", reason="exited")
+    removals_before = metric("rlfleet_router_membership_changes_total", change="remove")
+    recreations_before = metric("rlfleet_engine_recreations_total")
     stop, outcomes = asyncio.Event(), {}
     load = asyncio.create_task(rollout_load(fleet, stop, outcomes))
     await asyncio.sleep(2)
@@ -198,6 +207,12 @@ async def test_sigkill_mid_rollout(fleet: Fleet):
     assert {e.slot: e.version for e in result.engines} == {0: "1", 1: "1"}
     assert await fleet.router_urls() == {survivor.url, replacement.url}
     assert watch.seen[replacement.url] == "1"  # never listed while serving older weights
+    # What the dashboards show.
+    assert metric("rlfleet_engines_marked_dead_total", reason="exited") == dead_before + 1
+    assert metric("rlfleet_router_membership_changes_total", change="remove") >= removals_before + 1
+    assert metric("rlfleet_engine_recreations_total") == recreations_before + 1
+    assert metric("rlfleet_engine_weight_version", slot="1") == 1
+    assert metric("rlfleet_engine_state", slot="1", state="alive") == 1
     for url in (survivor.url, replacement.url):
         assert (await fleet.greedy(url))[1] == "1"
     fleet.version = "1"
