@@ -150,7 +150,9 @@ class Result:
     hang_latencies: list[float] = field(default_factory=list)
     crash_missed: int = 0
     hang_missed: int = 0
-    false_deaths: int = 0
+    blip_deaths: int = 0  # blipping engines marked dead (a good prober tolerates a short blip)
+    healthy_deaths: int = 0  # engines that never had a fault, marked dead
+    false_death_reason: str = ""
 
 
 async def start_process(*argv: str) -> asyncio.subprocess.Process:
@@ -240,7 +242,11 @@ async def bench_one(impl: str, args: argparse.Namespace, workdir: Path) -> Resul
                 result.hang_latencies.append(deaths[engine][0] - fault_at[engine])
             else:
                 result.hang_missed += 1
-        result.false_deaths = len(set(deaths) - targets)
+        result.blip_deaths = len(set(deaths) & set(blip))
+        healthy_dead = sorted(set(deaths) - targets - set(blip))
+        result.healthy_deaths = len(healthy_dead)
+        if healthy_dead:
+            result.false_death_reason = deaths[healthy_dead[0]][1][:200]
         return result
     finally:
         if prober is not None:
@@ -271,7 +277,9 @@ def report(results: list[Result], args: argparse.Namespace) -> str:
             f"  probes per second    {r.probes_per_s:8.0f}",
             f"  crash detection      {fmt_latencies(r.crash_latencies, r.crash_missed)}",
             f"  hang detection       {fmt_latencies(r.hang_latencies, r.hang_missed)}",
-            f"  false deaths (blip)  {r.false_deaths} of {args.blip}",
+            f"  false deaths         {r.blip_deaths} of {args.blip} blipping, "
+            f"{r.healthy_deaths} of {args.engines - args.crash - args.hang - args.blip} healthy"
+            + (f" (e.g. {r.false_death_reason})" if r.false_death_reason else ""),
         ]
     by = {r.impl: r for r in results}
     if "rlfleet" in by and "miles" in by:

@@ -145,7 +145,7 @@ EngineCall = Callable[[str, HeatAction], Awaitable[None]]
 
 
 class HeatGuardTask:
-    """Polls the temperature source every `poll_interval_s` and pauses/resumes engines.
+    """Polls the temperature source every `pollIntervalSeconds` and pauses/resumes engines.
 
     `engines()` returns the current slot -> engine URL map (dead or replaced slots drop out).
     `on_pause` / `on_resume` let the health monitor stop counting probe failures of an engine the
@@ -155,14 +155,14 @@ class HeatGuardTask:
 
     def __init__(self, spec: HeatGuardSpec, source: TemperatureSource, *,
                  engines: Callable[[], Mapping[str, str]], call_engine: EngineCall,
-                 fleet: str = "rollout", poll_interval_s: float = 5.0,
+                 fleet: str = "rollout", poll_interval_s: float | None = None,
                  on_pause: Callable[[str], None] | None = None, on_resume: Callable[[str], None] | None = None,
                  on_event: Callable[[HeatEvent], None] | None = None, keep_events: int = 10_000):
         check_heat_spec(spec)
         self.spec = spec
         self.source = source
         self.fleet = fleet
-        self.poll_interval_s = poll_interval_s
+        self.poll_interval_s = spec.poll_interval_seconds if poll_interval_s is None else poll_interval_s
         self._engines = engines
         self._call_engine = call_engine
         self._on_pause = on_pause
