@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -25,9 +26,12 @@ from rlfleet import metrics
 from rlfleet.crds.derive import parse_tiny_model, rollout_engine
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.backend import DeathEvent, EngineState
+from rlfleet.orchestrator.eval_policy import EvalPoint
+from rlfleet.orchestrator.eval_run import EvalSetupError, RunEvaluation
 from rlfleet.orchestrator.fleet import FleetRuntime
 from rlfleet.orchestrator.local_backend import LocalBackend
 from rlfleet.orchestrator.local_router import LocalRouter
+from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
 from rlfleet.orchestrator.metrics_server import MetricsServer
 from rlfleet.orchestrator.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.progress import ProgressReporter, ProgressState
@@ -61,6 +65,8 @@ class RunOptions:
     metrics_port: int | None = None  # None: the spec's metricsPort; 0: any free port
     progress: ProgressReporter = field(default_factory=ProgressReporter)
     step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
+    manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
+    eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
 
 
 def resolve_model_dir(model_path: str) -> Path:
@@ -90,10 +96,14 @@ class LocalRun:
         self.progress = options.progress
         self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
         self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
-        self.snapshots = Path(self.spec.weight_sync.snapshot_volume.local_path or options.run_dir / "snapshots")
+        local_path = self.spec.weight_sync.snapshot_volume.local_path
+        self.snapshots = Path(local_path or default_local_volume(options.run_dir))
+        # A volume chosen on tmpfs is scratch memory: removed when the run ends (set localPath to keep it).
+        self._scratch_volume = local_path is None and is_scratch_volume(self.snapshots)
         self.current_snapshot: Path | None = None
         self.backend: LocalBackend | None = None
         self.fleet: FleetRuntime | None = None
+        self.evaluation: RunEvaluation | None = None
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -106,6 +116,8 @@ class LocalRun:
             self.summary.failure = f"RolloutEnginesUnavailable: {exc}"
             raise RunFailed("RolloutEnginesUnavailable", str(exc)) from None
         finally:
+            if self._scratch_volume:
+                await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
             self.summary.wall_seconds = time.monotonic() - started
             self._count_recoveries()
             if self.options.summary_path is not None:
@@ -135,6 +147,17 @@ class LocalRun:
             )
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
+            # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
+            if spec.eval is not None:
+                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, run_dir=opts.run_dir,
+                                                manifest_dir=opts.manifest_dir,
+                                                eval_engine_python=opts.eval_engine_python, on_point=self._on_eval)
+                stack.push_async_callback(self._close_evaluation)
+                try:
+                    await self.evaluation.launch(self.current_snapshot)
+                except EvalSetupError as exc:
+                    raise RunFailed("EvalInvalid", str(exc)) from None
+            # --- end eval ---
             self._phase("starting the router")
             router = LocalRouter(opts.run_dir)
             router_url = await router.start()
@@ -166,6 +189,9 @@ class LocalRun:
             producer = self._producer(client, trainer)
             producer.start()
             stack.push_async_callback(producer.stop)
+            if self.evaluation is not None:  # eval
+                self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
+                                       stop_token_ids=producer.sampling.stop_token_ids)
 
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(watchdog.run(), name="watchdog")]
@@ -180,14 +206,15 @@ class LocalRun:
             self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
 
     def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
-        from rlfleet.trainer.tasks import DEFAULT_REWARD, ProblemStream, TaskSpec, load_reward_fn
+        from rlfleet.trainer.tasks import load_reward_fn, load_task
 
         t = self.spec.trainer
-        stream = ProblemStream(TaskSpec(name=t.task), seed=t.seed)
+        task = load_task(t.task)
+        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        problems = iter(task.problems(t.seed))
 
         def prompts():
-            while True:
-                p = stream.next_problem()
+            for p in problems:
                 yield p.prompt, p.answer
 
         tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
@@ -197,7 +224,7 @@ class LocalRun:
             tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
         eos = tokenizer.eos_token_id
         return RolloutProducer(
-            client, prompts(), load_reward_fn(t.reward_function or DEFAULT_REWARD),
+            client, prompts(), reward_fn,
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
@@ -210,6 +237,8 @@ class LocalRun:
     async def _train(self, trainer, producer: RolloutProducer) -> None:
         t = self.spec.trainer
         policy = grpo.StalenessPolicy(t.max_staleness)
+        if self.evaluation is not None:  # eval: the initial model (evalBeforeTrain)
+            await self.evaluation.after_step(0)
         for step in range(1, t.steps + 1):
             self._phase("rollout")
             step_started = time.monotonic()
@@ -223,6 +252,8 @@ class LocalRun:
             result = await self.fleet.sync_weights(path, step)
             previous, self.current_snapshot = self.current_snapshot, path
             self._retire_snapshot(previous)
+            if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
+                await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
             versions = [s.weight_version for s in batch.samples]
             self.summary.steps.append(StepRecord(
@@ -243,6 +274,9 @@ class LocalRun:
                 f"sync {result.outcome} {seconds:.1f} s",
                 self.state,
             )
+        if self.evaluation is not None:  # eval: every point settles before the run ends
+            self._phase("eval drain")
+            await self.evaluation.finish()
 
     async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
         wanted = self.spec.trainer.prompts_per_step
@@ -311,6 +345,24 @@ class LocalRun:
     def _count_recoveries(self) -> None:
         if self.backend is not None:
             self.summary.engines_recreated = sum(e.restarts for e in self.backend.engines())
+
+    # --- eval ------------------------------------------------------------------------------------
+
+    def _on_eval(self, point: EvalPoint) -> None:
+        assert self.evaluation is not None
+        self.summary.eval = self.evaluation.summary_points()
+        what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
+                else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
+                f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")
+        self.progress.event(f"eval @{point.step} [{point.posture}] {what}", self.state)
+
+    async def _close_evaluation(self) -> None:
+        assert self.evaluation is not None
+        try:
+            await self.evaluation.close()
+        finally:
+            self.summary.eval = self.evaluation.summary_points()
+            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
 
     def _retire_snapshot(self, path: Path | None) -> None:
         """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""

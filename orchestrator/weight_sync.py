@@ -105,6 +105,11 @@ class WeightSync:
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
     @property
+    def lock(self) -> asyncio.Lock:
+        """Held for a whole sync; holding it elsewhere (shared-engine eval) keeps any sync from interleaving."""
+        return self._lock
+
+    @property
     def reference(self) -> SnapshotReference | None:
         return self._reference
 
