@@ -6,7 +6,8 @@ The same TrainingRun YAML as on Kubernetes, through the same models. The loop:
     fully-async producer keeps the engines busy through the router
     each step: take prompts_per_step fresh-enough groups -> train -> export step_N -> weight sync
                (recover dead slots first, load, read back every engine's version, admit replacements)
-    the 503 watchdog and the health monitor run beside it; Ctrl-C stops everything cleanly.
+    the 503 watchdog, the health monitor and (spec.heatGuard.enabled) the heat guard run beside it;
+    steps that overlapped a heat pause are flagged in the summary; Ctrl-C stops everything cleanly.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from rlfleet.orchestrator.backend import DeathEvent, EngineState
 from rlfleet.orchestrator.eval_policy import EvalPoint
 from rlfleet.orchestrator.eval_run import EvalSetupError, RunEvaluation
 from rlfleet.orchestrator.fleet import FleetRuntime
+from rlfleet.orchestrator.heat_guard import HeatEvent, HeatGuardTask
 from rlfleet.orchestrator.local_backend import LocalBackend
 from rlfleet.orchestrator.local_router import LocalRouter
 from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
@@ -104,6 +106,7 @@ class LocalRun:
         self.backend: LocalBackend | None = None
         self.fleet: FleetRuntime | None = None
         self.evaluation: RunEvaluation | None = None
+        self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -192,9 +195,15 @@ class LocalRun:
             if self.evaluation is not None:  # eval
                 self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
                                        stop_token_ids=producer.sampling.stop_token_ids)
+            # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
+            if spec.heat_guard.enabled:
+                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                                  on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(watchdog.run(), name="watchdog")]
+                if self.heat is not None:  # cancelled with the others: it resumes what it paused
+                    background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
                 if opts.chaos:
                     background.append(tasks.create_task(self._chaos(), name="chaos"))
                 try:
@@ -242,6 +251,7 @@ class LocalRun:
         for step in range(1, t.steps + 1):
             self._phase("rollout")
             step_started = time.monotonic()
+            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
             groups, stale = await self._collect_groups(producer, trainer.step, policy)
             batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
             self._phase("train")
@@ -255,11 +265,13 @@ class LocalRun:
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
                 await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
+            heat_paused = (self.heat is not None and self.heat.mark_step(
+                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
             versions = [s.weight_version for s in batch.samples]
             self.summary.steps.append(StepRecord(
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
-                recovered_slots=list(result.recovered_slots),
+                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused,
             ))
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
@@ -271,7 +283,7 @@ class LocalRun:
             self.progress.event(
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {seconds:.1f} s",
+                f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
         if self.evaluation is not None:  # eval: every point settles before the run ends
@@ -321,6 +333,10 @@ class LocalRun:
             if process is not None:
                 self.progress.event(f"chaos: SIGKILL engine slot {victim.slot} ({victim.url})", self.state)
                 process.signal_group(signal.SIGKILL)
+
+    def _on_heat_event(self, event: HeatEvent) -> None:
+        temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
+        self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
 
     def _on_death(self, event: DeathEvent) -> None:
         self.summary.engines_marked_dead += 1
