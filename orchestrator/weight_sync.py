@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SAFE_PAUSE_MODES = ("retract", "abort")
 FLUSH_ATTEMPTS = 5
 FLUSH_RETRY_S = 0.5
+SYNC_OUTCOMES = ("ok", "degraded", "invalid_snapshot", "failed")  # rlfleet_weight_syncs_total{outcome}
 
 
 @dataclass
@@ -100,6 +101,8 @@ class WeightSync:
         self._lock = asyncio.Lock()
         self.last_result: WeightSyncResult | None = None
         self.last_error: str | None = None
+        for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
+            metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
     @property
     def lock(self) -> asyncio.Lock:

@@ -37,6 +37,12 @@ ENGINE_RECREATIONS = Counter(
 ENGINE_RESTARTS = Gauge(
     "rlfleet_engine_restarts", "Recreations of the slot so far in this run.", ["fleet", "slot"], registry=REGISTRY
 )
+# The restart budgets of RecoverySpec, so dashboards and alerts can compare restarts with them.
+# scope: engine (maxRestartsPerEngine, per slot), run (maxRestartsPerRun, all slots of the fleet).
+ENGINE_RESTART_BUDGET = Gauge(
+    "rlfleet_engine_restart_budget", "Recreations allowed by the recovery spec.", ["fleet", "scope"],
+    registry=REGISTRY,
+)
 RECOVERY_DURATION = Histogram(
     "rlfleet_recovery_duration_seconds", "Time from recreating dead slots to all slots alive.", ["fleet"],
     buckets=DURATION_BUCKETS, registry=REGISTRY,
@@ -97,6 +103,11 @@ WATCHDOG_TRIPS = Counter(
 )
 WATCHDOG_STRIKES_IN_A_ROW = Gauge(
     "rlfleet_watchdog_strikes_in_a_row", "Current run of consecutive watchdog strikes.", ["fleet"], registry=REGISTRY,
+)
+# The spec's `checks`: strikes in a row that trip the watchdog (the line strikes_in_a_row must not reach).
+WATCHDOG_STRIKES_TO_TRIP = Gauge(
+    "rlfleet_watchdog_strikes_to_trip", "Strikes in a row that trip the watchdog (spec checks).", ["fleet"],
+    registry=REGISTRY,
 )
 WATCHDOG_WINDOW_FAILURES = Gauge(
     "rlfleet_watchdog_window_failures", "Failed rollout requests in the window at the last check.", ["fleet"], registry=REGISTRY,
