@@ -9,7 +9,10 @@ The controller manager runs only what the operator's behaviour depends on:
 - namespace-controller: deleting a namespace deletes its contents;
 - serviceaccount-controller: creates the `default` ServiceAccount of each namespace, which the
   ServiceAccount admission plugin (kept on, as in real clusters) requires before it admits any pod;
-- root-ca-certificate-publisher-controller: the kube-root-ca.crt ConfigMap that pod token volumes use.
+- root-ca-certificate-publisher-controller: the kube-root-ca.crt ConfigMap that pod token volumes use;
+- deployment-controller, replicaset-controller: each fleet's router is a Deployment;
+- persistentvolumeclaim-protection-controller: lifts the in-use protection of a deleted claim once no
+  pod uses it (without it a run's snapshot claim is never garbage-collected).
 Tokens themselves need no controller: the API server signs them (TokenRequest, `kubectl create token`).
 """
 from __future__ import annotations
@@ -37,6 +40,9 @@ CONTROLLERS = (
     "namespace-controller",
     "serviceaccount-controller",
     "root-ca-certificate-publisher-controller",
+    "deployment-controller",
+    "replicaset-controller",
+    "persistentvolumeclaim-protection-controller",
 )
 SERVICE_CIDR = "10.0.0.0/24"
 HOST = "127.0.0.1"

@@ -139,6 +139,7 @@ STEPS_OVERLAPPING_PAUSE = Counter(
 )
 
 
+
 def version_number(version: str | None) -> float:
     """The gauge value of a weight version label ("<step>"); -1 when it is not a number."""
     try:
@@ -204,4 +205,36 @@ EVAL_SNAPSHOT_BYTES = Gauge(
 )
 EVAL_SNAPSHOTS = Gauge(
     "rlfleet_eval_snapshots", "Eval snapshot directories on the volume.", ["run"], registry=REGISTRY,
+)
+
+# --- Operator ---------------------------------------------------------------------------------------
+# kind: RolloutFleet, EvalFleet, TrainingRun; outcome: ok, error
+OPERATOR_RECONCILES = Counter(
+    "rlfleet_operator_reconciles_total", "Reconciles of rlfleet objects by kind and outcome.", ["kind", "outcome"],
+    registry=REGISTRY,
+)
+OPERATOR_RECONCILE_ERRORS = Counter(
+    "rlfleet_operator_reconcile_errors_total", "Reconciles that failed (API errors, bad specs).", ["kind", "reason"],
+    registry=REGISTRY,
+)
+OPERATOR_RECONCILE_DURATION = Histogram(
+    "rlfleet_operator_reconcile_duration_seconds", "One reconcile, API calls included.", ["kind"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY,
+)
+OPERATOR_RECREATIONS = Counter(
+    "rlfleet_operator_engine_recreations_total", "Engine pods the operator recreated after a failure.",
+    ["namespace", "fleet"], registry=REGISTRY,
+)
+OPERATOR_SLOTS_FAILED = Counter(
+    "rlfleet_operator_slots_failed_total", "Engine slots given up (restart budget spent).", ["namespace", "fleet"],
+    registry=REGISTRY,
+)
+OPERATOR_READY_ENGINES = Gauge(
+    "rlfleet_operator_ready_engines", "Ready engine pods of a fleet at the last reconcile.", ["namespace", "fleet"],
+    registry=REGISTRY,
+)
+# verb: GET, POST, PATCH, DELETE, WATCH (requests of the operator's own client; Kopf's watches not included)
+OPERATOR_API_REQUESTS = Counter(
+    "rlfleet_operator_api_requests_total", "Kubernetes API requests made by reconciles.", ["verb"],
+    registry=REGISTRY,
 )

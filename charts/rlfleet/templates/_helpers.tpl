@@ -1,0 +1,47 @@
+{{- define "rlfleet.labels" -}}
+app.kubernetes.io/name: rlfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "rlfleet.selectorLabels" -}}
+app.kubernetes.io/name: rlfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "rlfleet.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The operator's permissions: only what the reconcilers and Kopf use. No Secrets, no ConfigMaps. */}}
+{{- define "rlfleet.operatorRules" -}}
+- apiGroups: ["rlfleet.io"]
+  resources: ["trainingruns", "rolloutfleets", "evalfleets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["rlfleet.io"]
+  resources: ["trainingruns/status", "rolloutfleets/status", "evalfleets/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["rlfleet.io"]
+  resources: ["trainingruns/finalizers", "rolloutfleets/finalizers", "evalfleets/finalizers"]
+  verbs: ["update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services", "persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}
+
+{{- define "rlfleet.trainerNamespaces" -}}
+{{- $all := concat .Values.watchNamespaces (.Values.trainer.extraNamespaces | default list) | uniq -}}
+{{- toJson $all -}}
+{{- end -}}

@@ -1,0 +1,412 @@
+"""Pure builders of the Kubernetes objects the operator owns. No I/O: dict in, dict out.
+
+A TrainingRun owns (ownerReferences, controller) a RolloutFleet `<run>-rollout`, an optional
+EvalFleet `<run>-eval`, the trainer pod `<run>-trainer` and the snapshot claim `<run>-snapshots`
+(unless the run names an existing claim). A fleet owns one engine pod per slot,
+`<fleet>-engine-<slot>`, and its router: Deployment and Service `<fleet>-router`.
+
+Contract with the orchestrator and the node (labels and annotations are API):
+
+- engine pods carry `rlfleet.io/fleet`, `rlfleet.io/slot`, `app.kubernetes.io/component=engine`;
+- `rlfleet.io/restarts` on an engine pod: the recreation number of the slot this pod embodies;
+- `rlfleet.io/dead` (reason) and `rlfleet.io/dead-message` on an engine pod: set by the
+  orchestrator to mark the slot dead; the operator then recreates it within the budget;
+- `rlfleet.io/weight-version` on an engine pod: the version the orchestrator read back from it;
+- `rlfleet.io/model-path` and `rlfleet.io/weight-version` on a fleet: the snapshot a replacement
+  engine starts from (set by the orchestrator after each weight sync; unset: the spec's model);
+- `rlfleet.io/failed-reason` and `rlfleet.io/failed-message` on a TrainingRun: the orchestrator
+  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec
+from rlfleet.crds.specs import EngineSpec
+from rlfleet.orchestrator.sglang_cmd import build_engine_launch, build_router_args
+
+GROUP = "rlfleet.io"
+API_VERSION = f"{GROUP}/v1alpha1"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_FLEET = f"{GROUP}/fleet"
+LABEL_SLOT = f"{GROUP}/slot"
+LABEL_RUN = f"{GROUP}/run"
+
+ANN_RESTARTS = f"{GROUP}/restarts"
+ANN_DEAD = f"{GROUP}/dead"
+ANN_DEAD_MESSAGE = f"{GROUP}/dead-message"
+ANN_WEIGHT_VERSION = f"{GROUP}/weight-version"
+ANN_MODEL_PATH = f"{GROUP}/model-path"
+ANN_FAILED_REASON = f"{GROUP}/failed-reason"
+ANN_FAILED_MESSAGE = f"{GROUP}/failed-message"
+
+MANAGER = "rlfleet-operator"
+ROUTER_METRICS_PORT = 29000
+ENGINE_CONTAINER = "engine"
+TRAINER_SERVICE_ACCOUNT = "rlfleet-trainer"
+DEFAULT_RLFLEET_IMAGE = "rlfleet/rlfleet:0.1.0"
+SNAPSHOT_VOLUME = "snapshots"
+TINY_MODEL = re.compile(r"^tiny://(?P<arch>llama|qwen2)(\?seed=(?P<seed>[0-9]{1,9}))?$")
+
+# Pod-level fields every pod we build shares: no service links (hundreds of env vars in big
+# namespaces), explicit grace period, logs as the termination message on failure.
+_TERMINATION = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+
+
+def engine_pod_name(fleet_name: str, slot: int) -> str:
+    return f"{fleet_name}-engine-{slot}"
+
+
+def router_name(fleet_name: str) -> str:
+    return f"{fleet_name}-router"
+
+
+def rollout_fleet_name(run_name: str) -> str:
+    return f"{run_name}-rollout"
+
+
+def eval_fleet_name(run_name: str) -> str:
+    return f"{run_name}-eval"
+
+
+def trainer_pod_name(run_name: str) -> str:
+    return f"{run_name}-trainer"
+
+
+def snapshot_claim_name(run: dict) -> str:
+    """The claim the run's pods mount: the named existing one, else `<run>-snapshots`."""
+    claim = run["spec"].get("weightSync", {}).get("snapshotVolume", {}).get("claimName")
+    return claim or f"{run['metadata']['name']}-snapshots"
+
+
+def engine_labels(fleet_name: str, slot: int | None = None) -> dict[str, str]:
+    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "engine", LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet_name}
+    if slot is not None:
+        labels[LABEL_SLOT] = str(slot)
+    return labels
+
+
+def engine_selector(fleet_name: str) -> str:
+    """Label selector of a fleet's engine pods (also the scale subresource's selector)."""
+    return f"{LABEL_COMPONENT}=engine,{LABEL_FLEET}={fleet_name}"
+
+
+def router_labels(fleet_name: str) -> dict[str, str]:
+    return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "router", LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet_name}
+
+
+def owner_reference(owner: dict) -> dict:
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(name: str, owner: dict, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner["metadata"]["namespace"],
+        "labels": labels,
+        "ownerReferences": [owner_reference(owner)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _env(pairs: dict[str, str]) -> list[dict]:
+    return [{"name": k, "value": v} for k, v in pairs.items()]
+
+
+def _downward_env() -> list[dict]:
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+
+
+def _tolerations(items: list) -> list[dict]:
+    return [{k: v for k, v in t.model_dump(by_alias=True).items() if v is not None} for t in items]
+
+
+def _resources(requests: dict[str, str], limits: dict[str, str], gpus: int) -> dict:
+    limits = dict(limits)
+    requests = dict(requests)
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+        requests["nvidia.com/gpu"] = str(gpus)
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def fleet_spec(fleet: dict) -> FleetSpec:
+    """The fleet's spec as the typed model (bad input raises pydantic's ValidationError)."""
+    return FleetSpec.model_validate(fleet["spec"])
+
+
+def tiny_model(model_path: str) -> tuple[str, int] | None:
+    """(arch, seed) of a `tiny://arch?seed=N` model path, else None."""
+    m = TINY_MODEL.match(model_path)
+    return (m.group("arch"), int(m.group("seed") or 0)) if m else None
+
+
+# Engines ---------------------------------------------------------------------------------------------
+def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE) -> dict:
+    """The pod of one engine slot: `<fleet>-engine-<slot>`, running the one SGLang command builder.
+
+    The engine binds the pod's own address (`$(POD_IP)`). A `tiny://` model is written by an init
+    container (rlfleet image) into a per-pod directory of the snapshot volume, so no two pods write
+    the same files.
+    """
+    spec = fleet_spec(fleet)
+    eng: EngineSpec = spec.engine
+    fname = fleet["metadata"]["name"]
+    annotations = fleet["metadata"].get("annotations") or {}
+    mount_path = spec.snapshots.mount_path if spec.snapshots else "/snapshots"
+    model_path = annotations.get(ANN_MODEL_PATH) or eng.model_path
+    init_containers: list[dict] = []
+    volumes: list[dict] = []
+    mounts: list[dict] = []
+    if spec.snapshots:
+        volumes.append({"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": spec.snapshots.claim_name}})
+        mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
+    tiny = tiny_model(model_path)
+    if tiny:
+        arch, seed = tiny
+        if not spec.snapshots:
+            volumes.append({"name": SNAPSHOT_VOLUME, "emptyDir": {}})
+            mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
+        model_path = f"{mount_path}/models/$(POD_NAME)/tiny-{arch}-seed{seed}"
+        init_containers.append({
+            "name": "tiny-model",
+            "image": rlfleet_image,
+            "command": ["rlfleet", "tiny-model", model_path, "--seed", str(seed), "--arch", arch],
+            "env": _downward_env(),
+            "volumeMounts": mounts,
+            **_TERMINATION,
+        })
+    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path,
+                                 weight_version=annotations.get(ANN_WEIGHT_VERSION, "0"))
+    gpus = eng.gpus_per_engine if eng.device == "cuda" else 0
+    if eng.device == "cuda":
+        # NCCL and the engine's worker processes need more shared memory than the default 64 MiB.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts = [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}]
+    container = {
+        "name": ENGINE_CONTAINER,
+        "image": eng.image,
+        "command": launch.argv("python3"),
+        # Downward API first: $(POD_IP) in the command refers to it.
+        "env": _downward_env() + _env({"RLFLEET_FLEET": fname, "RLFLEET_SLOT": str(slot)}) + _env(launch.env),
+        "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
+        # /health generates one token (up to 20 s on a busy engine): allow it before counting a failure.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                           "timeoutSeconds": 25, "failureThreshold": 3, "successThreshold": 1},
+        "resources": _resources(eng.resources.requests, eng.resources.limits, gpus),
+        "volumeMounts": mounts,
+        **_TERMINATION,
+    }
+    pod_spec: dict[str, Any] = {
+        # The operator, not the kubelet, restarts engines: within a budget, with backoff, counted.
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if eng.node_selector:
+        pod_spec["nodeSelector"] = dict(eng.node_selector)
+    if eng.tolerations:
+        pod_spec["tolerations"] = _tolerations(eng.tolerations)
+    pod_labels = engine_labels(fname, slot)
+    if spec.run_name:
+        pod_labels[LABEL_RUN] = spec.run_name
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(engine_pod_name(fname, slot), fleet, pod_labels, {ANN_RESTARTS: str(restarts)}),
+        "spec": pod_spec,
+    }
+
+
+# Router ----------------------------------------------------------------------------------------------
+def _router_command(router: RouterSpec) -> list[str]:
+    args = build_router_args(host="$(POD_IP)", port=router.port, metrics_port=ROUTER_METRICS_PORT,
+                             health_interval_s=router.health_check_interval_seconds,
+                             health_failure_threshold=router.health_failure_threshold)
+    return ["python3", *args, "--policy", router.policy]
+
+
+def build_router_deployment(fleet: dict) -> dict:
+    """One sglang-router replica in front of the fleet; membership is driven by the orchestrator."""
+    spec = fleet_spec(fleet)
+    fname = fleet["metadata"]["name"]
+    labels = router_labels(fname)
+    container = {
+        "name": "router",
+        "image": spec.router.image,
+        "command": _router_command(spec.router),
+        "env": _downward_env(),
+        "ports": [{"name": "http", "containerPort": spec.router.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 5, "failureThreshold": 3},
+        **_TERMINATION,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(router_name(fname), fleet, labels),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
+                         "terminationGracePeriodSeconds": 10, "containers": [container]},
+            },
+        },
+    }
+
+
+def build_router_service(fleet: dict) -> dict:
+    spec = fleet_spec(fleet)
+    fname = fleet["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(router_name(fname), fleet, router_labels(fname)),
+        "spec": {
+            "selector": {LABEL_COMPONENT: "router", LABEL_FLEET: fname},
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"},
+                      {"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+# TrainingRun children --------------------------------------------------------------------------------
+def run_labels(run_name: str, component: str) -> dict[str, str]:
+    return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER, LABEL_RUN: run_name}
+
+
+def _snapshots(run: dict) -> dict:
+    ws = run["spec"].get("weightSync", {})
+    return {"claimName": snapshot_claim_name(run), "mountPath": ws.get("mountPath", "/snapshots")}
+
+
+def build_snapshot_pvc(run: dict) -> dict | None:
+    """The run's ReadWriteMany snapshot claim, or None when the run names an existing claim."""
+    vol = run["spec"].get("weightSync", {}).get("snapshotVolume", {})
+    if vol.get("claimName"):
+        return None
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"],
+                            "resources": {"requests": {"storage": vol.get("size", "20Gi")}}}
+    if vol.get("storageClassName"):
+        spec["storageClassName"] = vol["storageClassName"]
+    name = run["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(snapshot_claim_name(run), run, run_labels(name, "snapshots")), "spec": spec}
+
+
+def build_rollout_fleet(run: dict) -> dict:
+    """The run's RolloutFleet, from its rollout template; the engine model defaults to the run's."""
+    rollout = run["spec"].get("rollout", {})
+    engine = dict(rollout.get("engine") or {})
+    if not engine.get("modelPath"):
+        engine["modelPath"] = run["spec"]["modelPath"]
+    spec = {k: rollout[k] for k in ("replicas", "minReadyEngines", "health", "recovery", "router") if k in rollout}
+    spec.update(engine=engine, runName=run["metadata"]["name"], snapshots=_snapshots(run))
+    FleetSpec.model_validate(spec)  # fail here, with the field path, rather than in the API server
+    name = run["metadata"]["name"]
+    return {"apiVersion": API_VERSION, "kind": "RolloutFleet",
+            "metadata": _meta(rollout_fleet_name(name), run, run_labels(name, "rollout-fleet")), "spec": spec}
+
+
+def build_eval_fleet(run: dict) -> dict | None:
+    """The run's EvalFleet (posture fleet only): the rollout engine spec with the eval overrides."""
+    from rlfleet.crds.eval_specs import EngineOverridesSpec, effective_eval_engine
+    from rlfleet.crds.specs import wire_dump
+
+    ev = run["spec"].get("eval") or {}
+    if ev.get("posture") != "fleet" or not ev.get("fleet"):
+        return None
+    rollout = build_rollout_fleet(run)["spec"]
+    tmpl = ev["fleet"]
+    overrides = EngineOverridesSpec.model_validate(tmpl.get("engine") or {})
+    engine = effective_eval_engine(EngineSpec.model_validate(rollout["engine"]), overrides)
+    spec = {
+        "replicas": tmpl.get("replicas", 1),
+        "minReadyEngines": tmpl.get("minReadyEngines", 1),
+        "engine": wire_dump(engine),
+        "health": tmpl.get("health") or rollout.get("health"),
+        "recovery": tmpl.get("recovery") or rollout.get("recovery"),
+        "router": tmpl.get("router") or rollout.get("router"),
+        "runName": run["metadata"]["name"],
+        "snapshots": rollout["snapshots"],
+    }
+    spec = {k: v for k, v in spec.items() if v is not None}
+    FleetSpec.model_validate(spec)
+    name = run["metadata"]["name"]
+    return {"apiVersion": API_VERSION, "kind": "EvalFleet",
+            "metadata": _meta(eval_fleet_name(name), run, run_labels(name, "eval-fleet")), "spec": spec}
+
+
+def trainer_command(run: dict) -> list[str]:
+    """`rlfleet run --kubernetes`: the orchestrator and trainer of this run, inside the cluster."""
+    meta = run["metadata"]
+    return ["rlfleet", "run", "--kubernetes", "--namespace", meta["namespace"], "--training-run", meta["name"]]
+
+
+def build_trainer_pod(run: dict) -> dict:
+    """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount)."""
+    name = run["metadata"]["name"]
+    trainer = run["spec"].get("trainer", {})
+    snaps = _snapshots(run)
+    env = _downward_env() + _env({
+        "RLFLEET_TRAINING_RUN": name,
+        "RLFLEET_SNAPSHOT_DIR": snaps["mountPath"],
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+    }) + [{"name": e["name"], "value": e.get("value", "")} for e in trainer.get("env", [])]
+    res = trainer.get("resources") or {}
+    container = {
+        "name": "trainer",
+        "image": trainer.get("image", DEFAULT_RLFLEET_IMAGE),
+        "command": trainer_command(run),
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": run["spec"].get("metricsPort", 9400), "protocol": "TCP"}],
+        "resources": _resources(res.get("requests", {}), res.get("limits", {}), int(trainer.get("gpus", 0))),
+        "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": snaps["mountPath"]}],
+        **_TERMINATION,
+    }
+    spec: dict[str, Any] = {
+        # A failed trainer fails the run: its reason is in the termination message, not in a retry.
+        "restartPolicy": "Never",
+        "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": [{"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": snaps["claimName"]}}],
+    }
+    if trainer.get("nodeSelector"):
+        spec["nodeSelector"] = dict(trainer["nodeSelector"])
+    if trainer.get("tolerations"):
+        spec["tolerations"] = list(trainer["tolerations"])
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": spec}

@@ -1,0 +1,310 @@
+"""What one reconcile of a fleet must do, decided from cluster state alone. Pure: no I/O, no clock.
+
+`decide_fleet_actions(spec, pods, status, ...)` takes the fleet spec, the engine pods observed now and
+the fleet's last written status, and returns the new status plus the pods to create and delete, the
+Events to record and when to look again. Everything needed to survive an operator restart lives in
+the cluster: the slot's restart count in `status.engines[].restarts` and in each pod's
+`rlfleet.io/restarts` annotation; the backoff clock in `status.engines[].lastFailure.time`.
+
+Slot states: Pending (pod created, not running) -> Starting (running, not ready) -> Ready; a failure
+makes it Dead (waiting out the backoff) -> Recreating (old pod being deleted / new one created) ->
+Pending ...; a slot out of budget is Failed and left alone, its pod kept for diagnosis.
+
+A pod is dead when it terminated (phase Failed/Succeeded or a terminated container), cannot start
+(configuration errors), did not become ready within `health.startupTimeoutSeconds`, or when the
+orchestrator marked it with the `rlfleet.io/dead` annotation. A pod that vanished while Starting or
+Ready counts as a failure too. Recreation is delete-then-create under the slot's stable name, so no
+two pods ever serve one slot, whatever the operator's restarts or stale caches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.operator import builders as b
+from rlfleet.operator.conditions import clip, condition, find, iso, parse_time, reason_word
+
+# Waiting reasons that never resolve by waiting: the slot is dead.
+START_FAILURES = frozenset({"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
+                            "CreateContainerError", "ImageNotMapped", "RunContainerError"})
+FAILURE_MESSAGE_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    message: str
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decision needs of one engine pod."""
+
+    name: str
+    uid: str
+    slot: int | None
+    restarts: int
+    phase: str
+    ready: bool
+    terminating: bool
+    pod_ip: str | None
+    created: float | None
+    failure: Failure | None
+    weight_version: str | None
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class FleetPlan:
+    status: dict
+    create: list[tuple[int, int]] = field(default_factory=list)  # (slot, restarts)
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (pod name, uid)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+def _int(value, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def pod_failure(pod: dict) -> Failure | None:
+    """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can)."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    ann = meta.get("annotations") or {}
+    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    terminated = next((s["state"]["terminated"] for s in statuses
+                       if (s.get("state") or {}).get("terminated") and s["state"]["terminated"].get("exitCode", 0) != 0),
+                      None)
+    if terminated is None and status.get("phase") in ("Failed", "Succeeded"):
+        terminated = next((s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")),
+                          {"exitCode": None, "message": status.get("message", "")})
+    if b.ANN_DEAD in ann:
+        code = terminated.get("exitCode") if terminated else None
+        message = ann.get(b.ANN_DEAD_MESSAGE, "")
+        if terminated and terminated.get("message"):
+            message = f"{message}\n{terminated['message']}".strip()
+        return Failure(reason_word(ann[b.ANN_DEAD], "MarkedDead"), message, code)
+    if terminated is not None:
+        code = terminated.get("exitCode")
+        reason = "Exited" if code == 0 else "Crashed"
+        return Failure(reason, terminated.get("message") or terminated.get("reason") or "", code)
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return Failure("PodFailed", status.get("message") or status.get("reason") or "")
+    for s in statuses:
+        waiting = (s.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in START_FAILURES:
+            return Failure(waiting["reason"], waiting.get("message", ""))
+    return None
+
+
+def view_pod(pod: dict) -> PodView:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    slot_label = labels.get(b.LABEL_SLOT, "")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return PodView(
+        name=meta["name"], uid=meta.get("uid", ""),
+        slot=int(slot_label) if slot_label.isdigit() else None,
+        restarts=_int(ann.get(b.ANN_RESTARTS)),
+        phase=status.get("phase", "Pending"), ready=ready and status.get("phase") == "Running",
+        terminating=bool(meta.get("deletionTimestamp")),
+        pod_ip=status.get("podIP"), created=parse_time(meta.get("creationTimestamp")),
+        failure=pod_failure(pod), weight_version=ann.get(b.ANN_WEIGHT_VERSION),
+    )
+
+
+def backoff_s(spec: FleetSpec, restarts_done: int) -> float:
+    r = spec.recovery
+    return min(r.backoff_max_seconds, r.backoff_base_seconds * (2 ** restarts_done))
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None, *, fleet_name: str, now: float,
+                         generation: int | None = None) -> FleetPlan:
+    """One level-based reconcile of a fleet: new status, pods to create/delete, events, requeue time."""
+    status = status or {}
+    old_slots = {e["slot"]: e for e in status.get("engines") or [] if isinstance(e.get("slot"), int)}
+    total = _int(status.get("restarts"))
+    plan = FleetPlan(status={})
+    views = [view_pod(p) for p in pods]
+    by_slot: dict[int, PodView] = {}
+    for v in views:
+        expected = v.slot is not None and v.slot < spec.replicas and v.name == b.engine_pod_name(fleet_name, v.slot)
+        if expected:
+            by_slot[v.slot] = v
+        elif not v.terminating:  # scaled away, or not ours to keep
+            plan.delete.append((v.name, v.uid))
+            if v.slot is not None and v.slot >= spec.replicas:
+                plan.events.append(Event("Normal", "ScaledDown", f"deleting {v.name}: slot {v.slot} >= replicas"))
+
+    def wake_in(seconds: float) -> None:
+        plan.requeue_after = seconds if plan.requeue_after is None else min(plan.requeue_after, seconds)
+
+    engines: list[dict] = []
+    new_slots: list[int] = []
+    for slot in range(spec.replicas):
+        old = old_slots.get(slot, {})
+        pod = by_slot.get(slot)
+        state = old.get("state", "Pending") if old else "New"
+        restarts = max(_int(old.get("restarts")), pod.restarts if pod else 0)
+        last_failure = old.get("lastFailure")
+        entry: dict = {"slot": slot, "pod": b.engine_pod_name(fleet_name, slot)}
+
+        if state == "Failed":
+            pass  # out of budget: keep the pod (and its logs) for diagnosis
+        elif pod and pod.terminating:
+            state = "Recreating"
+            wake_in(2.0)
+        elif pod and pod.restarts < restarts:
+            plan.delete.append((pod.name, pod.uid))  # left over from a recreation already counted
+            state = "Recreating"
+        else:
+            failure = pod.failure if pod else None
+            if pod and failure is None and not pod.ready and pod.created is not None:
+                age = now - pod.created
+                if age > spec.health.startup_timeout_seconds:
+                    failure = Failure("StartupTimeout", f"not ready {int(age)} s after creation "
+                                      f"(health.startupTimeoutSeconds {spec.health.startup_timeout_seconds:g})")
+                else:
+                    wake_in(spec.health.startup_timeout_seconds - age + 1)
+            if pod is None and state in ("Starting", "Ready"):
+                failure = Failure("PodDeleted", f"pod {entry['pod']} disappeared")
+            if failure is None and state != "Dead":
+                if pod is None:
+                    plan.create.append((slot, restarts))
+                    if state == "New":
+                        new_slots.append(slot)
+                    state = "Pending"
+                else:
+                    state = "Ready" if pod.ready else ("Starting" if pod.phase == "Running" else "Pending")
+            else:
+                if state != "Dead" and failure is not None:  # a failure seen for the first time
+                    last_failure = {"reason": failure.reason, "message": clip(failure.message, FAILURE_MESSAGE_MAX),
+                                    "time": iso(now)}
+                    if failure.exit_code is not None:
+                        last_failure["exitCode"] = failure.exit_code
+                    code = f" (exit code {failure.exit_code})" if failure.exit_code is not None else ""
+                    plan.events.append(Event("Warning", "EngineDead", f"slot {slot} ({entry['pod']}) "
+                                             f"{failure.reason}{code}: {_short(failure.message)}"))
+                    state = "Dead"
+                state, total, restarts = _recover(spec, plan, slot, entry["pod"], pod, state, restarts, total,
+                                                  last_failure, now, wake_in)
+        entry["state"] = state
+        entry["restarts"] = restarts
+        if pod and pod.pod_ip and state not in ("Recreating",):
+            entry["url"] = f"http://{pod.pod_ip}:{spec.engine.port}"
+        if pod and pod.weight_version and state not in ("Recreating",):
+            entry["weightVersion"] = pod.weight_version
+        if last_failure:
+            entry["lastFailure"] = last_failure
+        engines.append(entry)
+
+    if new_slots:  # one Event for a whole scale-up, not one per pod
+        what = f"slot {new_slots[0]}" if len(new_slots) == 1 else f"slots {new_slots[0]}-{new_slots[-1]}"
+        plan.events.insert(0, Event("Normal", "CreatingEngines", f"creating {len(new_slots)} engine pod(s): {what}"))
+    plan.status = fleet_status(spec, engines, total, status.get("conditions"), fleet_name=fleet_name, now=now,
+                               generation=generation, existing=sum(1 for s in by_slot.values() if not s.terminating))
+    for cond in plan.status["conditions"]:
+        old_cond = find(status.get("conditions"), cond["type"])
+        if cond["type"] == "Failed" and cond["status"] == "True" and not (old_cond and old_cond["status"] == "True"):
+            plan.events.append(Event("Warning", cond["reason"], _short(cond["message"], 1000)))
+    return plan
+
+
+def _recover(spec: FleetSpec, plan: FleetPlan, slot: int, pod_name: str, pod: PodView | None, state: str,
+             restarts: int, total: int, last_failure: dict | None, now: float, wake_in) -> tuple[str, int, int]:
+    """A dead slot: recreate it when its backoff has passed, or fail it when out of budget."""
+    rec = spec.recovery
+    if restarts >= rec.max_restarts_per_engine:
+        plan.events.append(Event("Warning", "RestartBudgetExhausted",
+                                 f"slot {slot} failed after {restarts} restarts (maxRestartsPerEngine "
+                                 f"{rec.max_restarts_per_engine}); not recreating it"))
+        return "Failed", total, restarts
+    if total >= rec.max_restarts_per_run:
+        plan.events.append(Event("Warning", "RestartBudgetExhausted",
+                                 f"slot {slot} not recreated: the fleet used its {rec.max_restarts_per_run} "
+                                 "restarts (maxRestartsPerRun)"))
+        return "Failed", total, restarts
+    failed_at = parse_time((last_failure or {}).get("time")) or now
+    due = failed_at + backoff_s(spec, restarts)
+    if now < due:
+        wake_in(due - now)
+        return "Dead", total, restarts
+    restarts, total = restarts + 1, total + 1
+    plan.events.append(Event("Normal", "RecreatingEngine", f"recreating slot {slot} ({pod_name}), restart {restarts} "
+                             f"of {rec.max_restarts_per_engine}"))
+    if pod is not None:
+        plan.delete.append((pod.name, pod.uid))
+    else:
+        plan.create.append((slot, restarts))
+    return "Recreating", total, restarts
+
+
+def fleet_status(spec: FleetSpec, engines: list[dict], total_restarts: int, previous_conditions: list[dict] | None,
+                 *, fleet_name: str, now: float, generation: int | None, existing: int) -> dict:
+    """The fleet's status object: counts, slots and the four conditions."""
+    replicas = spec.replicas
+    ready = sum(1 for e in engines if e["state"] == "Ready")
+    failed = [e for e in engines if e["state"] == "Failed"]
+    down = [e for e in engines if e["state"] in ("Dead", "Recreating")]
+    starting = [e for e in engines if e["state"] in ("Pending", "Starting", "Recreating")]
+    need = max(spec.min_ready_engines, 1) if replicas else 0
+    versions = {e.get("weightVersion") for e in engines if e["state"] == "Ready"}
+
+    fleet_failed = bool(failed) and replicas - len(failed) < need
+    if fleet_failed:
+        worst = failed[-1]
+        lf = worst.get("lastFailure") or {}
+        code = f", exit code {lf['exitCode']}" if lf.get("exitCode") is not None else ""
+        failed_msg = (f"engine slot {worst['slot']} failed {worst['restarts'] + 1} times "
+                      f"(maxRestartsPerEngine {spec.recovery.max_restarts_per_engine}, "
+                      f"{total_restarts} of maxRestartsPerRun {spec.recovery.max_restarts_per_run} used); "
+                      f"last failure {lf.get('reason', 'Unknown')}{code}:\n{lf.get('message', '')}")
+        failed_reason = "EngineCrashLoop" if lf.get("reason") in ("Crashed", "Exited") else "EngineFailed"
+    else:
+        failed_msg, failed_reason = f"{len(failed)} of {replicas} slots failed; {need} needed", "AsExpected"
+
+    ok = ready >= need
+    degraded_slots = failed + down
+    conditions = [
+        condition("Ready", ok, "EnginesReady" if ok else "EnginesNotReady",
+                  f"{ready}/{replicas} engines ready (minReadyEngines {spec.min_ready_engines})",
+                  now=now, previous=previous_conditions, generation=generation),
+        condition("Progressing", bool(starting) and not fleet_failed,
+                  "EnginesStarting" if starting else "Stable",
+                  ", ".join(f"slot {e['slot']} {e['state']}" for e in starting) or "all slots settled",
+                  now=now, previous=previous_conditions, generation=generation),
+        condition("Degraded", bool(degraded_slots), "EnginesDown" if degraded_slots else "AsExpected",
+                  "; ".join(f"slot {e['slot']} {e['state']}: {(e.get('lastFailure') or {}).get('reason', '')}"
+                            for e in degraded_slots) or "no slot down",
+                  now=now, previous=previous_conditions, generation=generation),
+        condition("Failed", fleet_failed, failed_reason, failed_msg,
+                  now=now, previous=previous_conditions, generation=generation),
+    ]
+    out = {
+        "replicas": existing,
+        "readyReplicas": ready,
+        "selector": b.engine_selector(fleet_name),
+        "restarts": total_restarts,
+        "engines": engines,
+        "conditions": conditions,
+    }
+    if len(versions) == 1 and None not in versions:
+        out["weightVersion"] = versions.pop()
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out

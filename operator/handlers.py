@@ -1,0 +1,248 @@
+"""Kopf handlers of the rlfleet operator: thin glue between Kopf and `reconcile`.
+
+Level-based: one daemon per TrainingRun, RolloutFleet and EvalFleet runs a loop that derives
+everything from the cluster (indexes of the operator's pods, routers, claims and fleets, fed by Kopf's
+watches) and writes at most one status per pass. Watch events of the object or of its children only
+wake the loop early; a pass also runs every RESYNC_S seconds and whenever a backoff ends.
+
+State that must survive a restart of the operator lives in the cluster (fleet status and pod
+annotations, see `fleet_decide`), never only in memory; two replicas are safe with Kopf peering
+(only the highest-priority one is active).
+
+The dead mark: the orchestrator marks a slot dead by annotating its engine pod with
+`rlfleet.io/dead: <reason>` (and optionally `rlfleet.io/dead-message`); the operator then recreates
+the slot within the fleet's restart budget and backoff.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import kopf
+from pydantic import ValidationError
+
+from rlfleet import metrics
+from rlfleet.operator import builders as b
+from rlfleet.operator.kubeapi import ApiError, KubeClient
+from rlfleet.operator.reconcile import (
+    Settings,
+    compact_pod,
+    plain,
+    reconcile_fleet,
+    reconcile_run,
+)
+from rlfleet.operator.run_decide import RunChildren
+
+log = logging.getLogger("rlfleet.operator")
+
+GROUP, VERSION = b.GROUP, "v1alpha1"
+RESYNC_S = 30.0
+ERROR_BACKOFF_S = (1, 2, 5, 10, 30)
+DEBOUNCE_S = 0.05  # let a burst of watch events (one pod created -> several updates) settle first
+MANAGED = {b.LABEL_MANAGED_BY: b.MANAGER}
+
+
+# Startup ---------------------------------------------------------------------------------------------
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    settings.posting.reporting_component = b.MANAGER
+    settings.persistence.finalizer = f"{b.GROUP}/operator"
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 10
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    # Stream only the operator's own children, not every pod of the cluster.
+    for plural in ("pods", "deployments", "services", "persistentvolumeclaims"):
+        settings.watching.label_selectors[plural] = f"{b.LABEL_MANAGED_BY}={b.MANAGER}"
+    # Least privilege: no cluster-wide CRD/namespace scanning; the namespaces are given on the command line.
+    settings.scanning.disabled = True
+    memo.setdefault("triggers", {})
+    memo.setdefault("settings", Settings())
+    if "kube" not in memo:
+        memo.kube = await KubeClient.load(memo.get("kubeconfig"))
+    memo.kube.on_request = lambda verb: metrics.OPERATOR_API_REQUESTS.labels(verb=verb).inc()
+
+
+@kopf.on.cleanup()
+async def close(memo: kopf.Memo, **_) -> None:
+    kube = memo.get("kube")
+    if kube is not None:
+        await kube.close()
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **kwargs):
+    if memo.get("kubeconfig"):
+        return kopf.login_with_kubeconfig(**kwargs)
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.probe(id="reconcilers")
+def probe_reconcilers(memo: kopf.Memo, **_) -> int:
+    return len(memo.get("triggers", {}))
+
+
+# Indexes (in-memory views of the operator's children, fed by Kopf's watches) --------------------------
+@kopf.index("pods", labels={b.LABEL_COMPONENT: "engine", b.LABEL_FLEET: kopf.PRESENT})
+def engine_pods(body, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_FLEET]): compact_pod(body)}
+
+
+@kopf.index("pods", labels={b.LABEL_COMPONENT: "trainer", b.LABEL_RUN: kopf.PRESENT})
+def trainer_pods(body, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_RUN]): compact_pod(body)}
+
+
+@kopf.index("deployments", labels={b.LABEL_COMPONENT: "router", b.LABEL_FLEET: kopf.PRESENT})
+def router_deployments(name, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_FLEET]): name}
+
+
+@kopf.index("services", labels={b.LABEL_COMPONENT: "router", b.LABEL_FLEET: kopf.PRESENT})
+def router_services(name, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_FLEET]): name}
+
+
+@kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
+def snapshot_claims(body, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_RUN]): plain(body)}
+
+
+def _owned_by_run(spec, **_) -> bool:
+    return bool(spec.get("runName"))
+
+
+@kopf.index(GROUP, VERSION, "rolloutfleets", when=_owned_by_run)
+def rollout_fleets(body, namespace, spec, **_):
+    return {(namespace, spec["runName"]): plain(body)}
+
+
+@kopf.index(GROUP, VERSION, "evalfleets", when=_owned_by_run)
+def eval_fleets(body, namespace, spec, **_):
+    return {(namespace, spec["runName"]): plain(body)}
+
+
+# Wake-ups --------------------------------------------------------------------------------------------
+def _wake(memo: kopf.Memo, kind: str, namespace: str | None, name: str | None) -> None:
+    if namespace and name:
+        event = memo.triggers.get((kind, namespace, name))
+        if event is not None:
+            event.set()
+
+
+@kopf.on.event("pods", labels=MANAGED)
+def pod_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
+    _wake(memo, "fleet", namespace, labels.get(b.LABEL_FLEET))
+    if labels.get(b.LABEL_COMPONENT) == "trainer":
+        _wake(memo, "run", namespace, labels.get(b.LABEL_RUN))
+
+
+@kopf.on.event("deployments", labels=MANAGED)
+@kopf.on.event("services", labels=MANAGED)
+def router_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
+    _wake(memo, "fleet", namespace, labels.get(b.LABEL_FLEET))
+
+
+@kopf.on.event("persistentvolumeclaims", labels=MANAGED)
+def claim_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
+    _wake(memo, "run", namespace, labels.get(b.LABEL_RUN))
+
+
+@kopf.on.event(GROUP, VERSION, "rolloutfleets")
+@kopf.on.event(GROUP, VERSION, "evalfleets")
+def fleet_changed(namespace, name, spec, memo: kopf.Memo, **_) -> None:
+    _wake(memo, "fleet", namespace, name)
+    _wake(memo, "run", namespace, spec.get("runName"))
+
+
+@kopf.on.event(GROUP, VERSION, "trainingruns")
+def run_changed(namespace, name, memo: kopf.Memo, **_) -> None:
+    _wake(memo, "run", namespace, name)
+
+
+# The reconcile loops ---------------------------------------------------------------------------------
+async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, once) -> None:
+    """Reconcile now, then again on a wake-up, a requested time, or RESYNC_S; errors back off."""
+    trigger = memo.triggers.setdefault(key, asyncio.Event())
+    errors = 0
+    try:
+        while not stopped:
+            trigger.clear()
+            started = time.monotonic()
+            try:
+                requeue = await once()
+                errors = 0
+                metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="ok").inc()
+            except Exception as e:  # noqa: BLE001 - a level-based loop must outlive any one bad pass
+                requeue = ERROR_BACKOFF_S[min(errors, len(ERROR_BACKOFF_S) - 1)]
+                errors += 1
+                reason = f"api_{e.status}" if isinstance(e, ApiError) else type(e).__name__
+                metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="error").inc()
+                metrics.OPERATOR_RECONCILE_ERRORS.labels(kind=kind, reason=reason).inc()
+                expected = isinstance(e, (ApiError, ValidationError, ValueError, KeyError))
+                log.log(logging.WARNING if expected else logging.ERROR, "%s %s/%s: reconcile failed (retry in %ss): %s",
+                        kind, key[1], key[2], requeue, e, exc_info=not expected)
+            finally:
+                metrics.OPERATOR_RECONCILE_DURATION.labels(kind=kind).observe(time.monotonic() - started)
+            timeout = RESYNC_S if requeue is None else max(0.05, min(requeue, RESYNC_S))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(trigger.wait(), timeout)
+            await asyncio.sleep(DEBOUNCE_S)
+    finally:
+        memo.triggers.pop(key, None)
+
+
+async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services) -> None:
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+    kind = body["kind"]
+
+    async def once() -> float | None:
+        fleet = plain(body)  # the daemon's body is kept current by Kopf
+        if fleet["metadata"].get("deletionTimestamp"):
+            return None
+        key = (ns, name)
+        plan = await reconcile_fleet(
+            memo.kube, fleet, [plain(p) for p in engine_pods.get(key, [])],
+            router_deployment=bool(list(router_deployments.get(key, []))),
+            router_service=bool(list(router_services.get(key, []))),
+            settings=memo.settings)
+        return plan.requeue_after
+
+    await _loop(("fleet", ns, name), kind, memo, stopped, once)
+
+
+@kopf.daemon(GROUP, VERSION, "rolloutfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
+async def rolloutfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, **_):
+    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services)
+
+
+@kopf.daemon(GROUP, VERSION, "evalfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
+async def evalfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, **_):
+    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services)
+
+
+def _one(index, key):
+    items = list(index.get(key, []))
+    return plain(items[0]) if items else None
+
+
+@kopf.daemon(GROUP, VERSION, "trainingruns", cancellation_backoff=1.0, cancellation_timeout=10.0)
+async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, trainer_pods, snapshot_claims, **_):
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
+
+    async def once() -> float | None:
+        run = plain(body)
+        if run["metadata"].get("deletionTimestamp"):
+            return None
+        key = (ns, name)
+        children = RunChildren(rollout=_one(rollout_fleets, key), eval=_one(eval_fleets, key),
+                               trainer=_one(trainer_pods, key), pvc=_one(snapshot_claims, key))
+        await reconcile_run(memo.kube, run, children, settings=memo.settings)
+        return None
+
+    await _loop(("run", ns, name), "TrainingRun", memo, stopped, once)

@@ -1,0 +1,158 @@
+"""Apply one reconcile: decide (pure) from the observed objects, then make the API calls.
+
+Order of writes per fleet reconcile: the status first (at most one write, skipped when unchanged),
+because it records restart counts and failure times before any pod is deleted or created; then pod
+deletions, creations, router objects and Events. A crash between the steps leaves a state that the
+next reconcile, from the cluster alone, completes without counting anything twice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet import metrics
+from rlfleet.operator import builders as b
+from rlfleet.operator.fleet_decide import Event, FleetPlan, decide_fleet_actions
+from rlfleet.operator.kubeapi import DEPLOYMENTS, EVENTS, PODS, PVCS, SERVICES, ApiError, KubeClient, Resource
+from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+
+log = logging.getLogger("rlfleet.operator")
+
+FLEET_PLURALS = {"RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
+
+
+def custom(plural: str) -> Resource:
+    return Resource(b.GROUP, "v1alpha1", plural)
+
+
+TRAININGRUNS = custom("trainingruns")
+
+
+@dataclass
+class Settings:
+    rlfleet_image: str = b.DEFAULT_RLFLEET_IMAGE
+    instance: str = os.environ.get("POD_NAME", "rlfleet-operator")
+
+
+async def _post_events(kube: KubeClient, obj: dict, events: list[Event], settings: Settings) -> None:
+    meta = obj["metadata"]
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for ev in events:
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "type": ev.type, "reason": ev.reason, "message": ev.message[:1024],
+            "source": {"component": b.MANAGER}, "reportingComponent": b.MANAGER,
+            "reportingInstance": settings.instance, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+        }
+        try:
+            await kube.create(EVENTS, body, meta["namespace"])
+        except ApiError as e:  # an Event is best effort; the status holds the same facts
+            log.warning("event %s on %s/%s: %s", ev.reason, meta["namespace"], meta["name"], e)
+
+
+async def _create(kube: KubeClient, res: Resource, obj: dict) -> bool:
+    """Create; an object that already exists (by name) is fine: that is how duplicates are prevented."""
+    try:
+        await kube.create(res, obj, obj["metadata"]["namespace"])
+        return True
+    except ApiError as e:
+        if e.conflict:
+            return False
+        raise
+
+
+async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict, current: dict,
+                       owned: tuple[str, ...] | None = None) -> bool:
+    """One merge patch of /status when it differs from what the object shows; returns whether written.
+
+    Keys the writer owns (all when `owned` is None) that the new status leaves out are removed.
+    """
+    keys = set(status) | {k for k in current if owned is None or k in owned}
+    if all(current.get(k) == status.get(k) for k in keys):
+        return False
+    patch = {k: status.get(k) for k in keys}  # None removes the key (JSON merge patch)
+    await kube.merge_patch(res, obj["metadata"]["name"], {"status": patch}, obj["metadata"]["namespace"],
+                           sub="status")
+    return True
+
+
+async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: bool,
+                          router_service: bool, settings: Settings, now: float | None = None) -> FleetPlan:
+    """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and router objects."""
+    meta = fleet["metadata"]
+    name, ns = meta["name"], meta["namespace"]
+    spec = b.fleet_spec(fleet)
+    plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now or time.time(),
+                                generation=meta.get("generation"))
+    res = custom(FLEET_PLURALS[fleet["kind"]])
+    await write_status(kube, res, fleet, plan.status, fleet.get("status") or {})
+    for pod_name, uid in plan.delete:
+        await kube.delete(PODS, pod_name, ns, uid=uid)
+    for slot, restarts in plan.create:
+        await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
+                                                     rlfleet_image=settings.rlfleet_image))
+    if not router_deployment:
+        await _create(kube, DEPLOYMENTS, b.build_router_deployment(fleet))
+    if not router_service:
+        await _create(kube, SERVICES, b.build_router_service(fleet))
+    for ev in plan.events:
+        if ev.reason == "RecreatingEngine":
+            metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc()
+        elif ev.reason == "RestartBudgetExhausted":
+            metrics.OPERATOR_SLOTS_FAILED.labels(namespace=ns, fleet=name).inc()
+    metrics.OPERATOR_READY_ENGINES.labels(namespace=ns, fleet=name).set(plan.status["readyReplicas"])
+    await _post_events(kube, fleet, plan.events, settings)
+    return plan
+
+
+_RESOURCES: dict[str, Resource] = {
+    "PersistentVolumeClaim": PVCS,
+    "Pod": PODS,
+    "RolloutFleet": custom("rolloutfleets"),
+    "EvalFleet": custom("evalfleets"),
+}
+
+
+async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, settings: Settings,
+                        now: float | None = None) -> RunPlan:
+    """One level-based reconcile of a TrainingRun from its children."""
+    meta = run["metadata"]
+    plan = decide_run(run, children, now=now or time.time(), rlfleet_image=settings.rlfleet_image)
+    await write_status(kube, TRAININGRUNS, run, plan.status, owned_status(run.get("status")),
+                       owned=OPERATOR_STATUS_KEYS)
+    for obj in plan.create:
+        await _create(kube, _RESOURCES[obj["kind"]], obj)
+    for kind, name, spec in plan.patch_fleet_specs:
+        await kube.merge_patch(_RESOURCES[kind], name, {"spec": spec}, meta["namespace"])
+    await _post_events(kube, run, plan.events, settings)
+    return plan
+
+
+def compact_pod(body: Any) -> dict:
+    """The parts of a pod the decisions read (the index keeps thousands of them in memory)."""
+    meta = body.get("metadata", {})
+    status = body.get("status") or {}
+    keep_meta = {k: meta.get(k) for k in ("name", "namespace", "uid", "labels", "annotations", "creationTimestamp",
+                                          "deletionTimestamp") if meta.get(k) is not None}
+    keep_status = {k: status.get(k) for k in ("phase", "podIP", "startTime", "message", "reason", "conditions",
+                                              "containerStatuses", "initContainerStatuses")
+                   if status.get(k) is not None}
+    return _plain({"metadata": keep_meta, "status": keep_status})
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy into plain dicts and lists (Kopf bodies are live views)."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+plain = _plain

@@ -1,0 +1,360 @@
+"""The operator end to end: Helm chart, RBAC, real SGLang engines run by the node agent, recovery, GC.
+
+Real kube-apiserver + etcd + kube-controller-manager (`control_plane`), the chart installed with helm,
+the operator as a local process with the chart's ServiceAccount token, and the node agent running
+every pod as local processes on its own 127.0.0.N. At most two SGLang engines run at any time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfleet.testing_cluster import (
+    CHART,
+    OPERATOR_SA,
+    SYSTEM_NS,
+    OperatorProcess,
+    apply,
+    engine_pgid,
+    get_json,
+    helm,
+    http_json,
+    start_node_agent,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster]
+
+NS = "rlfleet-e2e"
+ENGINE_START_S = 600  # CPU engines start in 25-60 s alone; far slower on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane):
+    control_plane.kubectl("create", "namespace", NS, check=False)
+    helm(control_plane, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{NS}}}", "--set", "operator.replicas=0")
+    yield
+    helm(control_plane, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(control_plane, installed) -> Path:
+    return control_plane.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA)
+
+
+@pytest.fixture(scope="module")
+def node_agent(control_plane, installed, tmp_path_factory):
+    agent = start_node_agent(control_plane, tmp_path_factory.mktemp("node"))
+    yield agent
+    agent.stop()
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig, node_agent, tmp_path_factory):
+    op = OperatorProcess(operator_kubeconfig, NS, tmp_path_factory.mktemp("operator"))
+    op.start()
+    yield op
+    op.stop()
+
+
+def fleet_manifest(name: str, model: Path, *, replicas: int, extra_args=(), recovery=None) -> dict:
+    return {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "replicas": replicas, "minReadyEngines": 1,
+            "engine": {"modelPath": str(model), "device": "cpu", "maxTotalTokens": 4096,
+                       "extraArgs": list(extra_args)},
+            "health": {"startupTimeoutSeconds": ENGINE_START_S},
+            "recovery": {"maxRestartsPerEngine": 3, "maxRestartsPerRun": 10, "backoffBaseSeconds": 2,
+                         "backoffMaxSeconds": 10, **(recovery or {})},
+        },
+    }
+
+
+def fleet_status(cp, name: str) -> dict:
+    return (get_json(cp, "rolloutfleet", name, namespace=NS) or {}).get("status", {})
+
+
+def condition(status: dict, kind: str) -> dict:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), {})
+
+
+def engine_pods(cp, fleet: str, slot: int | None = None) -> list[dict]:
+    selector = f"rlfleet.io/fleet={fleet},app.kubernetes.io/component=engine"
+    if slot is not None:
+        selector += f",rlfleet.io/slot={slot}"
+    return (get_json(cp, "pods", "-l", selector, namespace=NS) or {}).get("items", [])
+
+
+def events_of(cp, name: str) -> list[dict]:
+    return (get_json(cp, "events", "--field-selector", f"involvedObject.name={name}", namespace=NS)
+            or {}).get("items", [])
+
+
+def diagnostics(cp, *processes) -> str:
+    """What to print when a wait fails: the pods, then the last lines of the agent's and operator's logs."""
+    pods = cp.kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
+    return "\n".join([pods, *(p.tail() for p in processes if p is not None)])
+
+
+def delete_and_wait(cp, kind: str, name: str, pods_selector: str, *processes) -> None:
+    cp.kubectl("delete", kind, name, "-n", NS, "--wait=false", check=False)
+    wait_for(lambda: not (get_json(cp, "pods", "-l", pods_selector, namespace=NS) or {}).get("items"),
+             timeout=180, what=f"{kind} {name}'s pods to be gone", context=lambda: diagnostics(cp, *processes))
+
+
+def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
+    def as_operator(*args):
+        return control_plane.kubectl(*args, kubeconfig=operator_kubeconfig, check=False)
+
+    secrets = as_operator("get", "secrets", "-n", NS)
+    assert secrets.returncode != 0 and "Forbidden" in secrets.stderr, secrets.stderr
+    other_ns = as_operator("get", "pods", "-n", "default")
+    assert other_ns.returncode != 0 and "Forbidden" in other_ns.stderr, other_ns.stderr
+    assert as_operator("get", "rolloutfleets", "-n", NS).returncode == 0
+    assert as_operator("auth", "can-i", "create", "pods", "-n", NS).stdout.strip() == "yes"
+    assert as_operator("auth", "can-i", "delete", "rolloutfleets", "-n", NS).stdout.strip() == "no"
+    assert as_operator("auth", "can-i", "get", "configmaps", "-n", NS).stdout.strip() == "no"
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2400)
+def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control_plane, operator, node_agent,
+                                                                       tiny_model):
+    cp = control_plane
+    started = time.monotonic()
+    apply(cp, fleet_manifest("rf-a", tiny_model, replicas=2))
+    try:
+        status = wait_for(lambda: (s := fleet_status(cp, "rf-a")).get("readyReplicas") == 2 and s,
+                          timeout=ENGINE_START_S, interval=3, what="2 ready engines",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
+        ready_s = time.monotonic() - started
+        engines = {e["slot"]: e for e in status["engines"]}
+        assert [engines[s]["state"] for s in (0, 1)] == ["Ready", "Ready"]
+        for e in engines.values():  # the real engine answers on the pod's own address
+            assert http_json(e["url"] + "/model_info")["model_path"] == str(tiny_model)
+        assert engines[0]["url"] != engines[1]["url"]
+        assert condition(status, "Ready")["status"] == "True"
+        table = cp.kubectl("get", "rf", "rf-a", "-n", NS).stdout
+        assert table.split("\n")[0].split()[:5] == ["NAME", "DESIRED", "READY", "WEIGHTS", "RESTARTS"]
+        router = wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,"
+                                                       "rlfleet.io/fleet=rf-a", namespace=NS) or {}).get("items", [])
+                                   if p["status"].get("phase") == "Running"], timeout=120, what="the router pod")
+        assert router[0]["status"]["podIP"] not in (engines[0]["url"], engines[1]["url"])
+
+        # Crash engine 0: every process of its group dies at once.
+        old = engine_pods(cp, "rf-a", 0)[0]
+        pgid = engine_pgid(old["status"]["podIP"])
+        assert pgid is not None, "engine process not found"
+        killed_at = time.monotonic()
+        os.killpg(pgid, signal.SIGKILL)
+
+        # As soon as the operator has recorded the recreation, restart the operator.
+        wait_for(lambda: (fleet_status(cp, "rf-a").get("restarts") or 0) >= 1, timeout=120, interval=0.5,
+                 what="the recreation to be recorded", context=operator.tail)
+        operator.stop()
+        seen_per_slot = [len(engine_pods(cp, "rf-a", 0))]
+        operator.start()
+
+        def recovered():
+            seen_per_slot.append(len(engine_pods(cp, "rf-a", 0)))
+            s = fleet_status(cp, "rf-a")
+            return s.get("readyReplicas") == 2 and s
+        status = wait_for(recovered, timeout=ENGINE_START_S, interval=3, what="slot 0 to serve again",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
+        recovery_s = time.monotonic() - killed_at
+        assert max(seen_per_slot) <= 1, f"two pods in one slot: {seen_per_slot}"
+        new = engine_pods(cp, "rf-a", 0)[0]
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+        assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+        slot0 = next(e for e in status["engines"] if e["slot"] == 0)
+        assert slot0["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
+        assert slot0["lastFailure"]["reason"] == "Crashed" and slot0["lastFailure"]["exitCode"] == 137
+        assert http_json(slot0["url"] + "/model_info")["model_path"] == str(tiny_model)
+        reasons = {e["reason"] for e in events_of(cp, "rf-a")}
+        assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
+        metrics = operator.metrics()
+        assert 'rlfleet_operator_reconciles_total{kind="RolloutFleet",outcome="ok"}' in metrics
+
+        # Scale subresource: down to one slot.
+        cp.kubectl("scale", "rolloutfleet/rf-a", "-n", NS, "--replicas=1")
+        wait_for(lambda: not engine_pods(cp, "rf-a", 1) and fleet_status(cp, "rf-a").get("replicas") == 1,
+                 timeout=180, what="slot 1 to be scaled away",
+                 context=lambda: diagnostics(cp, node_agent, operator))
+        print(f"\nfigures: 2 engines ready after {ready_s:.0f} s; killed engine serving again after "
+              f"{recovery_s:.0f} s (operator restarted in between)")
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-a", "rlfleet.io/fleet=rf-a", node_agent, operator)
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(1200)
+def test_engine_that_always_fails_fails_the_fleet_with_its_log_line(control_plane, operator, tiny_model):
+    cp = control_plane
+    started = time.monotonic()
+    apply(cp, fleet_manifest("rf-bad", tiny_model, replicas=1, extra_args=["--no-such-flag"],
+                             recovery={"maxRestartsPerEngine": 1, "backoffBaseSeconds": 1}))
+    try:
+        status = wait_for(lambda: (s := fleet_status(cp, "rf-bad")) and condition(s, "Failed").get("status") == "True"
+                          and s, timeout=600, interval=2, what="the fleet to fail",
+                          context=lambda: json.dumps(fleet_status(cp, "rf-bad"))[-2000:])
+        elapsed = time.monotonic() - started
+        failed = condition(status, "Failed")
+        assert failed["reason"] == "EngineCrashLoop"
+        assert "unrecognized arguments: --no-such-flag" in failed["message"]
+        assert "exit code 2" in failed["message"]
+        slot = status["engines"][0]
+        assert slot["state"] == "Failed" and slot["restarts"] == 1
+        pods = engine_pods(cp, "rf-bad")
+        assert len(pods) == 1 and pods[0]["status"]["phase"] == "Failed"  # kept for `kubectl logs`-style diagnosis
+        reasons = {e["reason"] for e in events_of(cp, "rf-bad")}
+        assert {"EngineDead", "RecreatingEngine", "RestartBudgetExhausted", "EngineCrashLoop"} <= reasons
+        time.sleep(5)  # nothing more happens: no retry storm
+        assert fleet_status(cp, "rf-bad")["restarts"] == 1
+        print(f"\nfigures: crash loop detected and fleet Failed {elapsed:.0f} s after creation")
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-bad", "rlfleet.io/fleet=rf-bad")
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(900)
+def test_deleting_a_training_run_garbage_collects_everything_it_owns(control_plane, operator, tiny_model):
+    cp = control_plane
+    run = {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+        "metadata": {"name": "tr-gc", "namespace": NS},
+        "spec": {"modelPath": str(tiny_model), "trainer": {"gpus": 0, "steps": 2},
+                 "rollout": {"replicas": 1, "engine": {"device": "cpu", "maxTotalTokens": 4096}},
+                 "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
+    }
+    apply(cp, run)
+    children = [("rolloutfleet", "tr-gc-rollout"), ("pod", "tr-gc-trainer"), ("pvc", "tr-gc-snapshots"),
+                ("deployment", "tr-gc-rollout-router"), ("service", "tr-gc-rollout-router"),
+                ("pod", "tr-gc-rollout-engine-0")]
+    try:
+        objs = wait_for(lambda: all(o := [get_json(cp, k, n, namespace=NS) for k, n in children]) and o,
+                        timeout=120, what="the run's children")
+        run_uid = get_json(cp, "trainingrun", "tr-gc", namespace=NS)["metadata"]["uid"]
+        owners = {o["metadata"]["ownerReferences"][0]["uid"] for o in objs[:3]}
+        assert owners == {run_uid}
+        table = cp.kubectl("get", "tr", "tr-gc", "-n", NS).stdout.split("\n")[0].split()
+        assert table[:6] == ["NAME", "PHASE", "STEP", "WEIGHTS", "READY", "LAST"]
+        status = wait_for(lambda: (get_json(cp, "trainingrun", "tr-gc", namespace=NS) or {}).get("status"),
+                          timeout=60, what="the run's status")
+        assert status["totalEngines"] == 1 and status["phase"] in ("Pending", "Running", "Failed")
+    finally:
+        cp.kubectl("delete", "trainingrun", "tr-gc", "-n", NS, "--wait=false", check=False)
+
+    def remaining() -> str:
+        left = [(k, n, o["metadata"].get("finalizers"), o["metadata"].get("deletionTimestamp"))
+                for k, n in children if (o := get_json(cp, k, n, namespace=NS))]
+        return f"left: {left}"
+    wait_for(lambda: not any(get_json(cp, k, n, namespace=NS) for k, n in children), timeout=180,
+             what="garbage collection of the run's children", context=remaining)
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(1800)
+async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacements(control_plane, operator,
+                                                                                     tiny_model):
+    """The orchestrator's Kubernetes backend, with the trainer's own ServiceAccount (chart RBAC)."""
+    import asyncio
+
+    from rlfleet.operator.kubeapi import KubeClient
+    from rlfleet.orchestrator.backend import DeathCause, EngineState
+    from rlfleet.orchestrator.k8s_backend import KubernetesBackend, router_url
+
+    cp = control_plane
+    await asyncio.to_thread(apply, cp, fleet_manifest("rf-k", tiny_model, replicas=1))
+    trainer_kubeconfig = await asyncio.to_thread(cp.service_account_kubeconfig, NS, "rlfleet-trainer")
+    kube = await KubeClient.load(trainer_kubeconfig)
+    backend = await KubernetesBackend.connect(kube, namespace=NS, fleet="rf-k")
+    deaths = []
+    try:
+        await backend.start()
+        backend.subscribe(deaths.append)
+        first = await backend.wait_all_alive(timeout=ENGINE_START_S)
+        assert [(e.slot, e.incarnation, e.state) for e in first] == [(0, 1, EngineState.ALIVE)]
+        assert http_json(first[0].url + "/model_info")["model_path"] == str(tiny_model)
+
+        # Marked dead by the orchestrator -> the operator recreates the slot.
+        assert await backend.mark_dead(0, "3 probes timed out", cause=DeathCause.PROBE_FAILED, incarnation=1)
+        assert backend.engines()[0].state is EngineState.DEAD and deaths[-1].cause is DeathCause.PROBE_FAILED
+        assert not await backend.mark_dead(0, "again", incarnation=1)  # a stale report changes nothing
+        second = await backend.wait_all_alive(timeout=ENGINE_START_S)
+        assert [(e.slot, e.incarnation) for e in second] == [(0, 2)] and second[0].url != first[0].url
+        status = await asyncio.to_thread(fleet_status, cp, "rf-k")
+        assert status["restarts"] == 1 and status["engines"][0]["lastFailure"]["reason"] == "ProbeFailed"
+        assert status["engines"][0]["lastFailure"]["message"] == "3 probes timed out"
+        backend.record_weight_version(0, 2, "5")  # shown in the fleet status through the pod annotation
+        for _ in range(100):
+            status = await asyncio.to_thread(fleet_status, cp, "rf-k")
+            if status.get("weightVersion") == "5":
+                break
+            await asyncio.sleep(0.2)
+        assert status.get("weightVersion") == "5" and status["engines"][0]["weightVersion"] == "5"
+
+        # A crash is seen from the pod watch, without any probe.
+        pgid = engine_pgid(second[0].url.split("//")[1].split(":")[0])
+        killed = asyncio.get_running_loop().time()
+        os.killpg(pgid, signal.SIGKILL)
+        while len(deaths) < 2 and asyncio.get_running_loop().time() - killed < 30:
+            await asyncio.sleep(0.05)
+        detect_s = asyncio.get_running_loop().time() - killed
+        assert len(deaths) == 2 and deaths[1].cause is DeathCause.EXITED and deaths[1].incarnation == 2
+        assert "exit code 137" in deaths[1].reason
+        assert detect_s < 10
+
+        url = await router_url(kube, NS, "rf-k", 30000)
+        assert url is not None and http_json(url + "/get_server_info")["workers_count"] == 0
+        print(f"\nfigures: crash seen by the backend {detect_s:.2f} s after SIGKILL")
+    finally:
+        await backend.stop()
+        await kube.close()
+        await asyncio.to_thread(delete_and_wait, cp, "rolloutfleet", "rf-k", "rlfleet.io/fleet=rf-k")
+
+
+def pod_log(agent, namespace: str, pod: str, container: str) -> str:
+    logs = list((agent.log_path.parent / "logs").glob(f"{namespace}_{pod}_*/{container}.log"))
+    return logs[0].read_text() if logs else ""
+
+
+@pytest.mark.timeout(900)
+def test_two_operator_replicas_with_peering_only_one_acts(control_plane, operator, node_agent):
+    """The chart's operator pod (run by the node agent) and a local replica peer; one acts, then the other."""
+    cp = control_plane
+    operator.stop()
+    helm(cp, "upgrade", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--reuse-values",
+         "--set", "peering.enabled=true", "--set", "operator.replicas=1")
+    in_cluster = wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", "app.kubernetes.io/component=operator",
+                                                        namespace=SYSTEM_NS) or {}).get("items", [])
+                                   if p["status"].get("phase") == "Running"],
+                          timeout=120, what="the chart's operator pod to run")[0]["metadata"]["name"]
+    operator.start("--peering", "rlfleet", "--priority", "50000")  # higher than any pod-name priority
+    try:
+        wait_for(lambda: "Pausing operations in favour of" in pod_log(node_agent, SYSTEM_NS, in_cluster, "operator"),
+                 timeout=120, what="the in-cluster replica to pause")
+        unschedulable = fleet_manifest("rf-p", Path("/models/none"), replicas=2)
+        unschedulable["spec"]["engine"]["nodeSelector"] = {"rlfleet.io/test": "nowhere"}
+        apply(cp, unschedulable)
+        wait_for(lambda: fleet_status(cp, "rf-p").get("replicas") == 2, timeout=60, what="2 pods")
+        time.sleep(3)
+        creating = [e for e in events_of(cp, "rf-p") if e["reason"] == "CreatingEngines"]
+        assert len(creating) == 1, creating  # one active replica: one decision, one Event
+
+        operator.stop()  # the active replica leaves; the paused one takes over
+        wait_for(lambda: "Resuming operations" in pod_log(node_agent, SYSTEM_NS, in_cluster, "operator"),
+                 timeout=120, what="the in-cluster replica to resume")
+        cp.kubectl("scale", "rolloutfleet/rf-p", "-n", NS, "--replicas=3")
+        wait_for(lambda: fleet_status(cp, "rf-p").get("replicas") == 3, timeout=120, what="slot 2 from the pod")
+    finally:
+        cp.kubectl("delete", "rolloutfleet", "rf-p", "-n", NS, "--wait=false", check=False)
+        helm(cp, "upgrade", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--reuse-values", "--set", "operator.replicas=0")
+        operator.start()

@@ -1,0 +1,171 @@
+"""Pure builders of the operator's objects: engine pods, routers, trainer, claims and child fleets."""
+import pytest
+from pydantic import ValidationError
+
+from rlfleet.operator import builders as b
+from rlfleet.orchestrator.sglang_cmd import build_engine_launch
+from rlfleet.crds.specs import EngineSpec
+
+
+def fleet(**spec):
+    base = {"replicas": 2, "engine": {"modelPath": "/models/tiny", "device": "cpu", "maxTotalTokens": 4096}}
+    base.update(spec)
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+            "metadata": {"name": "run1-rollout", "namespace": "team", "uid": "fleet-uid", "annotations": {}},
+            "spec": base}
+
+
+def run(**spec):
+    base = {"modelPath": "/models/base", "rollout": {"replicas": 2, "engine": {"device": "cpu"}},
+            "trainer": {"image": "rlfleet/rlfleet:0.1.0", "gpus": 0}, "weightSync": {"mountPath": "/snapshots",
+                                                                                 "snapshotVolume": {"size": "5Gi"}}}
+    base.update(spec)
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+            "metadata": {"name": "run1", "namespace": "team", "uid": "run-uid"}, "spec": base}
+
+
+def test_engine_pod_has_stable_slot_identity_and_owner():
+    pod = b.build_engine_pod(fleet(), 1, restarts=3)
+    meta = pod["metadata"]
+    assert meta["name"] == "run1-rollout-engine-1"
+    assert meta["labels"][b.LABEL_SLOT] == "1" and meta["labels"][b.LABEL_FLEET] == "run1-rollout"
+    assert meta["annotations"][b.ANN_RESTARTS] == "3"
+    assert meta["ownerReferences"] == [{"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+                                        "name": "run1-rollout", "uid": "fleet-uid", "controller": True,
+                                        "blockOwnerDeletion": True}]
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_engine_command_is_the_one_builder_output_bound_to_the_pod_ip():
+    pod = b.build_engine_pod(fleet(), 0)
+    c = pod["spec"]["containers"][0]
+    expected = build_engine_launch(EngineSpec.model_validate(fleet()["spec"]["engine"]), host="$(POD_IP)",
+                                   model_path="/models/tiny", weight_version="0")
+    assert c["command"] == expected.argv("python3")
+    assert c["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    names = [e["name"] for e in c["env"]]
+    assert names[0] == "POD_IP" and c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
+
+
+def test_gpu_engine_requests_gpus_and_shared_memory():
+    f = fleet(engine={"modelPath": "/m", "device": "cuda", "gpusPerEngine": 2, "tensorParallelSize": 2})
+    pod = b.build_engine_pod(f, 0)
+    c = pod["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    cpu = b.build_engine_pod(fleet(), 0)["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in str(cpu["resources"])
+
+
+def test_engine_pod_mounts_the_shared_snapshot_claim():
+    f = fleet(snapshots={"claimName": "run1-snapshots", "mountPath": "/snap"})
+    pod = b.build_engine_pod(f, 0)
+    assert pod["spec"]["volumes"][0] == {"name": "snapshots", "persistentVolumeClaim": {"claimName": "run1-snapshots"}}
+    assert pod["spec"]["containers"][0]["volumeMounts"][0] == {"name": "snapshots", "mountPath": "/snap"}
+
+
+def test_replacement_starts_from_the_fleet_snapshot_annotation():
+    f = fleet()
+    f["metadata"]["annotations"] = {b.ANN_MODEL_PATH: "/snapshots/step_7", b.ANN_WEIGHT_VERSION: "7"}
+    cmd = b.build_engine_pod(f, 0)["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--model-path") + 1] == "/snapshots/step_7"
+    assert cmd[cmd.index("--weight-version") + 1] == "7"
+
+
+def test_tiny_model_is_written_by_an_init_container_per_pod():
+    f = fleet(engine={"modelPath": "tiny://llama?seed=3", "device": "cpu"},
+              snapshots={"claimName": "c", "mountPath": "/snapshots"})
+    pod = b.build_engine_pod(f, 0, rlfleet_image="rlfleet/rlfleet:9")
+    init = pod["spec"]["initContainers"][0]
+    path = "/snapshots/models/$(POD_NAME)/tiny-llama-seed3"
+    assert init["image"] == "rlfleet/rlfleet:9"
+    assert init["command"] == ["rlfleet", "tiny-model", path, "--seed", "3", "--arch", "llama"]
+    cmd = pod["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--model-path") + 1] == path
+
+
+def test_bad_fleet_spec_raises_with_the_field():
+    with pytest.raises(ValidationError, match="replicas"):
+        b.build_engine_pod(fleet(replicas=-1), 0)
+
+
+def test_router_deployment_and_service_select_the_router_pod():
+    dep = b.build_router_deployment(fleet())
+    svc = b.build_router_service(fleet())
+    assert dep["metadata"]["name"] == svc["metadata"]["name"] == "run1-rollout-router"
+    tmpl_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(tmpl_labels[k] == v for k, v in dep["spec"]["selector"]["matchLabels"].items())
+    assert all(tmpl_labels[k] == v for k, v in svc["spec"]["selector"].items())
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["python3", "-m", "sglang_router.launch_router"]
+    assert cmd[cmd.index("--host") + 1] == "$(POD_IP)" and cmd[cmd.index("--policy") + 1] == "cache_aware"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 30000, "metrics": b.ROUTER_METRICS_PORT}
+
+
+def test_run_children_are_owned_by_the_run_and_share_the_claim():
+    r = run()
+    pvc = b.build_snapshot_pvc(r)
+    rf = b.build_rollout_fleet(r)
+    trainer = b.build_trainer_pod(r)
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    for obj in (pvc, rf, trainer):
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == "run-uid"
+    assert rf["metadata"]["name"] == "run1-rollout"
+    assert rf["spec"]["engine"]["modelPath"] == "/models/base"
+    assert rf["spec"]["snapshots"] == {"claimName": "run1-snapshots", "mountPath": "/snapshots"}
+    assert rf["spec"]["runName"] == "run1"
+    assert trainer["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "run1-snapshots"
+
+
+def test_named_claim_is_used_and_not_created():
+    r = run(weightSync={"mountPath": "/s", "snapshotVolume": {"claimName": "shared-rwx"}})
+    assert b.build_snapshot_pvc(r) is None
+    assert b.build_rollout_fleet(r)["spec"]["snapshots"]["claimName"] == "shared-rwx"
+
+
+def test_trainer_pod_runs_rlfleet_in_kubernetes_mode():
+    t = b.build_trainer_pod(run())
+    c = t["spec"]["containers"][0]
+    assert c["command"] == ["rlfleet", "run", "--kubernetes", "--namespace", "team", "--training-run", "run1"]
+    assert {"name": "RLFLEET_SNAPSHOT_DIR", "value": "/snapshots"} in c["env"]
+    assert t["spec"]["serviceAccountName"] == b.TRAINER_SERVICE_ACCOUNT
+    assert t["spec"]["restartPolicy"] == "Never"
+
+
+def test_eval_fleet_only_for_posture_fleet_and_inherits_the_engine():
+    assert b.build_eval_fleet(run()) is None
+    r = run(eval={"posture": "fleet", "datasets": [{"name": "d", "task": "reverse"}],
+                  "fleet": {"replicas": 1, "engine": {"maxTotalTokens": 2048}}})
+    ef = b.build_eval_fleet(r)
+    assert ef["kind"] == "EvalFleet" and ef["metadata"]["name"] == "run1-eval"
+    assert ef["spec"]["replicas"] == 1
+    assert ef["spec"]["engine"]["maxTotalTokens"] == 2048
+    assert ef["spec"]["engine"]["device"] == "cpu" and ef["spec"]["engine"]["modelPath"] == "/models/base"
+
+
+def test_the_quickstart_example_builds_valid_children():
+    """examples/quickstart.yaml as the API server stores it (defaults filled) -> every child object."""
+    from pathlib import Path
+
+    from rlfleet.crds.loader import parse_yaml, validate_object
+    from rlfleet.crds.specs import wire_dump
+
+    text = (Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml").read_text()
+    model, errors = validate_object(parse_yaml(text)[0])
+    assert not errors
+    stored = wire_dump(model)
+    stored["metadata"].update(namespace="team", uid="run-uid")
+    rollout, evalf = b.build_rollout_fleet(stored), b.build_eval_fleet(stored)
+    assert rollout["spec"]["replicas"] == 2 and evalf["spec"]["replicas"] == 1
+    for fleet in (rollout, evalf):
+        fleet["metadata"]["uid"] = "fleet-uid"
+        pod = b.build_engine_pod(fleet, 0)
+        init = pod["spec"]["initContainers"][0]
+        assert init["command"][:2] == ["rlfleet", "tiny-model"]  # tiny://llama?seed=0, written per pod
+        assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "quickstart-snapshots"
+    assert b.build_snapshot_pvc(stored)["metadata"]["name"] == "quickstart-snapshots"
+    assert b.build_trainer_pod(stored)["spec"]["containers"][0]["command"][:3] == ["rlfleet", "run", "--kubernetes"]

@@ -1,0 +1,99 @@
+"""The Kubernetes backend's view of a fleet from pods and the operator's status (no API calls)."""
+import asyncio
+
+from rlfleet.crds.specs import RecoverySpec
+from rlfleet.operator import builders as b
+from rlfleet.orchestrator.backend import DeathCause, EngineState
+from rlfleet.orchestrator.k8s_backend import KubernetesBackend, fleet_failure, slot_view
+
+
+def pod(slot, *, restarts=0, phase="Running", ready=True, exit_code=None, message="", annotations=None, uid=None):
+    state = {"terminated": {"exitCode": exit_code, "message": message}} if exit_code is not None \
+        else {"running": {}}
+    return {"metadata": {"name": b.engine_pod_name("f", slot), "uid": uid or f"u{slot}-{restarts}",
+                         "labels": b.engine_labels("f", slot),
+                         "annotations": {b.ANN_RESTARTS: str(restarts), **(annotations or {})}},
+            "status": {"phase": phase, "podIP": f"127.0.0.{20 + slot}",
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                       "containerStatuses": [{"name": "engine", "state": state}]}}
+
+
+def test_slot_states_follow_the_pod():
+    assert slot_view(0, pod(0), None, port=30000, marked_dead=None, weight_version=None).state is EngineState.ALIVE
+    starting = slot_view(0, pod(0, ready=False), None, port=30000, marked_dead=None, weight_version=None)
+    assert starting.state is EngineState.STARTING and starting.url == "http://127.0.0.20:30000"
+    crashed = slot_view(0, pod(0, phase="Failed", ready=False, exit_code=137), None, port=1, marked_dead=None,
+                        weight_version=None)
+    assert crashed.state is EngineState.DEAD and crashed.exit_code == 137
+    marked = slot_view(0, pod(0, restarts=2), None, port=1, marked_dead=3, weight_version=None)
+    assert marked.state is EngineState.DEAD and marked.incarnation == 3
+    newer = slot_view(0, pod(0, restarts=3), None, port=1, marked_dead=3, weight_version="7")
+    assert newer.state is EngineState.ALIVE and newer.incarnation == 4 and newer.weight_version == "7"
+    gone = slot_view(0, None, {"slot": 0, "restarts": 1, "state": "Recreating"}, port=1, marked_dead=None,
+                     weight_version=None)
+    assert gone.state is EngineState.DEAD
+    failed = slot_view(0, pod(0, phase="Failed", exit_code=1), {"slot": 0, "state": "Failed", "restarts": 3},
+                       port=1, marked_dead=None, weight_version=None)
+    assert failed.state is EngineState.FAILED
+
+
+def test_operator_failed_condition_becomes_fleet_failed_with_the_log():
+    status = {"conditions": [{"type": "Failed", "status": "True", "reason": "EngineCrashLoop",
+                              "message": "slot 0 failed ...\nAssertionError: backend"}],
+              "engines": [{"slot": 0, "state": "Failed", "lastFailure": {"exitCode": 1,
+                                                                          "message": "x\nAssertionError: backend"}}]}
+    failure = fleet_failure("f", status)
+    assert failure.reason == "EngineCrashLoop" and failure.slot == 0 and failure.exit_code == 1
+    assert "AssertionError: backend" in str(failure) and failure.log_tail[-1] == "AssertionError: backend"
+    assert fleet_failure("f", {"conditions": [{"type": "Failed", "status": "False"}]}) is None
+
+
+async def test_a_terminated_container_is_reported_dead_at_once():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=2, min_ready=1, recovery=RecoverySpec())
+    deaths = []
+    backend.subscribe(deaths.append)
+    await backend._on_pods_listed([pod(0), pod(1)])
+    assert [e.state for e in backend.engines()] == [EngineState.ALIVE, EngineState.ALIVE]
+    await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=137, message="killed"))
+    assert [(d.slot, d.incarnation, d.cause) for d in deaths] == [(1, 1, DeathCause.EXITED)]
+    assert "exit code 137" in deaths[0].reason
+    await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=137))
+    assert len(deaths) == 1  # reported once per incarnation
+    await backend._on_pod_event("DELETED", pod(1, phase="Failed", ready=False, exit_code=137))
+    assert backend.engines()[1].state is EngineState.DEAD and len(deaths) == 1
+    await backend._on_pod_event("ADDED", pod(1, restarts=1, ready=False, uid="new"))
+    assert backend.engines()[1].state is EngineState.STARTING and backend.engines()[1].incarnation == 2
+
+
+async def test_wait_all_alive_returns_when_the_replacement_is_ready():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=1, min_ready=1, recovery=RecoverySpec())
+    await backend._on_pods_listed([pod(0, restarts=1, ready=False)])
+
+    async def becomes_ready():
+        await asyncio.sleep(0.05)
+        await backend._on_pod_event("MODIFIED", pod(0, restarts=1))
+
+    task = asyncio.create_task(becomes_ready())
+    alive = await backend.wait_all_alive(timeout=5)
+    await task
+    assert [(e.slot, e.incarnation) for e in alive] == [(0, 2)]
+
+
+async def test_wait_all_alive_is_bounded_and_says_why():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=1, min_ready=1, recovery=RecoverySpec())
+    await backend._on_pods_listed([pod(0, ready=False)])
+    try:
+        await backend.wait_all_alive(timeout=0.1)
+    except TimeoutError as e:
+        assert "0 of 1 engines alive" in str(e) and "slot 0: starting" in str(e)
+    else:
+        raise AssertionError("expected FleetNotReady")
+
+
+async def test_orchestrator_may_not_write_the_operators_status_fields():
+    import pytest
+
+    from rlfleet.orchestrator.k8s_backend import report_run_progress
+
+    with pytest.raises(ValueError, match="phase"):
+        await report_run_progress(None, "ns", "r", step=3, phase="Succeeded")

@@ -1,0 +1,196 @@
+"""The node agent's pure rules: image map, env and $(VAR) expansion, volumes and paths, status."""
+from pathlib import Path
+
+import pytest
+
+from rlfleet.operator import node_plan as plan
+
+PY = "/opt/py/bin/python"
+
+
+def pod(containers, volumes=None, **spec):
+    return {
+        "metadata": {"name": "f-engine-0", "namespace": "ns", "uid": "u-1", "labels": {"slot": "0"},
+                     "annotations": {"a": "b"}},
+        "spec": {"containers": containers, "volumes": volumes or [], **spec},
+    }
+
+
+def test_sglang_image_runs_python_as_this_interpreter():
+    m = plan.ImageMap(plan.default_image_rules(PY))
+    argv = m.local_argv("lmsysorg/sglang:v0.5.23", ["python3", "-m", "sglang.launch_server"], ["--port", "1"])
+    assert argv == [PY, "-m", "sglang.launch_server", "--port", "1"]
+
+
+def test_rlfleet_image_runs_the_local_cli():
+    m = plan.ImageMap(plan.default_image_rules(PY))
+    assert m.local_argv("ghcr.io/x/rlfleet:0.1", ["rlfleet", "run"], ["--kubernetes"]) == [
+        PY, "-m", "rlfleet.cli", "run", "--kubernetes"]
+
+
+@pytest.mark.parametrize("image,command,words", [
+    ("busybox", ["sh"], "no local command map for image 'busybox'"),
+    ("lmsysorg/sglang:x", ["bash", "-c", "x"], "command word 'bash' is not mapped"),
+    ("lmsysorg/sglang:x", [], "has no command"),
+])
+def test_unmapped_images_and_words_are_refused_clearly(image, command, words):
+    with pytest.raises(plan.PodConfigError) as e:
+        plan.ImageMap(plan.default_image_rules(PY)).local_argv(image, command, [])
+    assert e.value.reason == "ImageNotMapped"
+    assert words in e.value.message
+
+
+def test_extra_rules_from_json_come_first_and_bad_json_is_rejected():
+    m = plan.ImageMap.from_json('{"busybox*": {"sh": ["/bin/sh"]}}', python=PY)
+    assert m.local_argv("busybox:1", ["sh", "-c", "true"], []) == ["/bin/sh", "-c", "true"]
+    with pytest.raises(ValueError, match="image map must be"):
+        plan.ImageMap.from_json('{"busybox": {"sh": "/bin/sh"}}')
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("--host=$(POD_IP)", "--host=127.0.0.12"),
+    ("$(POD_IP):$(PORT)", "127.0.0.12:30000"),
+    ("$$(POD_IP)", "$(POD_IP)"),
+    ("$(UNKNOWN)", "$(UNKNOWN)"),
+    ("plain", "plain"),
+])
+def test_var_expansion_follows_kubelet_rules(text, expected):
+    assert plan.expand(text, {"POD_IP": "127.0.0.12", "PORT": "30000"}) == expected
+
+
+def test_env_resolves_downward_api_and_earlier_vars():
+    c = {"name": "engine", "env": [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "SLOT", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['slot']"}}},
+        {"name": "URL", "value": "http://$(POD_IP):30000"},
+        {"name": "CM", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "k"}}},
+    ]}
+    env = plan.container_env(pod([c]), c, pod_ip="127.0.0.12", node_name="n1",
+                             config_data={("configmap", "cfg"): {"k": "v"}})
+    assert env == {"POD_IP": "127.0.0.12", "NAME": "f-engine-0", "SLOT": "0", "URL": "http://127.0.0.12:30000",
+                   "CM": "v"}
+
+
+def test_env_with_a_missing_config_key_is_a_config_error():
+    c = {"name": "c", "env": [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}
+    with pytest.raises(plan.PodConfigError, match="secret 's' key 'k' not found"):
+        plan.container_env(pod([c]), c, pod_ip="1", node_name="n")
+
+
+def test_volumes_map_to_host_directories_and_claims_are_shared(tmp_path):
+    vols = [{"name": "snap", "persistentVolumeClaim": {"claimName": "run-snapshots"}},
+            {"name": "scratch", "emptyDir": {}}, {"name": "host", "hostPath": {"path": "/data/models"}}]
+    paths = plan.volume_host_paths(pod([], vols), tmp_path)
+    assert paths == {"snap": tmp_path / "claims" / "ns" / "run-snapshots",
+                     "scratch": tmp_path / "pods" / "u-1" / "volumes" / "scratch",
+                     "host": Path("/data/models")}
+    with pytest.raises(plan.PodConfigError, match="unsupported source"):
+        plan.volume_host_paths(pod([], [{"name": "x", "nfs": {}}]), tmp_path)
+
+
+def test_paths_under_mounts_are_rewritten_in_args_flags_env_and_cwd(tmp_path):
+    c = {"name": "engine", "image": "lmsysorg/sglang:1", "workingDir": "/snapshots",
+         "command": ["python3", "-m", "sglang.launch_server"],
+         "args": ["--model-path", "/snapshots/step_3", "--download-dir=/snapshots/cache", "--x", "/snapshotsX"],
+         "env": [{"name": "SNAP", "value": "/snapshots"}],
+         "volumeMounts": [{"name": "snap", "mountPath": "/snapshots"}]}
+    p = pod([c], [{"name": "snap", "persistentVolumeClaim": {"claimName": "c"}}])
+    vp = plan.volume_host_paths(p, tmp_path)
+    cp = plan.plan_container(p, c, pod_ip="127.0.0.12", node_name="n", volume_paths=vp,
+                             image_map=plan.ImageMap(plan.default_image_rules(PY)), extra_env={"HOSTNAME": "h"})
+    host = str(tmp_path / "claims" / "ns" / "c")
+    assert cp.argv == [PY, "-m", "sglang.launch_server", "--model-path", host + "/step_3",
+                       f"--download-dir={host}/cache", "--x", "/snapshotsX"]
+    assert cp.env == {"HOSTNAME": "h", "SNAP": host}
+    assert cp.cwd == host
+
+
+def test_readiness_probe_uses_pod_ip_and_named_ports():
+    c = {"name": "e", "ports": [{"name": "http", "containerPort": 30000}],
+         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2,
+                            "failureThreshold": 5}}
+    probe = plan.readiness_probe(c, "127.0.0.12")
+    assert probe.url == "http://127.0.0.12:30000/health"
+    assert (probe.period_s, probe.failure_threshold, probe.timeout_s) == (2.0, 5, 1.0)
+    assert plan.readiness_probe({"name": "e"}, "127.0.0.12") is None
+    with pytest.raises(plan.PodConfigError, match="only httpGet"):
+        plan.readiness_probe({"name": "e", "readinessProbe": {"exec": {"command": ["true"]}}}, "x")
+
+
+def test_ip_pool_gives_each_pod_its_own_address_and_reuses_released_ones():
+    pool = plan.PodIpPool("127.0.0.0/24", first_host=10)
+    a, b = pool.take("a"), pool.take("b")
+    assert (a, b) == ("127.0.0.10", "127.0.0.11")
+    assert pool.take("a") == a
+    pool.release("a")
+    assert pool.take("c", unusable=["127.0.0.10"]) == "127.0.0.12"
+    assert pool.take("d", preferred="127.0.0.10") == "127.0.0.10"
+    with pytest.raises(ValueError, match="not a loopback"):
+        plan.PodIpPool("10.0.0.0/24")
+
+
+def test_ip_pool_exhaustion_is_a_clear_error():
+    pool = plan.PodIpPool("127.0.0.0/29", first_host=5)
+    pool.take("a"), pool.take("b")
+    with pytest.raises(plan.PodConfigError, match="no free address"):
+        pool.take("c")
+
+
+@pytest.mark.parametrize("policy,codes,phase", [
+    ("Never", [0], "Succeeded"),
+    ("Never", [0, 3], "Failed"),
+    ("Never", [None], "Running"),
+    ("OnFailure", [1], "Running"),
+    ("OnFailure", [0], "Succeeded"),
+    ("Always", [0], "Running"),
+])
+def test_pod_phase(policy, codes, phase):
+    runs = [plan.ContainerRun(f"c{i}", "img", started_at="t", exit_code=c, waiting_reason=None)
+            for i, c in enumerate(codes)]
+    assert plan.pod_phase(policy, runs) == phase
+
+
+def test_pod_phase_is_pending_until_every_container_started():
+    assert plan.pod_phase("Never", [plan.ContainerRun("c", "img")]) == "Pending"
+
+
+def test_status_reports_ready_exit_code_and_log_tail():
+    run = plan.ContainerRun("engine", "img", started_at="t0", exit_code=3, finished_at="t1",
+                            message=plan.termination_message(["a", "AssertionError: no backend"]), waiting_reason=None)
+    st = plan.pod_status(phase="Failed", pod_ip="127.0.0.12", start_time="t0", runs=[run], now="t2")
+    term = st["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 3 and term["reason"] == "Error"
+    assert term["message"].endswith("AssertionError: no backend")
+    ready = {c["type"]: c for c in st["conditions"]}["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "PodCompleted"
+    assert st["podIP"] == "127.0.0.12"
+
+
+def test_ready_condition_keeps_its_transition_time_while_unchanged():
+    run = plan.ContainerRun("e", "img", started_at="t0", ready=True, waiting_reason=None)
+    first = plan.pod_status(phase="Running", pod_ip="ip", start_time="t0", runs=[run], now="t1")
+    again = plan.pod_status(phase="Running", pod_ip="ip", start_time="t0", runs=[run], now="t9",
+                            previous_conditions=first["conditions"])
+    ready = {c["type"]: c for c in again["conditions"]}["Ready"]
+    assert ready == {"type": "Ready", "status": "True", "lastTransitionTime": "t1", "lastProbeTime": None}
+    assert again["containerStatuses"][0]["state"] == {"running": {"startedAt": "t0"}}
+
+
+def test_termination_message_keeps_the_end():
+    msg = plan.termination_message(["x" * 5000, "the reason"], max_bytes=100)
+    assert len(msg.encode()) <= 100 and msg.endswith("the reason")
+
+
+def test_restart_backoff_doubles_to_a_cap():
+    assert [plan.restart_delay_s(n, 1, 8) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 8]
+    assert plan.should_restart("OnFailure", 1) and not plan.should_restart("OnFailure", 0)
+    assert not plan.should_restart("Never", 1) and plan.should_restart("Always", 0)
+
+
+def test_scheduler_binds_only_unbound_matching_pods():
+    p = pod([], nodeSelector={"rlfleet.io/node-agent": "true"})
+    assert plan.schedulable_here(p, {"rlfleet.io/node-agent": "true"})
+    assert not plan.schedulable_here(p, {})
+    assert not plan.schedulable_here(pod([], nodeName="other"), {})
+    assert not plan.schedulable_here(pod([], schedulerName="volcano"), {})

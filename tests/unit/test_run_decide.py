@@ -1,0 +1,128 @@
+"""The TrainingRun decision: children to create, fleet spec sync, phase and conditions from the children."""
+from rlfleet.operator import builders as b
+from rlfleet.operator.conditions import find
+from rlfleet.operator.run_decide import RunChildren, decide_run
+
+T0 = 1_700_000_000.0
+
+
+def run(status=None, **spec):
+    base = {"modelPath": "/models/base", "rollout": {"replicas": 2, "engine": {"device": "cpu"}},
+            "trainer": {"gpus": 0}, "weightSync": {"mountPath": "/snapshots", "snapshotVolume": {"size": "5Gi"}}}
+    base.update(spec)
+    obj = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+           "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 1}, "spec": base}
+    if status is not None:
+        obj["status"] = status
+    return obj
+
+
+def trainer(phase, exit_code=None, message=""):
+    cs = [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code, "message": message}}}] \
+        if exit_code is not None else [{"name": "trainer", "state": {"running": {}}}]
+    return {"metadata": {"name": "r-trainer"}, "status": {"phase": phase, "startTime": "2026-01-01T00:00:00Z",
+                                                          "containerStatuses": cs}}
+
+
+def fleet_of(r, **status):
+    f = b.build_rollout_fleet(r)
+    f["status"] = status
+    return f
+
+
+def test_new_run_creates_claim_fleet_and_trainer():
+    plan = decide_run(run(), RunChildren(), now=T0)
+    assert [o["kind"] for o in plan.create] == ["PersistentVolumeClaim", "RolloutFleet", "Pod"]
+    assert plan.status["phase"] == "Pending" and plan.status["ready"] == "0/2"
+    assert find(plan.status["conditions"], "Progressing")["status"] == "True"
+
+
+def test_existing_children_are_not_created_again():
+    r = run()
+    kids = RunChildren(rollout=fleet_of(r), trainer=trainer("Pending"), pvc={"metadata": {"name": "r-snapshots"}})
+    plan = decide_run(r, kids, now=T0)
+    assert plan.create == [] and plan.patch_fleet_specs == []
+
+
+def test_changed_rollout_template_patches_the_fleet_spec():
+    r = run()
+    current = fleet_of(r)
+    r["spec"]["rollout"]["replicas"] = 3
+    plan = decide_run(r, RunChildren(rollout=current, trainer=trainer("Running"), pvc={}), now=T0)
+    assert plan.patch_fleet_specs[0][:2] == ("RolloutFleet", "r-rollout")
+    assert plan.patch_fleet_specs[0][2]["replicas"] == 3
+
+
+def test_running_trainer_and_ready_fleet_make_a_ready_run():
+    r = run()
+    f = fleet_of(r, readyReplicas=2, restarts=1, engines=[{"slot": 0, "state": "Ready", "restarts": 1}],
+                 conditions=[{"type": "Ready", "status": "True", "reason": "EnginesReady"}])
+    plan = decide_run(r, RunChildren(rollout=f, trainer=trainer("Running"), pvc={}), now=T0)
+    st = plan.status
+    assert st["phase"] == "Running" and st["ready"] == "2/2" and st["engineRestarts"] == 1
+    assert st["startTime"] == "2026-01-01T00:00:00Z"
+    assert find(st["conditions"], "Ready")["status"] == "True"
+    assert [e.reason for e in plan.events] == ["Running"]
+
+
+def test_fleet_crash_loop_fails_the_run_with_the_engine_log():
+    r = run(status={"phase": "Running"})
+    msg = "engine slot 0 failed 3 times ... exit code 1:\nAssertionError: backend"
+    f = fleet_of(r, conditions=[{"type": "Failed", "status": "True", "reason": "EngineCrashLoop", "message": msg}])
+    plan = decide_run(r, RunChildren(rollout=f, trainer=trainer("Running"), pvc={}), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.status["phase"] == "Failed"
+    assert failed["reason"] == "EngineCrashLoop" and "AssertionError: backend" in failed["message"]
+    assert plan.events[0].type == "Warning"
+
+
+def test_failed_trainer_fails_the_run_with_its_log_and_nothing_is_recreated():
+    r = run(status={"phase": "Running"})
+    kids = RunChildren(rollout=fleet_of(r), trainer=trainer("Failed", 2, "usage: rlfleet run ..."), pvc={})
+    plan = decide_run(r, kids, now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.status["phase"] == "Failed" and failed["reason"] == "TrainerFailed"
+    assert "exit code 2" in failed["message"] and "usage: rlfleet run" in failed["message"]
+    later = decide_run(run(status=plan.status), RunChildren(rollout=fleet_of(r), pvc={}), now=T0 + 60)
+    assert later.create == [] and later.status["phase"] == "Failed" and later.events == []
+
+
+def test_orchestrator_failure_annotation_fails_the_run():
+    r = run(status={"phase": "Running"})
+    r["metadata"]["annotations"] = {b.ANN_FAILED_REASON: "RolloutEnginesUnavailable",
+                                    b.ANN_FAILED_MESSAGE: "no engine can serve:\nengine 0: CUDA error"}
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Running"), pvc={}), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.status["phase"] == "Failed" and failed["reason"] == "RolloutEnginesUnavailable"
+    assert "CUDA error" in failed["message"] and plan.status["message"].endswith("CUDA error")
+
+
+def test_orchestrator_failure_condition_is_kept():
+    cond = {"type": "Failed", "status": "True", "reason": "RolloutEnginesUnavailable", "message": "503 storm",
+            "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    r = run(status={"phase": "Running", "conditions": [cond]})
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Running"), pvc={}), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.status["phase"] == "Failed" and failed["reason"] == "RolloutEnginesUnavailable"
+    assert failed["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+
+
+def test_succeeded_run_scales_its_fleets_to_zero():
+    r = run(status={"phase": "Running"})
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Succeeded", 0), pvc={}), now=T0)
+    assert plan.status["phase"] == "Succeeded" and plan.status["completionTime"]
+    done = decide_run(run(status=plan.status), RunChildren(rollout=fleet_of(r), trainer=trainer("Succeeded", 0),
+                                                           pvc={}), now=T0 + 1)
+    assert done.patch_fleet_specs[0][2]["replicas"] == 0
+
+
+def test_trainer_vanishing_while_running_fails_the_run():
+    r = run(status={"phase": "Running"})
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), pvc={}), now=T0)
+    assert plan.status["phase"] == "Failed" and find(plan.status["conditions"], "Failed")["reason"] == "TrainerLost"
+    assert plan.create == []
+
+
+def test_named_claim_is_not_created():
+    r = run(weightSync={"mountPath": "/s", "snapshotVolume": {"claimName": "mine"}})
+    assert "PersistentVolumeClaim" not in [o["kind"] for o in decide_run(r, RunChildren(), now=T0).create]
