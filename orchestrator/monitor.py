@@ -28,6 +28,9 @@ from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
 
+# How long a refusal seen between probes waits for the backend's own report of the same death.
+REFUSAL_GRACE_S = 0.2
+
 
 @dataclass(frozen=True)
 class ProbeTarget:
@@ -322,9 +325,18 @@ class HealthMonitor:
         task.add_done_callback(self._callbacks.discard)
 
     def _refused_between_probes(self, url: str, error: CallError) -> None:
-        """The probe client reconnected an engine's idle connection and was refused."""
+        """The probe client reconnected an engine's idle connection and was refused.
+
+        Acted on after REFUSAL_GRACE_S: the backend's own process or pod watch sees the same death
+        within milliseconds and knows more (exit code, the engine's last log lines); if it reports
+        first, the engine is already forgotten here and this refusal changes nothing.
+        """
         key = self._keys_by_url.get(url)
-        health = self._health.get(key) if key is not None else None
+        if key is not None:
+            asyncio.get_running_loop().call_later(REFUSAL_GRACE_S, self._confirm_refusal, key, error)
+
+    def _confirm_refusal(self, key: tuple[int, int], error: CallError) -> None:
+        health = self._health.get(key)
         if health is None:
             return
         kind, reason = describe_failure(error, self.spec.timeout_seconds)

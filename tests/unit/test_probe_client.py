@@ -406,3 +406,27 @@ async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refu
     (at, slot, reason), = deaths
     assert slot == 0 and at - crashed_at < 0.5
     assert reason.startswith("connection refused, nothing listens on the engine's port")
+
+
+async def test_a_death_the_backend_reports_first_is_not_reported_again(raw_server):
+    from rlfleet.crds.specs import HealthSpec
+    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+
+    server, url = await raw_server(lambda n: OK)
+    deaths: list[str] = []
+
+    async def on_dead(target: ProbeTarget, reason: str) -> None:
+        deaths.append(reason)
+
+    spec = HealthSpec(interval_seconds=30, timeout_seconds=2, failure_threshold=3)
+    monitor = HealthMonitor(spec, targets=lambda: [ProbeTarget(0, 1, url)], on_dead=on_dead, fleet="watch-test")
+    await monitor.start()
+    try:
+        await asyncio.sleep(0.3)
+        server.crash()
+        await asyncio.sleep(0.05)
+        monitor.forget(0, 1)  # the process watch saw the exit first, with its exit code and log
+        await asyncio.sleep(0.5)
+    finally:
+        await monitor.stop()
+    assert deaths == []
