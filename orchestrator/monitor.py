@@ -28,8 +28,9 @@ from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
 
-# How long a refusal seen between probes waits for the backend's own report of the same death.
-REFUSAL_GRACE_S = 0.2
+# How long a refusal seen between probes waits for the backend's own report of the same death (a
+# SIGKILLed CPU engine's process exit was seen ~0.5 s after the kill, its closed socket ~0.2 s earlier).
+REFUSAL_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,7 @@ class HealthMonitor:
 
     def _confirm_refusal(self, key: tuple[int, int], error: CallError) -> None:
         health = self._health.get(key)
-        if health is None:
+        if health is None or not self.running:
             return
         kind, reason = describe_failure(error, self.spec.timeout_seconds)
         if not health.connection_refused(asyncio.get_running_loop().time(), reason):

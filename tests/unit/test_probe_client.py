@@ -380,7 +380,7 @@ async def test_without_a_watcher_idle_connections_are_not_reopened(raw_server, c
 
 async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refused(raw_server):
     from rlfleet.crds.specs import HealthSpec
-    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
 
     server, url = await raw_server(lambda n: OK)
     held_server, other = await raw_server(lambda n: OK)
@@ -400,17 +400,17 @@ async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refu
         crashed_at = asyncio.get_running_loop().time()
         server.crash()
         held_server.crash()
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(REFUSAL_GRACE_S + 0.5)
     finally:
         await monitor.stop()
     (at, slot, reason), = deaths
-    assert slot == 0 and at - crashed_at < 0.5
+    assert slot == 0 and REFUSAL_GRACE_S <= at - crashed_at < REFUSAL_GRACE_S + 0.5
     assert reason.startswith("connection refused, nothing listens on the engine's port")
 
 
 async def test_a_death_the_backend_reports_first_is_not_reported_again(raw_server):
     from rlfleet.crds.specs import HealthSpec
-    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
 
     server, url = await raw_server(lambda n: OK)
     deaths: list[str] = []
@@ -426,7 +426,7 @@ async def test_a_death_the_backend_reports_first_is_not_reported_again(raw_serve
         server.crash()
         await asyncio.sleep(0.05)
         monitor.forget(0, 1)  # the process watch saw the exit first, with its exit code and log
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(REFUSAL_GRACE_S + 0.3)
     finally:
         await monitor.stop()
     assert deaths == []
