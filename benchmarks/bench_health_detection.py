@@ -13,7 +13,8 @@ monotonic clock; both processes run on this machine).
 
 Probers:
 - rlfleet: rlfleet.orchestrator.monitor.HealthMonitor (concurrent probes, failure threshold, a refused
-  connection is a death at once) with its own probe client (one kept-alive connection per engine);
+  connection is a death at once) with its own probe client (one kept-alive connection per engine,
+  reopened at once when it ends between probes, so a crash is refused within milliseconds);
 - rlfleet-aiohttp (opt-in): the same monitor probing through aiohttp, to price the client alone;
 - miles: the baseline, re-implemented from Miles' RolloutHealthMonitor behaviour: engines probed one
   at a time, each probe bounded by the timeout, the first failed probe kills the engine, then sleep

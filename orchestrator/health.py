@@ -9,7 +9,8 @@ Rules (the settings come from HealthSpec):
 - `failure_threshold` consecutive failures mark the engine dead; dead is final for this incarnation
   (a replacement is a new incarnation with a new state machine), so a late answer from a hung process
   can never bring a replaced slot back.
-- A refused connection marks the engine dead on the first failure: nothing listens on its port, so
+- A refused connection marks the engine dead on the first failure, in a probe or when the probe
+  client reconnects a kept-alive connection that ended between probes: nothing listens on its port, so
   the process is gone (a busy, paused or hung engine still accepts connections: its timeouts and
   503s keep the threshold). Engines are only probed once they served (startup is watched elsewhere),
   and never while paused or held, so a port that is not open yet, or closed on purpose, is not seen.
@@ -120,6 +121,17 @@ class EngineHealth:
         retry_gap = min(self.spec.interval_seconds, self.spec.timeout_seconds)
         self.next_due = max(now, ticket.started_at + retry_gap)
         return False
+
+    def connection_refused(self, now: float, reason: str) -> bool:
+        """A connection attempt between probes was refused (the probe client watches kept-alive
+        connections); True when that makes the engine dead, which it does whenever probes would run."""
+        if not self.probing or self.in_flight is not None:
+            return False  # paused or held on purpose, already dead, or a probe's own outcome decides
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        self.last_failure = reason
+        self.state = HealthState.DEAD
+        return True
 
     def mark_dead(self, reason: str) -> None:
         """Dead for a reason outside the probes (process exit, failed load)."""

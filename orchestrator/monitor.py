@@ -4,7 +4,8 @@ The decisions (when to probe, when an engine is dead) are EngineHealth's; this m
 probes, bounds each by `timeout_seconds`, and calls `on_dead` once per dead incarnation. One event
 loop handles a thousand engines: the default probe is HealthProbeClient's GET /health_generate on a
 kept-alive connection per engine, a future with one timer (no thread, no task per probe); an
-injected probe function runs as a task. A refused connection is a death at once (health.py).
+injected probe function runs as a task. A refused connection is a death at once (health.py), also
+when the client reconnects an idle connection that ended between probes (the process died).
 
 Holds: `hold(slot, reason)` stops probing one engine (the heat guard paused its generation) until
 `release(slot)`, across fleet-wide pauses and resumes. A hold belongs to the incarnation it found:
@@ -26,6 +27,10 @@ from rlfleet.orchestrator.health import EngineHealth, ProbeTicket, next_round
 from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
+
+# How long a refusal seen between probes waits for the backend's own report of the same death (a
+# SIGKILLed CPU engine's process exit was seen ~0.5 s after the kill, its closed socket ~0.2 s earlier).
+REFUSAL_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,11 @@ class HealthMonitor:
         self.fleet = fleet
         self._targets = targets
         self._probe_fn = probe
-        self.client = HealthProbeClient() if probe is None else None
+        self.client = HealthProbeClient(on_refused=self._refused_between_probes) if probe is None else None
         self._on_dead = on_dead
         self._health: dict[tuple[int, int], EngineHealth] = {}
         self._known: dict[tuple[int, int], ProbeTarget] = {}
+        self._keys_by_url: dict[str, tuple[int, int]] = {}
         self._probes: dict[tuple[int, int], asyncio.Future] = {}  # probes in flight
         self._holds: dict[int, _Hold] = {}
         self._callbacks: set[asyncio.Task] = set()
@@ -211,6 +217,8 @@ class HealthMonitor:
             if key not in current:
                 del self._health[key]
                 gone = self._known.pop(key, None)
+                if gone is not None and self._keys_by_url.get(gone.url) == key:
+                    del self._keys_by_url[gone.url]
                 task = self._probes.pop(key, None)
                 if task is not None:
                     task.cancel()
@@ -230,6 +238,7 @@ class HealthMonitor:
                     hold.incarnation = key[1]
                     health.hold(hold.reason)
             self._known[key] = target
+            self._keys_by_url[target.url] = key
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -308,10 +317,35 @@ class HealthMonitor:
             message = f"connection refused, nothing listens on the engine's port: {reason}"
         else:
             message = f"{health.consecutive_failures} consecutive failed health probes, last: {reason}"
+        self._report(target, message)
+
+    def _report(self, target: ProbeTarget, message: str) -> None:
         log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot, target.url, message)
         task = asyncio.create_task(self._report_dead(target, message))
         self._callbacks.add(task)
         task.add_done_callback(self._callbacks.discard)
+
+    def _refused_between_probes(self, url: str, error: CallError) -> None:
+        """The probe client reconnected an engine's idle connection and was refused.
+
+        Acted on after REFUSAL_GRACE_S: the backend's own process or pod watch sees the same death
+        within milliseconds and knows more (exit code, the engine's last log lines); if it reports
+        first, the engine is already forgotten here and this refusal changes nothing.
+        """
+        key = self._keys_by_url.get(url)
+        if key is not None:
+            asyncio.get_running_loop().call_later(REFUSAL_GRACE_S, self._confirm_refusal, key, error)
+
+    def _confirm_refusal(self, key: tuple[int, int], error: CallError) -> None:
+        health = self._health.get(key)
+        if health is None or not self.running:
+            return
+        kind, reason = describe_failure(error, self.spec.timeout_seconds)
+        if not health.connection_refused(asyncio.get_running_loop().time(), reason):
+            return
+        self._probe_failed.inc()
+        self._failure_counter(kind).inc()
+        self._report(self._known[key], f"connection refused, nothing listens on the engine's port: {reason}")
 
     def _failure_counter(self, kind: str):
         counter = self._failure_kinds.get(kind)

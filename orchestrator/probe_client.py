@@ -13,6 +13,8 @@ core. A probe here is one write and one read on an open HTTP/1.1 connection, par
 - A probe is a future resolved by the connection's callbacks, with one timer: no task per probe
   (a task only while a connection opens), since at 1,000 probes a second per-probe overhead is most
   of the prober's CPU.
+- Between probes a kept-alive connection doubles as a wire to the engine: when it ends while idle,
+  the client reconnects at once and reports a refusal (optional `on_refused`).
 - Answers: status line, headers, body by Content-Length, chunked, or until close. A 2xx succeeds;
   anything else raises the CallError of its kind (errors.py): refused connections (nothing listens:
   the process is gone), timeouts, connections closed without an answer, 503, other 4xx/5xx, garbage.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections.abc import Callable
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -221,41 +224,47 @@ def _field(fields: bytes, marker: bytes) -> bytes | None:
 # --- one connection -------------------------------------------------------------------------------
 
 class _ProbeConnection(asyncio.Protocol):
-    """One HTTP/1.1 connection with at most one request in flight; reports to the requesting endpoint."""
+    """One HTTP/1.1 connection of an endpoint, with at most one request in flight.
 
-    __slots__ = ("transport", "open", "_parser", "_requester")
+    It reports answers and early ends to its owner, and an idle connection's end too (the server
+    closed it, or its process died). A connection closed on purpose has no owner and reports nothing.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("transport", "open", "owner", "busy", "used", "_parser")
+
+    def __init__(self, owner: _Endpoint) -> None:
         self.transport: asyncio.Transport | None = None
         self.open = False
+        self.owner: _Endpoint | None = owner
+        self.busy = False  # a request is in flight
+        self.used = False  # carried at least one request
         self._parser: ResponseParser | None = None
-        self._requester: _Endpoint | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.open = True
 
-    def request(self, data: bytes, requester: _Endpoint) -> None:
+    def request(self, data: bytes) -> None:
         self._parser = ResponseParser()
-        self._requester = requester
+        self.busy = self.used = True
         self.transport.write(data)  # type: ignore[union-attr]
 
     def data_received(self, data: bytes) -> None:
-        requester = self._requester
-        if requester is None:
+        owner = self.owner
+        if owner is None or not self.busy:
             self.abort()  # bytes nobody asked for: this stream can no longer be trusted
             return
         try:
             reply = self._parser.feed(data)  # type: ignore[union-attr]
         except BadResponse as exc:
             self.abort()
-            requester.failed(exc)
+            owner.failed(exc)
             return
         if reply is not None:
-            self._requester = None
+            self.busy = False
             if not reply.keep_alive:
                 self.close()
-            requester.answered(reply)
+            owner.answered(reply)
 
     def eof_received(self) -> bool:
         self._ended(None)
@@ -266,27 +275,33 @@ class _ProbeConnection(asyncio.Protocol):
 
     def _ended(self, exc: Exception | None) -> None:
         self.open = False
-        requester, self._requester = self._requester, None
-        if requester is None:
+        owner, self.owner = self.owner, None
+        if owner is None:
             return
+        if not self.busy:
+            owner.idle_closed(self)
+            return
+        self.busy = False
         parser = self._parser
         try:
             reply = parser.feed_eof()  # type: ignore[union-attr]
         except IncompleteAnswer as incomplete:
             detail = f"{incomplete}" + (f" ({exc})" if exc else "")
-            requester.closed_early(detail, got_bytes=parser.received > 0)  # type: ignore[union-attr]
+            owner.closed_early(detail, got_bytes=parser.received > 0)  # type: ignore[union-attr]
         else:
-            requester.answered(reply)
+            owner.answered(reply)
 
     def close(self) -> None:
+        """Close after what was written; nothing more is reported (the server asked to close)."""
         self.open = False
+        self.owner = None
         if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
-        """Close at once and never report again (the requester has moved on)."""
+        """Close at once and never report again (the owner has moved on)."""
         self.open = False
-        self._requester = None
+        self.owner = None
         if self.transport is not None:
             self.transport.abort()
 
@@ -301,7 +316,7 @@ class _Endpoint:
     """
 
     __slots__ = ("client", "url", "where", "host", "port", "request", "connection", "result", "timer", "started",
-                 "timeout_s", "reused", "opening", "exchange", "loop")
+                 "timeout_s", "reused", "opening", "watching", "exchange", "loop")
 
     def __init__(self, client: HealthProbeClient, url: str, path: str):
         parts = urlsplit(url)
@@ -320,6 +335,7 @@ class _Endpoint:
         self.result: asyncio.Future | None = None  # the probe in flight
         self.timer: asyncio.TimerHandle | None = None
         self.opening: asyncio.Task | None = None
+        self.watching: asyncio.Task | None = None  # reconnecting after an idle connection ended
         self.started = 0.0
         self.timeout_s = 0.0
         self.reused = False
@@ -335,6 +351,7 @@ class _Endpoint:
             # An earlier probe was cancelled before it settled: its connection may still carry its
             # answer, so it cannot be trusted.
             self.abandon()
+        self._stop_watching()
         self.exchange += 1
         self.loop = loop
         self.result = result = loop.create_future()
@@ -344,7 +361,7 @@ class _Endpoint:
         connection = self.connection
         if connection is not None and connection.open:
             self.reused = True
-            connection.request(self.request, self)
+            connection.request(self.request)
         else:
             self.reused = False
             self._open(loop)
@@ -380,6 +397,17 @@ class _Endpoint:
             return
         self.failed(ConnectionClosed(detail, method="GET", url=self.where))
 
+    def idle_closed(self, connection: _ProbeConnection) -> None:
+        """An idle connection ended: the server closed it (keep-alive timeout, shutdown) or the
+        engine's process died. With a watcher, reconnect at once: a refusal tells the engine is gone
+        without waiting for the next probe. A watch connection that ends unused is not replaced."""
+        if connection is not self.connection:
+            return
+        self.connection = None
+        if self.client.on_refused is None or not connection.used or self.result is not None or self.loop is None:
+            return
+        self.watching = self.loop.create_task(self._watch(self.loop))
+
     def failed(self, error: CallError) -> None:
         if not error.url:
             error.method, error.url = "GET", self.where
@@ -412,29 +440,48 @@ class _Endpoint:
         self.drop()
         self.opening = loop.create_task(self._connect(loop, self.exchange))
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, exchange: int) -> None:
+    async def _new_connection(self, loop: asyncio.AbstractEventLoop) -> _ProbeConnection | CallError:
+        """A new connection, or the classified reason there is none."""
         try:
-            _, connection = await loop.create_connection(_ProbeConnection, self.host, self.port)
-        except ConnectionRefusedError as exc:
-            error: CallError = ConnectionRefused(f"connection refused ({exc.strerror or exc})")
+            _, connection = await loop.create_connection(lambda: _ProbeConnection(self), self.host, self.port)
         except OSError as exc:
+            if isinstance(exc, ConnectionRefusedError) or exc.errno == errno.ECONNREFUSED:
+                return ConnectionRefused(f"connection refused ({exc.strerror or exc})", method="GET", url=self.where)
             # Unreachable, reset while connecting, no local ports or descriptors: not proof the
             # engine is gone, so not a refusal.
-            if exc.errno == errno.ECONNREFUSED:
-                error = ConnectionRefused(f"connection refused ({exc})")
-            else:
-                error = ConnectionClosed(f"cannot connect: {exc}")
-        else:
-            if exchange != self.exchange or self.result is None or self.result.done():
-                connection.abort()  # the probe ended (cancelled, timed out) while connecting
-                return
-            self.opening = None
-            self.connection = connection
-            self.client.connections_opened += 1
-            connection.request(self.request, self)
+            return ConnectionClosed(f"cannot connect: {exc}", method="GET", url=self.where)
+        self.client.connections_opened += 1
+        return connection
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, exchange: int) -> None:
+        connection = await self._new_connection(loop)
+        if isinstance(connection, CallError):
+            if exchange == self.exchange:
+                self.failed(connection)
             return
-        if exchange == self.exchange:
-            self.failed(error)
+        if exchange != self.exchange or self.result is None or self.result.done():
+            connection.abort()  # the probe ended (cancelled, timed out) while connecting
+            return
+        self.opening = None
+        self.connection = connection
+        connection.request(self.request)
+
+    async def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        connection = await self._new_connection(loop)
+        self.watching = None
+        if isinstance(connection, CallError):
+            if isinstance(connection, ConnectionRefused) and self.result is None and self.client.on_refused:
+                self.client.on_refused(self.url, connection)
+            return
+        if self.connection is None and self.result is None:
+            self.connection = connection  # kept for the next probe (and watched in turn)
+        else:
+            connection.abort()
+
+    def _stop_watching(self) -> None:
+        watching, self.watching = self.watching, None
+        if watching is not None and watching is not asyncio.current_task():
+            watching.cancel()
 
     def drop(self) -> None:
         connection, self.connection = self.connection, None
@@ -444,6 +491,7 @@ class _Endpoint:
     def abandon(self) -> None:
         """Forget the probe in flight, if any, and its connection."""
         result = self._settle()
+        self._stop_watching()
         self.drop()
         if result is not None and not result.done():
             result.cancel()
@@ -458,12 +506,17 @@ class HealthProbeClient:
     classified CallError. `await probe(url, timeout_s)` is the same as a coroutine. One probe per URL
     at a time; cancelling the future abandons the probe (and its connection). `forget(url)` closes
     an engine's connection when it leaves the fleet; `close()` closes them all.
+
+    `on_refused(url, error)`, if given, watches the kept-alive connections between probes: when one
+    ends while idle, the client reconnects at once, and a refusal is reported (the engine's process
+    is gone). A process that dies is then known in milliseconds, not at the next probe.
     """
 
-    def __init__(self, path: str = HEALTH_PATH):
+    def __init__(self, path: str = HEALTH_PATH, *, on_refused: Callable[[str, CallError], None] | None = None):
         if not path.startswith("/"):
             raise ValueError(f"probe path must start with '/', got {path!r}")
         self.path = path
+        self.on_refused = on_refused
         self._endpoints: dict[str, _Endpoint] = {}
         self.connections_opened = 0  # over the client's life: a steady fleet opens one per engine
 

@@ -322,8 +322,12 @@ async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, 
             while guard.paused_slots():
                 await asyncio.sleep(0.05)
         assert runtime.monitor.held() == {}
-        assert await engine_ready(hot.url) == 200
         assert (await fleet.greedy(hot.url))[1] == "4"
+        # A /health_generate caught by the pause makes SGLang call itself unhealthy (503 on /ready)
+        # until a health check succeeds again: the monitor's first probe after the release.
+        async with asyncio.timeout(30):
+            while await engine_ready(hot.url) != 200:
+                await asyncio.sleep(0.5)
         health = runtime.monitor.health(hot.slot, hot.incarnation)
         successes = metric("rlfleet_engine_probes_total", result="success")
         await asyncio.sleep(HEALTH.interval_seconds * 3)  # probed again after the release

@@ -213,3 +213,14 @@ def test_release_without_a_hold_changes_nothing():
     h = EngineHealth(HOLD_SPEC, origin=0.0)
     h.release(3.0)
     assert h.next_due == 10.0 and h.epoch == 0
+
+
+def test_a_refusal_between_probes_is_a_death_unless_probes_are_off():
+    h = EngineHealth(SPEC, origin=0.0)
+    probe(h, 0.0, ok=True)
+    assert h.connection_refused(1.0, "connection refused") is True
+    assert h.dead and h.last_failure == "connection refused"
+    for off in (lambda h: h.pause(), lambda h: h.hold("heat guard"), lambda h: h.start_probe(0.0)):
+        h = EngineHealth(SPEC, origin=0.0)
+        off(h)
+        assert h.connection_refused(1.0, "connection refused") is False and not h.dead

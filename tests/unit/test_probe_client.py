@@ -90,25 +90,39 @@ def test_an_answer_cut_short_is_incomplete():
 class RawServer:
     """A TCP server whose per-request behaviour is scripted: each request gets `answer(n)`, where
     n counts requests over the server's life; None closes the connection without answering, "hang"
-    never answers."""
+    never answers. With `idle_close_s`, connections idle that long are closed (a keep-alive timeout)."""
 
-    def __init__(self, answer):
+    def __init__(self, answer, idle_close_s: float | None = None):
         self.answer = answer
+        self.idle_close_s = idle_close_s
         self.requests = 0
         self.connections = 0
         self.closed_by_client = 0
+        self.closed_idle = 0
         self.server: asyncio.Server | None = None
+        self.writers: set[asyncio.StreamWriter] = set()
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
+    def crash(self) -> None:
+        """Like a process that died: the port stops listening and every connection closes."""
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.add(writer)
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    async with asyncio.timeout(self.idle_close_s):
+                        head = await reader.readuntil(b"\r\n\r\n")
+                except TimeoutError:
+                    self.closed_idle += 1
+                    return
                 except (asyncio.IncompleteReadError, ConnectionError):
                     self.closed_by_client += 1
                     return
@@ -124,6 +138,7 @@ class RawServer:
                 writer.write(reply)
                 await writer.drain()
         finally:
+            self.writers.discard(writer)
             writer.close()
 
     async def stop(self) -> None:
@@ -137,8 +152,8 @@ class RawServer:
 async def raw_server():
     servers: list[RawServer] = []
 
-    async def start(answer) -> tuple[RawServer, str]:
-        server = RawServer(answer)
+    async def start(answer, **kwargs) -> tuple[RawServer, str]:
+        server = RawServer(answer, **kwargs)
         servers.append(server)
         return server, await server.start()
 
@@ -307,3 +322,111 @@ def test_bad_urls_and_timeouts_are_rejected():
         asyncio.run(client.probe("https://engine:443", 1))
     with pytest.raises(ValueError, match="positive"):
         asyncio.run(client.probe("http://127.0.0.1:1", 0))
+
+
+# --- watching kept-alive connections between probes --------------------------------------------
+
+class Refusals:
+    def __init__(self):
+        self.seen: list[tuple[float, str, Exception]] = []
+        self.event = asyncio.Event()
+
+    def __call__(self, url: str, error: Exception) -> None:
+        self.seen.append((asyncio.get_running_loop().time(), url, error))
+        self.event.set()
+
+
+async def test_a_process_that_dies_between_probes_is_reported_at_once(raw_server):
+    server, url = await raw_server(lambda n: OK)
+    refusals = Refusals()
+    client = HealthProbeClient(on_refused=refusals)
+    try:
+        await client.probe(url, 2)
+        crashed_at = asyncio.get_running_loop().time()
+        server.crash()
+        await asyncio.wait_for(refusals.event.wait(), 2)
+        (at, where, error), = refusals.seen
+        assert where == url and isinstance(error, ConnectionRefused)
+        assert at - crashed_at < 0.5
+    finally:
+        client.close()
+
+
+async def test_a_keep_alive_timeout_is_not_a_refusal_and_the_watch_connection_serves_the_next_probe(raw_server):
+    server, url = await raw_server(lambda n: OK, idle_close_s=0.2)
+    refusals = Refusals()
+    client = HealthProbeClient(on_refused=refusals)
+    try:
+        await client.probe(url, 2)
+        await asyncio.sleep(0.3)  # the server closed the idle connection; the client reconnected
+        assert refusals.seen == [] and client.connections_opened == 2 and client.open_connections() == 1
+        await client.probe(url, 2)
+        assert client.connections_opened == 2 and server.requests == 2
+        await asyncio.sleep(0.3)  # closed again after use: watched again
+        assert client.connections_opened == 3
+        await asyncio.sleep(0.5)  # the unused watch connection was closed too: not replaced
+        assert client.connections_opened == 3 and client.open_connections() == 0
+        assert server.closed_idle == 3 and refusals.seen == []
+    finally:
+        client.close()
+
+
+async def test_without_a_watcher_idle_connections_are_not_reopened(raw_server, client):
+    server, url = await raw_server(lambda n: OK, idle_close_s=0.1)
+    await client.probe(url, 2)
+    await asyncio.sleep(0.3)
+    assert client.connections_opened == 1 and client.open_connections() == 0
+
+
+async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refused(raw_server):
+    from rlfleet.crds.specs import HealthSpec
+    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
+
+    server, url = await raw_server(lambda n: OK)
+    held_server, other = await raw_server(lambda n: OK)
+    deaths: list[tuple[float, int, str]] = []
+
+    async def on_dead(target: ProbeTarget, reason: str) -> None:
+        deaths.append((asyncio.get_running_loop().time(), target.slot, reason))
+
+    # Probes every 30 s: only the connection watch can notice the crash within the test.
+    spec = HealthSpec(interval_seconds=30, timeout_seconds=2, failure_threshold=3)
+    monitor = HealthMonitor(spec, targets=lambda: [ProbeTarget(0, 1, url), ProbeTarget(1, 1, other)],
+                            on_dead=on_dead, fleet="watch-test")
+    await monitor.start()
+    try:
+        await asyncio.sleep(0.3)  # the first round answered
+        monitor.hold(1, "heat guard")  # a held engine is left alone, whatever its port does
+        crashed_at = asyncio.get_running_loop().time()
+        server.crash()
+        held_server.crash()
+        await asyncio.sleep(REFUSAL_GRACE_S + 0.5)
+    finally:
+        await monitor.stop()
+    (at, slot, reason), = deaths
+    assert slot == 0 and REFUSAL_GRACE_S <= at - crashed_at < REFUSAL_GRACE_S + 0.5
+    assert reason.startswith("connection refused, nothing listens on the engine's port")
+
+
+async def test_a_death_the_backend_reports_first_is_not_reported_again(raw_server):
+    from rlfleet.crds.specs import HealthSpec
+    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
+
+    server, url = await raw_server(lambda n: OK)
+    deaths: list[str] = []
+
+    async def on_dead(target: ProbeTarget, reason: str) -> None:
+        deaths.append(reason)
+
+    spec = HealthSpec(interval_seconds=30, timeout_seconds=2, failure_threshold=3)
+    monitor = HealthMonitor(spec, targets=lambda: [ProbeTarget(0, 1, url)], on_dead=on_dead, fleet="watch-test")
+    await monitor.start()
+    try:
+        await asyncio.sleep(0.3)
+        server.crash()
+        await asyncio.sleep(0.05)
+        monitor.forget(0, 1)  # the process watch saw the exit first, with its exit code and log
+        await asyncio.sleep(REFUSAL_GRACE_S + 0.3)
+    finally:
+        await monitor.stop()
+    assert deaths == []
