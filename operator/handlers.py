@@ -189,7 +189,8 @@ async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, 
                 metrics.OPERATOR_RECONCILE_DURATION.labels(kind=kind).observe(time.monotonic() - started)
             timeout = RESYNC_S if requeue is None else max(0.05, min(requeue, RESYNC_S))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(trigger.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation on 3.11
+                    await trigger.wait()
             await asyncio.sleep(DEBOUNCE_S)
     finally:
         memo.triggers.pop(key, None)

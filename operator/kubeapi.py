@@ -134,16 +134,15 @@ class KubeClient:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         timeout = timeout_s or self.timeout_s
         try:
-            resp = await asyncio.wait_for(
-                self.api.call_api(
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation.
+            async with asyncio.timeout(timeout):
+                resp = await self.api.call_api(
                     path, method.upper(), query_params=_query(query), header_params=headers, body=body,
                     auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout,
-                ),
-                timeout,
-            )
-            async with resp:
-                raw = await asyncio.wait_for(resp.read(), timeout)
-                status = resp.status
+                )
+                async with resp:
+                    raw = await resp.read()
+                    status = resp.status
         except ApiException as e:  # raised by the transport for some failures
             raise _api_error(e.status or 0, e.reason or "", e.body) from None
         except (TimeoutError, OSError, aiohttp.ClientError) as e:
@@ -214,10 +213,11 @@ class KubeClient:
                         "fieldSelector": field_selector})
         line_timeout = server_timeout_s + 30
         try:
-            resp = await asyncio.wait_for(self.api.call_api(
-                res.path(namespace), "GET", query_params=query, header_params={"Accept": "application/json"},
-                auth_settings=["BearerToken"], _preload_content=False,
-                _request_timeout=(self.timeout_s, line_timeout)), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self.api.call_api(
+                    res.path(namespace), "GET", query_params=query, header_params={"Accept": "application/json"},
+                    auth_settings=["BearerToken"], _preload_content=False,
+                    _request_timeout=(self.timeout_s, line_timeout))
         except (TimeoutError, OSError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, f"watch {res.plural}: {e or 'timed out'}") from None
         async with resp:
@@ -225,7 +225,8 @@ class KubeClient:
                 raise _api_error(resp.status, "", await resp.read())
             while True:
                 try:
-                    line = await asyncio.wait_for(resp.content.readline(), line_timeout)
+                    async with asyncio.timeout(line_timeout):
+                        line = await resp.content.readline()
                 except (TimeoutError, OSError, aiohttp.ClientError):
                     return  # the caller watches again from the last version it saw
                 if not line:

@@ -295,7 +295,8 @@ class PodWorker:
             run.waiting_message = f"back-off restarting failed container {run.name}"
             self.mark_dirty()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.deleting.wait(), plan.restart_delay_s(run.restart_count))
+                async with asyncio.timeout(plan.restart_delay_s(run.restart_count)):
+                    await self.deleting.wait()
 
     def _on_container_exit(self, run: plan.ContainerRun) -> None:
         self.mark_dirty()

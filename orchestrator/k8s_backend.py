@@ -306,7 +306,8 @@ class KubernetesBackend(FleetBackend):
             if remaining <= 0:
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
         alive = [e for e in self.engines() if e.state is EngineState.ALIVE]
         if len(alive) < self.min_ready:
             states = ", ".join(f"slot {e.slot}: {e.state.value}" + (f" ({e.last_failure})" if e.last_failure else "")

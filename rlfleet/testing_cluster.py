@@ -105,6 +105,28 @@ def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> LocalProce
     return agent
 
 
+def pod_process_groups(data_dir: Path) -> set[int]:
+    """Process groups still writing to the node agent's pod logs (its pods' processes)."""
+    logs = str(Path(data_dir).resolve() / "logs") + "/"
+    groups = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/fd/1").startswith(logs):
+                    groups.add(os.getpgid(int(entry)))
+    return groups
+
+
+def stop_node_agent(agent: LocalProcess, data_dir: Path) -> int:
+    """Stop the agent (it stops its pods); kill any pod process group it left. Returns how many it left."""
+    agent.stop()
+    left = pod_process_groups(data_dir)
+    for pgid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+    return len(left)
+
+
 def _node_ready(cp) -> bool:
     node = get_json(cp, "node", "local-node")
     conds = (node or {}).get("status", {}).get("conditions", [])

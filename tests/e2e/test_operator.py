@@ -25,6 +25,7 @@ from rlfleet.testing_cluster import (
     helm,
     http_json,
     start_node_agent,
+    stop_node_agent,
     wait_for,
 )
 
@@ -50,9 +51,11 @@ def operator_kubeconfig(control_plane, installed) -> Path:
 
 @pytest.fixture(scope="module")
 def node_agent(control_plane, installed, tmp_path_factory):
-    agent = start_node_agent(control_plane, tmp_path_factory.mktemp("node"))
+    data_dir = tmp_path_factory.mktemp("node")
+    agent = start_node_agent(control_plane, data_dir)
     yield agent
-    agent.stop()
+    left = stop_node_agent(agent, data_dir)
+    assert left == 0, f"the node agent left {left} pod process group(s) running"
 
 
 @pytest.fixture(scope="module")
