@@ -9,7 +9,7 @@ setup:
 	scripts/setup.sh
 
 test: setup
-	$(PYTEST) tests
+	$(PYTEST) tests --durations=30
 
 test-unit: setup
 	$(PYTEST) tests/unit

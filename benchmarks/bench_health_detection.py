@@ -12,7 +12,10 @@ Detection latency = time the prober reported an engine dead - time the fault too
 monotonic clock; both processes run on this machine).
 
 Probers:
-- rlfleet: rlfleet.orchestrator.monitor.HealthMonitor (concurrent probes, failure threshold);
+- rlfleet: rlfleet.orchestrator.monitor.HealthMonitor (concurrent probes, failure threshold, a refused
+  connection is a death at once) with its own probe client (one kept-alive connection per engine,
+  reopened at once when it ends between probes, so a crash is refused within milliseconds);
+- rlfleet-aiohttp (opt-in): the same monitor probing through aiohttp, to price the client alone;
 - miles: the baseline, re-implemented from Miles' RolloutHealthMonitor behaviour: engines probed one
   at a time, each probe bounded by the timeout, the first failed probe kills the engine, then sleep
   the interval (Miles defaults are 30 s / 30 s; here both probers get the same interval and timeout).
@@ -56,25 +59,41 @@ class ProbeSettings:
 # ---------------------------------------------------------------------------------------------------
 
 async def run_rlfleet(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
-    """rlfleet's HealthMonitor, wired the way FleetRuntime wires it (EngineClient probes, no pool cap)."""
-    from rlfleet.crds.specs import HealthSpec
+    """rlfleet's HealthMonitor as FleetRuntime wires it: its own keep-alive probe client."""
+    await _run_monitor(urls, settings, on_dead, probe_factory=None)
+
+
+async def run_rlfleet_aiohttp(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
+    """The same monitor probing through aiohttp (EngineClient over one session), for comparison."""
     from rlfleet.orchestrator.engine_client import EngineClient
+
+    def probe_factory(session: aiohttp.ClientSession, timeout_s: float):
+        clients: dict[str, EngineClient] = {}
+
+        async def probe(target) -> None:
+            client = clients.get(target.url) or clients.setdefault(target.url, EngineClient(session, target.url))
+            await client.health_generate(timeout_s)
+
+        return probe
+
+    await _run_monitor(urls, settings, on_dead, probe_factory=probe_factory)
+
+
+async def _run_monitor(urls: list[str], settings: ProbeSettings, on_dead: OnDead, *, probe_factory) -> None:
+    from rlfleet.crds.specs import HealthSpec
     from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
 
     spec = HealthSpec(interval_seconds=settings.interval_s, timeout_seconds=settings.timeout_s,
                       failure_threshold=settings.threshold)
     targets = [ProbeTarget(slot=index, incarnation=0, url=url) for index, url in enumerate(urls)]
+    alive = {t.slot: t for t in targets}
+
+    async def dead(target: ProbeTarget, reason: str) -> None:
+        alive.pop(target.slot, None)  # a dead incarnation leaves the fleet, as the backend does
+        on_dead(target.slot, reason)
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        clients = {t.slot: EngineClient(session, t.url) for t in targets}
-        alive = {t.slot: t for t in targets}
-
-        async def probe(target: ProbeTarget) -> None:
-            await clients[target.slot].health_generate(spec.timeout_seconds)
-
-        async def dead(target: ProbeTarget, reason: str) -> None:
-            alive.pop(target.slot, None)  # a dead incarnation leaves the fleet, as the backend does
-            on_dead(target.slot, reason)
-
+        probe = probe_factory(session, spec.timeout_seconds) if probe_factory is not None else None
         monitor = HealthMonitor(spec, targets=lambda: alive.values(), probe=probe, on_dead=dead, fleet="bench")
         await monitor.start()
         try:
@@ -105,6 +124,7 @@ async def run_miles(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -
 
 PROBERS: dict[str, Callable[[list[str], ProbeSettings, OnDead], Awaitable[None]]] = {
     "rlfleet": run_rlfleet,
+    "rlfleet-aiohttp": run_rlfleet_aiohttp,
     "miles": run_miles,
 }
 
@@ -320,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=["driver", "prober"], default="driver")
     parser.add_argument("--impl", default="rlfleet", help="prober role: which prober")
-    parser.add_argument("--impls", default="rlfleet,miles", help="driver: probers to compare, comma-separated")
+    parser.add_argument("--impls", default="rlfleet,miles",
+                        help=f"driver: probers to compare, comma-separated, of {', '.join(PROBERS)}")
     parser.add_argument("--urls-file")
     parser.add_argument("--engines", type=int, default=1000)
     parser.add_argument("--interval", type=float, default=1.0)

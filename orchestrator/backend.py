@@ -191,6 +191,12 @@ class SlotFleetBackend(FleetBackend):
         self._failure: FleetFailed | None = None
         self._recovery_started: float | None = None
         self._stopping = False
+        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="engine").set(recovery.max_restarts_per_engine)
+        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="run").set(recovery.max_restarts_per_run)
+        # Counters exist at 0 from the start, so increase() sees the first death and recreation.
+        metrics.ENGINE_RECREATIONS.labels(fleet=fleet)
+        for cause in DeathCause:
+            metrics.ENGINES_MARKED_DEAD.labels(fleet=fleet, reason=cause.value)
 
     # --- subclass hooks -------------------------------------------------------------------------------
 

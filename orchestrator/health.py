@@ -9,15 +9,22 @@ Rules (the settings come from HealthSpec):
 - `failure_threshold` consecutive failures mark the engine dead; dead is final for this incarnation
   (a replacement is a new incarnation with a new state machine), so a late answer from a hung process
   can never bring a replaced slot back.
+- A refused connection marks the engine dead on the first failure, in a probe or when the probe
+  client reconnects a kept-alive connection that ended between probes: nothing listens on its port, so
+  the process is gone (a busy, paused or hung engine still accepts connections: its timeouts and
+  503s keep the threshold). Engines are only probed once they served (startup is watched elsewhere),
+  and never while paused or held, so a port that is not open yet, or closed on purpose, is not seen.
 - While paused nothing is probed; results of probes started before a pause are ignored (epochs).
   Every resume waits `first_wait_seconds` and forgets earlier failures: an engine the orchestrator
   paused itself is not blamed for it.
+- A hold is the same for one engine (e.g. the heat guard paused its generation); it outlasts
+  fleet-wide pauses and resumes, and its release waits `first_wait_seconds` for that engine alone.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 from rlfleet.crds.specs import HealthSpec
 
@@ -28,8 +35,7 @@ class HealthState(StrEnum):
     DEAD = "dead"
 
 
-@dataclass(frozen=True)
-class ProbeTicket:
+class ProbeTicket(NamedTuple):
     """Issued when a probe starts; its result only counts if the epoch is still current."""
 
     epoch: int
@@ -56,6 +62,7 @@ class EngineHealth:
         self.last_failure: str | None = None
         self.epoch = 0
         self.paused = paused
+        self.held: str | None = None  # why this engine alone is not probed (None: not held)
         self.in_flight: ProbeTicket | None = None
         self.next_due = origin + spec.first_wait_seconds
 
@@ -63,19 +70,24 @@ class EngineHealth:
     def dead(self) -> bool:
         return self.state is HealthState.DEAD
 
+    @property
+    def probing(self) -> bool:
+        """Probes may run: alive, and neither paused nor held."""
+        return self.state is not HealthState.DEAD and not self.paused and self.held is None
+
     def is_due(self, now: float) -> bool:
-        return not self.dead and not self.paused and self.in_flight is None and now >= self.next_due
+        return self.in_flight is None and now >= self.next_due and self.probing
 
     def wake_time(self) -> float | None:
         """When this engine next wants a probe, or None if it never will until something changes."""
-        if self.dead or self.paused or self.in_flight is not None:
+        if self.in_flight is not None or not self.probing:
             return None
         return self.next_due
 
     def start_probe(self, now: float) -> ProbeTicket:
         if not self.is_due(now):
             raise RuntimeError(f"probe started while not due (state={self.state}, paused={self.paused}, "
-                               f"in_flight={self.in_flight is not None}, due={self.next_due}, now={now})")
+                               f"held={self.held!r}, in_flight={self.in_flight is not None}, due={self.next_due}, now={now})")
         self.in_flight = ProbeTicket(epoch=self.epoch, started_at=now)
         return self.in_flight
 
@@ -83,7 +95,7 @@ class EngineHealth:
         """Clear the in-flight probe; True when its result still counts."""
         if self.in_flight == ticket:
             self.in_flight = None
-        return ticket.epoch == self.epoch and not self.dead and not self.paused
+        return ticket.epoch == self.epoch and self.probing
 
     def probe_succeeded(self, ticket: ProbeTicket, now: float) -> None:
         if not self._settle(ticket):
@@ -92,20 +104,34 @@ class EngineHealth:
         self.consecutive_failures = 0
         self.next_due = next_round(self.origin, self.spec.interval_seconds, max(now, ticket.started_at))
 
-    def probe_failed(self, ticket: ProbeTicket, now: float, reason: str) -> bool:
-        """Record a failed probe; True exactly when this failure makes the engine dead."""
+    def probe_failed(self, ticket: ProbeTicket, now: float, reason: str, *, refused: bool = False) -> bool:
+        """Record a failed probe; True exactly when this failure makes the engine dead.
+
+        `refused`: the connection was refused (nothing listens on the port), which is final at once.
+        """
         if not self._settle(ticket):
             return False
         self.consecutive_failures += 1
         self.total_failures += 1
         self.last_failure = reason
-        if self.consecutive_failures >= self.spec.failure_threshold:
+        if refused or self.consecutive_failures >= self.spec.failure_threshold:
             self.state = HealthState.DEAD
             return True
         self.state = HealthState.SUSPECT
         retry_gap = min(self.spec.interval_seconds, self.spec.timeout_seconds)
         self.next_due = max(now, ticket.started_at + retry_gap)
         return False
+
+    def connection_refused(self, now: float, reason: str) -> bool:
+        """A connection attempt between probes was refused (the probe client watches kept-alive
+        connections); True when that makes the engine dead, which it does whenever probes would run."""
+        if not self.probing or self.in_flight is not None:
+            return False  # paused or held on purpose, already dead, or a probe's own outcome decides
+        self.consecutive_failures += 1
+        self.total_failures += 1
+        self.last_failure = reason
+        self.state = HealthState.DEAD
+        return True
 
     def mark_dead(self, reason: str) -> None:
         """Dead for a reason outside the probes (process exit, failed load)."""
@@ -127,6 +153,26 @@ class EngineHealth:
         self.paused = False
         self.epoch += 1
         self.origin = now
+        self._restart(now)
+
+    def hold(self, reason: str) -> None:
+        """Stop probing this engine alone until release(); a probe in flight no longer counts."""
+        self.held = reason
+        self.epoch += 1
+        self.in_flight = None  # the monitor cancels it
+
+    def release(self, now: float) -> None:
+        """Probe again `first_wait_seconds` from now (unless the fleet is paused), failures forgotten.
+
+        The engine keeps the fleet's round grid, so after its first probe it is probed with the others.
+        """
+        if self.held is None:
+            return
+        self.held = None
+        self.epoch += 1
+        self._restart(now)
+
+    def _restart(self, now: float) -> None:
         if not self.dead:
             self.state = HealthState.HEALTHY
             self.consecutive_failures = 0

@@ -148,8 +148,9 @@ class HeatGuardTask:
     """Polls the temperature source every `pollIntervalSeconds` and pauses/resumes engines.
 
     `engines()` returns the current slot -> engine URL map (dead or replaced slots drop out).
-    `on_pause` / `on_resume` let the health monitor stop counting probe failures of an engine the
-    guard itself paused (a paused engine answers /health_generate with 503 after 20 s).
+    `on_pause` / `on_resume` let the health monitor hold its probes of an engine the guard pauses (a
+    paused engine holds /health_generate, then answers 503): on_pause runs before the pause call (and
+    on_resume right after it if that call fails), on_resume after the engine accepted the resume.
     Stopping the task (cancel) resumes every engine it holds paused, so no run stays paused.
     """
 
@@ -219,27 +220,31 @@ class HeatGuardTask:
 
     async def _apply(self, slot: str, url: str, state: EngineHeat, decision: HeatDecision,
                      temp: float | None) -> bool:
+        pausing = decision.action is HeatAction.PAUSE
+        if pausing and self._on_pause:
+            # Before the engine stops generating: its health probes must not see the pause.
+            self._on_pause(slot)
         try:
             await self._call_engine(url, decision.action)
         except Exception as exc:  # noqa: BLE001 - retried on the next poll
+            if pausing and self._on_resume:
+                self._on_resume(slot)  # not paused after all
             metrics.HEAT_GUARD_ACTION_ERRORS.labels(fleet=self.fleet, slot=slot, action=decision.action.value).inc()
             log.warning("heat guard: %s on %s (%s) failed: %s", decision.action.value, slot, url, exc)
             return False
         now = asyncio.get_running_loop().time()
         held = state.applied(decision.action, now)
         labels = {"fleet": self.fleet, "slot": slot}
-        if decision.action is HeatAction.PAUSE:
+        if pausing:
             self.ledger.start(slot, now)
             metrics.HEAT_GUARD_PAUSES.labels(**labels).inc()
             metrics.HEAT_GUARD_PAUSED.labels(**labels).set(1)
-            if self._on_pause:
-                self._on_pause(slot)
         else:
             self.ledger.end(slot, now)
             metrics.HEAT_GUARD_PAUSE_DURATION.labels(**labels).observe(held)
             metrics.HEAT_GUARD_PAUSED.labels(**labels).set(0)
             if self._on_resume:
-                self._on_resume(slot)
+                self._on_resume(slot)  # after the engine generates again
         event = HeatEvent(at=time.time(), slot=slot, action=decision.action, reason=decision.reason,
                           temp_c=temp, paused_seconds=held)
         self.events.append(event)

@@ -6,7 +6,8 @@ The same TrainingRun YAML as on Kubernetes, through the same models. The loop:
     fully-async producer keeps the engines busy through the router
     each step: take prompts_per_step fresh-enough groups -> train -> export step_N -> weight sync
                (recover dead slots first, load, read back every engine's version, admit replacements)
-    the 503 watchdog and the health monitor run beside it; Ctrl-C stops everything cleanly.
+    the 503 watchdog, the health monitor and (spec.heatGuard.enabled) the heat guard run beside it;
+    steps that overlapped a heat pause are flagged in the summary; Ctrl-C stops everything cleanly.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -25,9 +27,13 @@ from rlfleet import metrics
 from rlfleet.crds.derive import parse_tiny_model, rollout_engine
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.backend import DeathEvent, EngineState
+from rlfleet.orchestrator.eval_policy import EvalPoint
+from rlfleet.orchestrator.eval_run import EvalSetupError, RunEvaluation
 from rlfleet.orchestrator.fleet import FleetRuntime
+from rlfleet.orchestrator.heat_guard import HeatEvent, HeatGuardTask
 from rlfleet.orchestrator.local_backend import LocalBackend
 from rlfleet.orchestrator.local_router import LocalRouter
+from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
 from rlfleet.orchestrator.metrics_server import MetricsServer
 from rlfleet.orchestrator.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.progress import ProgressReporter, ProgressState
@@ -61,6 +67,8 @@ class RunOptions:
     metrics_port: int | None = None  # None: the spec's metricsPort; 0: any free port
     progress: ProgressReporter = field(default_factory=ProgressReporter)
     step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
+    manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
+    eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
 
 
 def resolve_model_dir(model_path: str) -> Path:
@@ -90,10 +98,15 @@ class LocalRun:
         self.progress = options.progress
         self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
         self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
-        self.snapshots = Path(self.spec.weight_sync.snapshot_volume.local_path or options.run_dir / "snapshots")
+        local_path = self.spec.weight_sync.snapshot_volume.local_path
+        self.snapshots = Path(local_path or default_local_volume(options.run_dir))
+        # A volume chosen on tmpfs is scratch memory: removed when the run ends (set localPath to keep it).
+        self._scratch_volume = local_path is None and is_scratch_volume(self.snapshots)
         self.current_snapshot: Path | None = None
         self.backend: LocalBackend | None = None
         self.fleet: FleetRuntime | None = None
+        self.evaluation: RunEvaluation | None = None
+        self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -106,6 +119,8 @@ class LocalRun:
             self.summary.failure = f"RolloutEnginesUnavailable: {exc}"
             raise RunFailed("RolloutEnginesUnavailable", str(exc)) from None
         finally:
+            if self._scratch_volume:
+                await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
             self.summary.wall_seconds = time.monotonic() - started
             self._count_recoveries()
             if self.options.summary_path is not None:
@@ -135,6 +150,17 @@ class LocalRun:
             )
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
+            # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
+            if spec.eval is not None:
+                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, run_dir=opts.run_dir,
+                                                manifest_dir=opts.manifest_dir,
+                                                eval_engine_python=opts.eval_engine_python, on_point=self._on_eval)
+                stack.push_async_callback(self._close_evaluation)
+                try:
+                    await self.evaluation.launch(self.current_snapshot)
+                except EvalSetupError as exc:
+                    raise RunFailed("EvalInvalid", str(exc)) from None
+            # --- end eval ---
             self._phase("starting the router")
             router = LocalRouter(opts.run_dir)
             router_url = await router.start()
@@ -166,9 +192,18 @@ class LocalRun:
             producer = self._producer(client, trainer)
             producer.start()
             stack.push_async_callback(producer.stop)
+            if self.evaluation is not None:  # eval
+                self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
+                                       stop_token_ids=producer.sampling.stop_token_ids)
+            # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
+            if spec.heat_guard.enabled:
+                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                                  on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(watchdog.run(), name="watchdog")]
+                if self.heat is not None:  # cancelled with the others: it resumes what it paused
+                    background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
                 if opts.chaos:
                     background.append(tasks.create_task(self._chaos(), name="chaos"))
                 try:
@@ -180,14 +215,15 @@ class LocalRun:
             self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
 
     def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
-        from rlfleet.trainer.tasks import DEFAULT_REWARD, ProblemStream, TaskSpec, load_reward_fn
+        from rlfleet.trainer.tasks import load_reward_fn, load_task
 
         t = self.spec.trainer
-        stream = ProblemStream(TaskSpec(name=t.task), seed=t.seed)
+        task = load_task(t.task)
+        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        problems = iter(task.problems(t.seed))
 
         def prompts():
-            while True:
-                p = stream.next_problem()
+            for p in problems:
                 yield p.prompt, p.answer
 
         tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
@@ -197,7 +233,7 @@ class LocalRun:
             tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
         eos = tokenizer.eos_token_id
         return RolloutProducer(
-            client, prompts(), load_reward_fn(t.reward_function or DEFAULT_REWARD),
+            client, prompts(), reward_fn,
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
@@ -210,9 +246,12 @@ class LocalRun:
     async def _train(self, trainer, producer: RolloutProducer) -> None:
         t = self.spec.trainer
         policy = grpo.StalenessPolicy(t.max_staleness)
+        if self.evaluation is not None:  # eval: the initial model (evalBeforeTrain)
+            await self.evaluation.after_step(0)
         for step in range(1, t.steps + 1):
             self._phase("rollout")
             step_started = time.monotonic()
+            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
             groups, stale = await self._collect_groups(producer, trainer.step, policy)
             batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
             self._phase("train")
@@ -223,12 +262,16 @@ class LocalRun:
             result = await self.fleet.sync_weights(path, step)
             previous, self.current_snapshot = self.current_snapshot, path
             self._retire_snapshot(previous)
+            if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
+                await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
+            heat_paused = (self.heat is not None and self.heat.mark_step(
+                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
             versions = [s.weight_version for s in batch.samples]
             self.summary.steps.append(StepRecord(
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
-                recovered_slots=list(result.recovered_slots),
+                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused,
             ))
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
@@ -240,9 +283,12 @@ class LocalRun:
             self.progress.event(
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {seconds:.1f} s",
+                f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
+        if self.evaluation is not None:  # eval: every point settles before the run ends
+            self._phase("eval drain")
+            await self.evaluation.finish()
 
     async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
         wanted = self.spec.trainer.prompts_per_step
@@ -288,6 +334,10 @@ class LocalRun:
                 self.progress.event(f"chaos: SIGKILL engine slot {victim.slot} ({victim.url})", self.state)
                 process.signal_group(signal.SIGKILL)
 
+    def _on_heat_event(self, event: HeatEvent) -> None:
+        temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
+        self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
+
     def _on_death(self, event: DeathEvent) -> None:
         self.summary.engines_marked_dead += 1
         self._engines_changed()
@@ -311,6 +361,24 @@ class LocalRun:
     def _count_recoveries(self) -> None:
         if self.backend is not None:
             self.summary.engines_recreated = sum(e.restarts for e in self.backend.engines())
+
+    # --- eval ------------------------------------------------------------------------------------
+
+    def _on_eval(self, point: EvalPoint) -> None:
+        assert self.evaluation is not None
+        self.summary.eval = self.evaluation.summary_points()
+        what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
+                else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
+                f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")
+        self.progress.event(f"eval @{point.step} [{point.posture}] {what}", self.state)
+
+    async def _close_evaluation(self) -> None:
+        assert self.evaluation is not None
+        try:
+            await self.evaluation.close()
+        finally:
+            self.summary.eval = self.evaluation.summary_points()
+            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
 
     def _retire_snapshot(self, path: Path | None) -> None:
         """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""

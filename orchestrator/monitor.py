@@ -1,13 +1,21 @@
 """HealthMonitor: heart-beats every engine of one fleet, concurrently, and reports the dead.
 
 The decisions (when to probe, when an engine is dead) are EngineHealth's; this module only runs
-probes as tasks, bounds each by `timeout_seconds`, and calls `on_dead` once per dead incarnation.
-One event loop handles a thousand engines: a probe is a task, there is no thread per engine.
+probes, bounds each by `timeout_seconds`, and calls `on_dead` once per dead incarnation. One event
+loop handles a thousand engines: the default probe is HealthProbeClient's GET /health_generate on a
+kept-alive connection per engine, a future with one timer (no thread, no task per probe); an
+injected probe function runs as a task. A refused connection is a death at once (health.py), also
+when the client reconnects an idle connection that ended between probes (the process died).
+
+Holds: `hold(slot, reason)` stops probing one engine (the heat guard paused its generation) until
+`release(slot)`, across fleet-wide pauses and resumes. A hold belongs to the incarnation it found:
+if that engine dies and is replaced, the replacement is probed as usual.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -15,9 +23,14 @@ from dataclasses import dataclass
 from rlfleet import metrics
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.errors import CallError, FailureKind
-from rlfleet.orchestrator.health import EngineHealth, ProbeTicket
+from rlfleet.orchestrator.health import EngineHealth, ProbeTicket, next_round
+from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
+
+# How long a refusal seen between probes waits for the backend's own report of the same death (a
+# SIGKILLed CPU engine's process exit was seen ~0.5 s after the kill, its closed socket ~0.2 s earlier).
+REFUSAL_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,17 @@ ProbeFn = Callable[[ProbeTarget], Awaitable[object]]  # returns on success, rais
 DeadFn = Callable[[ProbeTarget, str], Awaitable[None]]
 
 
+def is_refusal(exc: BaseException) -> bool:
+    """The probe's connection was refused: nothing listens on the engine's port, the process is gone."""
+    return isinstance(exc, CallError) and exc.kind is FailureKind.CONNECTION_REFUSED
+
+
+@dataclass
+class _Hold:
+    reason: str
+    incarnation: int | None  # the held incarnation; None until the monitor knows one for the slot
+
+
 def describe_failure(exc: BaseException, timeout_s: float) -> tuple[str, str]:
     """(metric kind, human reason) of a failed probe."""
     if isinstance(exc, CallError):
@@ -49,21 +73,32 @@ def describe_failure(exc: BaseException, timeout_s: float) -> tuple[str, str]:
 class HealthMonitor:
     """Probes the targets of one fleet. start/pause/resume/stop; safe to cancel at any point."""
 
-    def __init__(self, spec: HealthSpec, *, targets: Callable[[], Iterable[ProbeTarget]], probe: ProbeFn,
-                 on_dead: DeadFn, fleet: str = "default"):
+    def __init__(self, spec: HealthSpec, *, targets: Callable[[], Iterable[ProbeTarget]], on_dead: DeadFn,
+                 probe: ProbeFn | None = None, fleet: str = "default"):
+        """`probe` defaults to GET /health_generate by HealthProbeClient, which bounds each probe by
+        `timeout_seconds` itself; an injected probe is bounded by the monitor."""
         self.spec = spec
         self.fleet = fleet
         self._targets = targets
         self._probe_fn = probe
+        self.client = HealthProbeClient(on_refused=self._refused_between_probes) if probe is None else None
         self._on_dead = on_dead
         self._health: dict[tuple[int, int], EngineHealth] = {}
         self._known: dict[tuple[int, int], ProbeTarget] = {}
-        self._probes: dict[tuple[int, int], asyncio.Task] = {}
+        self._keys_by_url: dict[str, tuple[int, int]] = {}
+        self._probes: dict[tuple[int, int], asyncio.Future] = {}  # probes in flight
+        self._holds: dict[int, _Hold] = {}
         self._callbacks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
+        self._wake_at = 0.0  # when the loop wakes on its own next
+        self._targets_due = 0.0  # when the target list is read next (once a round, or when told)
         self._loop_task: asyncio.Task | None = None
         self._paused = False
         self._origin = 0.0
+        labels = {"fleet": fleet}
+        self._probe_ok = metrics.ENGINE_PROBES.labels(**labels, result="success")
+        self._probe_failed = metrics.ENGINE_PROBES.labels(**labels, result="failure")
+        self._failure_kinds: dict[str, object] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -81,6 +116,7 @@ class HealthMonitor:
         loop = asyncio.get_running_loop()
         self._paused = paused
         self._origin = loop.time()
+        self._targets_due = 0.0
         self._loop_task = asyncio.create_task(self._run(), name=f"health-monitor-{self.fleet}")
 
     def pause(self) -> None:
@@ -88,8 +124,8 @@ class HealthMonitor:
         self._paused = True
         for health in self._health.values():
             health.pause()
-        for task in self._probes.values():
-            task.cancel()
+        for probe in self._probes.values():
+            probe.cancel()
         self._wake.set()
 
     def resume(self) -> None:
@@ -97,12 +133,52 @@ class HealthMonitor:
         now = asyncio.get_running_loop().time()
         self._paused = False
         self._origin = now
+        self._targets_due = 0.0  # engines recreated while paused are probed from now on
         for health in self._health.values():
             health.resume(now)
         self._wake.set()
 
+    def hold(self, slot: int, reason: str) -> None:
+        """Stop probing one engine (and never mark it dead by probes) until release(slot).
+
+        Outlasts fleet-wide pause/resume. A probe of it in flight is cancelled and does not count.
+        """
+        known = [key for key in self._health if key[0] == slot]
+        incarnation = max(inc for _, inc in known) if known else None
+        self._holds[slot] = _Hold(reason, incarnation)
+        if incarnation is not None:
+            self._hold_engine((slot, incarnation), reason)
+        log.info("fleet %s slot %d: probes held (%s)", self.fleet, slot, reason)
+
+    def release(self, slot: int) -> None:
+        """Probe the engine again, `first_wait_seconds` from now, with its failures forgotten."""
+        hold = self._holds.pop(slot, None)
+        if hold is None:
+            return
+        health = self._health.get((slot, hold.incarnation)) if hold.incarnation is not None else None
+        if health is not None:
+            health.release(asyncio.get_running_loop().time())
+            self._wake.set()
+        log.info("fleet %s slot %d: probes released", self.fleet, slot)
+
+    def held(self) -> dict[int, str]:
+        """Held slots and why."""
+        return {slot: hold.reason for slot, hold in self._holds.items()}
+
+    def is_held(self, slot: int) -> bool:
+        return slot in self._holds
+
+    def _hold_engine(self, key: tuple[int, int], reason: str) -> None:
+        health = self._health.get(key)
+        if health is not None:
+            health.hold(reason)
+        task = self._probes.get(key)
+        if task is not None:
+            task.cancel()
+
     def targets_changed(self) -> None:
         """Look at the target list now instead of at the next round (new or removed engines)."""
+        self._targets_due = 0.0
         self._wake.set()
 
     def forget(self, slot: int, incarnation: int) -> None:
@@ -124,6 +200,8 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._loop_task = None
+        if self.client is not None:
+            self.client.close()
         if self._callbacks:
             await asyncio.gather(*self._callbacks, return_exceptions=True)
 
@@ -134,70 +212,146 @@ class HealthMonitor:
 
     def _sync_targets(self) -> None:
         current = {t.key: t for t in self._targets()}
+        urls: set[str] | None = None
         for key in list(self._health):
             if key not in current:
                 del self._health[key]
-                self._known.pop(key, None)
+                gone = self._known.pop(key, None)
+                if gone is not None and self._keys_by_url.get(gone.url) == key:
+                    del self._keys_by_url[gone.url]
                 task = self._probes.pop(key, None)
                 if task is not None:
                     task.cancel()
+                if self.client is not None and gone is not None:
+                    urls = urls if urls is not None else {t.url for t in current.values()}
+                    if gone.url not in urls:
+                        self.client.forget(gone.url)
+                hold = self._holds.get(key[0])
+                if hold is not None and hold.incarnation == key[1]:
+                    del self._holds[key[0]]  # the held engine is gone; its replacement is not held
         for key, target in current.items():
             if key not in self._health:
                 # A new engine joins the current round grid (and respects a first wait still running).
-                self._health[key] = EngineHealth(self.spec, origin=self._origin, paused=self._paused)
+                health = self._health[key] = EngineHealth(self.spec, origin=self._origin, paused=self._paused)
+                hold = self._holds.get(key[0])
+                if hold is not None and hold.incarnation in (None, key[1]):
+                    hold.incarnation = key[1]
+                    health.hold(hold.reason)
             self._known[key] = target
+            self._keys_by_url[target.url] = key
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
-            try:
-                self._sync_targets()
-            except Exception:  # noqa: BLE001 - keep probing the engines already known
-                log.exception("fleet %s: reading the engine list failed", self.fleet)
+            if loop.time() >= self._targets_due:
+                # Once a round, on the round grid (not on every wake: with a thousand engines that
+                # is a cost of its own).
+                self._targets_due = next_round(self._origin, self.spec.interval_seconds, loop.time())
+                try:
+                    self._sync_targets()
+                except Exception:  # noqa: BLE001 - keep probing the engines already known
+                    log.exception("fleet %s: reading the engine list failed", self.fleet)
             now = loop.time()
-            wake_at = now + self.spec.interval_seconds  # re-read targets at least once a round
+            wake_at = self._targets_due
             for key, health in self._health.items():
                 if health.is_due(now):
-                    ticket = health.start_probe(now)
-                    self._probes[key] = asyncio.create_task(
-                        self._probe_one(self._known[key], health, ticket), name=f"probe-{self.fleet}-{key}")
+                    self._launch(key, health, health.start_probe(now))
                 due = health.wake_time()
-                if due is not None:
-                    wake_at = min(wake_at, due)
+                if due is not None and due < wake_at:
+                    wake_at = due
+            self._wake_at = wake_at
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, wake_at - loop.time())):
                     await self._wake.wait()
 
-    async def _probe_one(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket) -> None:
-        loop = asyncio.get_running_loop()
-        labels = {"fleet": self.fleet}
-        try:
+    def _launch(self, key: tuple[int, int], health: EngineHealth, ticket: ProbeTicket) -> None:
+        """Start one probe as a future; `_settle` applies its outcome."""
+        target = self._known[key]
+        probe: asyncio.Future
+        if self.client is not None:
             try:
-                async with asyncio.timeout(self.spec.timeout_seconds):
-                    await self._probe_fn(target)
-            except Exception as exc:  # noqa: BLE001 - every failure counts as a failed probe
-                kind, reason = describe_failure(exc, self.spec.timeout_seconds)
-                metrics.ENGINE_PROBES.labels(**labels, result="failure").inc()
-                metrics.ENGINE_PROBE_FAILURES.labels(**labels, kind=kind).inc()
-                if health.probe_failed(ticket, loop.time(), reason):
-                    message = (f"{health.consecutive_failures} consecutive failed health probes, "
-                               f"last: {reason}")
-                    log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot,
-                                target.url, message)
-                    task = asyncio.create_task(self._report_dead(target, message))
-                    self._callbacks.add(task)
-                    task.add_done_callback(self._callbacks.discard)
-            else:
-                metrics.ENGINE_PROBES.labels(**labels, result="success").inc()
-                health.probe_succeeded(ticket, loop.time())
-        except asyncio.CancelledError:
+                # The client bounds the probe by the timeout itself, with no task per probe.
+                probe = self.client.submit(target.url, self.spec.timeout_seconds)
+            except Exception as exc:  # noqa: BLE001 - e.g. a URL the client cannot probe: a failed probe
+                probe = asyncio.get_running_loop().create_future()
+                probe.set_exception(exc)
+        else:
+            probe = asyncio.ensure_future(self._bounded_probe(target))
+        self._probes[key] = probe
+        probe.add_done_callback(functools.partial(self._settle, target, health, ticket))
+
+    async def _bounded_probe(self, target: ProbeTarget) -> None:
+        async with asyncio.timeout(self.spec.timeout_seconds):
+            await self._probe_fn(target)  # type: ignore[misc]
+
+    def _settle(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, probe: asyncio.Future) -> None:
+        key = target.key
+        if self._probes.get(key) is probe:
+            del self._probes[key]
+        if probe.cancelled():
             health.probe_abandoned(ticket)
-            raise
-        finally:
-            if self._probes.get(target.key) is asyncio.current_task():
-                del self._probes[target.key]
+        else:
+            now = asyncio.get_running_loop().time()
+            exc = probe.exception()
+            if exc is None:
+                self._probe_ok.inc()
+                health.probe_succeeded(ticket, now)
+            else:
+                self._probe_failure(target, health, ticket, exc, now)
+        # Wake the loop only when this engine is due before the loop wakes anyway (after a success
+        # it is due at the next round, which the loop already waits for).
+        due = health.wake_time()
+        if due is not None and due < self._wake_at:
             self._wake.set()
+
+    def _probe_failure(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, exc: BaseException,
+                       now: float) -> None:
+        kind, reason = describe_failure(exc, self.spec.timeout_seconds)
+        self._probe_failed.inc()
+        self._failure_counter(kind).inc()
+        refused = is_refusal(exc)
+        if not health.probe_failed(ticket, now, reason, refused=refused):
+            return
+        if refused:
+            message = f"connection refused, nothing listens on the engine's port: {reason}"
+        else:
+            message = f"{health.consecutive_failures} consecutive failed health probes, last: {reason}"
+        self._report(target, message)
+
+    def _report(self, target: ProbeTarget, message: str) -> None:
+        log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot, target.url, message)
+        task = asyncio.create_task(self._report_dead(target, message))
+        self._callbacks.add(task)
+        task.add_done_callback(self._callbacks.discard)
+
+    def _refused_between_probes(self, url: str, error: CallError) -> None:
+        """The probe client reconnected an engine's idle connection and was refused.
+
+        Acted on after REFUSAL_GRACE_S: the backend's own process or pod watch sees the same death
+        within milliseconds and knows more (exit code, the engine's last log lines); if it reports
+        first, the engine is already forgotten here and this refusal changes nothing.
+        """
+        key = self._keys_by_url.get(url)
+        if key is not None:
+            asyncio.get_running_loop().call_later(REFUSAL_GRACE_S, self._confirm_refusal, key, error)
+
+    def _confirm_refusal(self, key: tuple[int, int], error: CallError) -> None:
+        health = self._health.get(key)
+        if health is None or not self.running:
+            return
+        kind, reason = describe_failure(error, self.spec.timeout_seconds)
+        if not health.connection_refused(asyncio.get_running_loop().time(), reason):
+            return
+        self._probe_failed.inc()
+        self._failure_counter(kind).inc()
+        self._report(self._known[key], f"connection refused, nothing listens on the engine's port: {reason}")
+
+    def _failure_counter(self, kind: str):
+        counter = self._failure_kinds.get(kind)
+        if counter is None:
+            counter = self._failure_kinds[kind] = metrics.ENGINE_PROBE_FAILURES.labels(fleet=self.fleet, kind=kind)
+        return counter
 
     async def _report_dead(self, target: ProbeTarget, reason: str) -> None:
         try:

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     options = RunOptions(run_dir=run_dir, summary_path=args.summary, chaos=args.chaos,
                          chaos_interval_s=args.chaos_interval, metrics_host=args.metrics_host,
-                         metrics_port=args.metrics_port, progress=ProgressReporter())
+                         metrics_port=args.metrics_port, progress=ProgressReporter(),
+                         manifest_dir=Path(args.file).resolve().parent)
     try:
         summary = asyncio.run(LocalRun(run, options).execute())
     except RunFailed as exc:
@@ -57,4 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rlfleet run: {data['steps_completed']}/{data['steps_planned']} steps, reward "
           f"{data['reward_mean_first']} -> {data['reward_mean_last']}, engines recreated "
           f"{data['engines_recreated']}, {data['wall_seconds']:.0f} s", file=sys.stderr)
+    if data["eval"]:
+        scored = [p for p in data["eval"] if not p["skipped"]]
+        skipped = [f"{p['step']}:{p['skipped']}" for p in data["eval"] if p["skipped"]]
+        last = scored[-1] if scored else None
+        print(f"rlfleet run: eval {len(scored)}/{len(data['eval'])} points scored"
+              + (f", last @{last['step']} {last['scores']}" if last else "")
+              + (f", skipped {' '.join(skipped)}" if skipped else "")
+              + f", {data['eval_snapshots_left']} eval snapshot(s) left on the volume", file=sys.stderr)
     return 0

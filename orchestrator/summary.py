@@ -18,6 +18,7 @@ class StepRecord:
     samples: int
     engine_versions: dict[int, str] = field(default_factory=dict)  # slot -> version read back after the sync
     recovered_slots: list[int] = field(default_factory=list)  # slots recreated before this step's sync
+    heat_paused: bool = False  # a heat-guard pause overlapped the step: its timing is not comparable
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RunSummary:
             "engine_versions_per_step": {str(s.step): {str(k): v for k, v in sorted(s.engine_versions.items())}
                                          for s in self.steps},
             "recovered_slots_per_step": {str(s.step): s.recovered_slots for s in self.steps if s.recovered_slots},
+            "heat_paused_per_step": {str(s.step): s.heat_paused for s in self.steps},
             "wall_seconds": round(self.wall_seconds, 3),
             "eval": self.eval,
             "eval_snapshots_left": self.eval_snapshots_left,

@@ -147,6 +147,10 @@ class WatchdogTask:
         self._recovery_timeout_s = recovery_timeout_s
         self.trips = 0
         self.last_check: CheckResult | None = None
+        metrics.WATCHDOG_STRIKES_TO_TRIP.labels(fleet=fleet).set(spec.checks)
+        # Counters exist at 0 from the start, so increase() sees the first strike and the first trip.
+        metrics.WATCHDOG_STRIKES.labels(fleet=fleet)
+        metrics.WATCHDOG_TRIPS.labels(fleet=fleet)
 
     def record_failure(self, at: float | None = None) -> None:
         """Timestamp one failed rollout request (default: now on the running loop's clock)."""

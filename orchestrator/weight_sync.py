@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 SAFE_PAUSE_MODES = ("retract", "abort")
 FLUSH_ATTEMPTS = 5
 FLUSH_RETRY_S = 0.5
+SYNC_OUTCOMES = ("ok", "degraded", "invalid_snapshot", "failed")  # rlfleet_weight_syncs_total{outcome}
 
 
 @dataclass
@@ -100,6 +101,13 @@ class WeightSync:
         self._lock = asyncio.Lock()
         self.last_result: WeightSyncResult | None = None
         self.last_error: str | None = None
+        for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
+            metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held for a whole sync; holding it elsewhere (shared-engine eval) keeps any sync from interleaving."""
+        return self._lock
 
     @property
     def reference(self) -> SnapshotReference | None:
@@ -184,7 +192,7 @@ class WeightSync:
         for attempt in range(1 + self.spec.load_retries):
             outcome.attempts = attempt + 1
             try:
-                outcome.version = await self._load_once(client, model_path, version)
+                outcome.version = await self._load_once(client, model_path, version, engine.slot)
             except CallError as exc:
                 outcome.error = str(exc)
                 if exc.engine_gone:
@@ -210,8 +218,12 @@ class WeightSync:
                 cause=DeathCause.LOAD_FAILED, incarnation=engine.incarnation)
         return outcome
 
-    async def _load_once(self, client: EngineClient, model_path: str, version: str) -> str:
-        """Pause, load, read back, continue. Returns the version read back."""
+    async def _load_once(self, client: EngineClient, model_path: str, version: str, slot: int) -> str:
+        """Pause, load, read back, continue. Returns the version read back.
+
+        An engine whose probes the monitor holds (the heat guard paused it) is left paused: the
+        guard resumes it when its GPU has cooled.
+        """
         await client.pause_generation(self.pause_mode)
         try:
             result = await client.update_weights_from_disk(model_path, version,
@@ -227,10 +239,14 @@ class WeightSync:
                 raise _LoadRefused(f"engine reports weight version {served!r} after loading {version!r}")
             return served
         finally:
-            try:
-                await client.continue_generation()
-            except CallError as exc:
-                log.warning("continue_generation on %s failed: %s", client.base_url, exc)
+            if self.monitor is not None and self.monitor.is_held(slot):
+                log.info("fleet %s slot %d: left paused after the load (held: %s)", self.fleet, slot,
+                         self.monitor.held().get(slot))
+            else:
+                try:
+                    await client.continue_generation()
+                except CallError as exc:
+                    log.warning("continue_generation on %s failed: %s", client.base_url, exc)
 
     async def _flush(self, client: EngineClient) -> None:
         last: CallError | None = None

@@ -15,6 +15,7 @@ COMMANDS = {
     "dev-cluster": ("rlfleet.devcluster_cli", "start/stop a local Kubernetes control plane (no Docker)"),
     "operator": ("rlfleet.operator.main", "run the Kubernetes operator"),
     "tiny-model": ("rlfleet.trainer.tiny", "write the tiny offline test model"),
+    "check-monitoring": ("rlfleet.monitoring_cli", "check dashboards and alert rules against the exported metrics"),
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -104,8 +105,6 @@ class Trainer(abc.ABC):
 
     def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:
         """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics."""
-        import torch
-
         if not batch:
             raise ValueError("train_step needs at least one sample")
         started = time.perf_counter()
@@ -133,10 +132,12 @@ class Trainer(abc.ABC):
                     sums[key] = max(sums.get(key, 0.0), value)
                 elif key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
+        if not math.isfinite(loss_sum):
+            # Stepping on a non-finite loss would poison the weights; leave them as they were.
+            self._zero_grad()
+            raise FloatingPointError(f"loss is {loss_sum} at step {self.step + 1}; no update was made")
         grad_norm = self._optimizer_step()
         self.step += 1
-        if not torch.isfinite(torch.tensor(loss_sum)):
-            raise FloatingPointError(f"loss is {loss_sum} at step {self.step}")
         return {
             "loss": loss_sum,
             "grad_norm": grad_norm,

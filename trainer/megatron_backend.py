@@ -96,7 +96,9 @@ def _init_single_rank(device: str, seed: int) -> None:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
+        index = torch.device(device).index
+        if index is not None:
+            torch.cuda.set_device(index)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         _cpu_workarounds()

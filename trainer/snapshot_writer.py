@@ -2,12 +2,12 @@
 
 The trainer hands over an `ExportState` (weights already off the device, HF names); writing it
 touches no trainer state, so it can run in a thread beside the next training step. The snapshot
-is finalised last (manifest and `.complete` marker), so a reader never sees a half-written one.
+is sealed last by the orchestrator's `finalize_snapshot` (manifest with checksums, then the
+`.complete` marker), so a reader never sees a half-written one.
 """
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-COMPLETE_MARKER = ".complete"
+from rlfleet.orchestrator.snapshot import MARKER_NAME, finalize_snapshot
+
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -76,7 +77,10 @@ def write_hf_snapshot(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / COMPLETE_MARKER).unlink(missing_ok=True)
+    (out / MARKER_NAME).unlink(missing_ok=True)
+    # A re-export may shard differently: weights of an earlier export must not linger.
+    for old in [*out.glob("*.safetensors"), out / WEIGHTS_INDEX_NAME]:
+        old.unlink(missing_ok=True)
     tensors = {name: t.contiguous() for name, t in state.tensors.items()}
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
     shards = shard_plan(sizes, max_shard_bytes)
@@ -101,19 +105,3 @@ def write_hf_snapshot(
             path.chmod(0o644)
     finalize_snapshot(out, state.step)
     return out
-
-
-def finalize_snapshot(out_dir: Path, step: int) -> None:
-    """Seal a written snapshot: the orchestrator's manifest + marker when available, else the marker.
-
-    The orchestrator owns the snapshot format (manifest with checksums, validation); this is the
-    single place the trainer hands over to it.
-    """
-    if importlib.util.find_spec("rlfleet.orchestrator.snapshot") is not None:
-        from rlfleet.orchestrator.snapshot import finalize_snapshot as orchestrator_finalize
-
-        orchestrator_finalize(out_dir, step)
-        return
-    marker = Path(out_dir) / COMPLETE_MARKER
-    marker.write_text(json.dumps({"step": step}) + "\n")
-    marker.chmod(0o644)

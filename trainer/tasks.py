@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 RewardFn = Callable[[str, str, str], float]
 DEFAULT_REWARD = "rlfleet.trainer.tasks:positional_match"
@@ -107,17 +107,65 @@ def exact_match(prompt: str, response: str, answer: str) -> float:
 
 def load_reward_fn(path: str) -> RewardFn:
     """Import `package.module:function`; it is called as fn(prompt, response, answer) -> float."""
+    return _import_object(path, "reward function")
+
+
+def _import_object(path: str, what: str) -> Callable:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward function must be given as 'module:function', got {path!r}")
+        raise ValueError(f"{what} must be given as 'module:object', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import reward module {module_name!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+        raise ValueError(f"cannot import {what} module {module_name!r}: {exc}") from exc
+    obj = getattr(module, attr, None)
+    if not callable(obj):
         raise ValueError(f"{module_name!r} has no callable {attr!r}")
-    return fn
+    return obj
+
+
+# --- task resolution ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Task:
+    """A prompt source and its own reward: what a TrainingRun's `task` names."""
+
+    name: str
+    problems: Callable[[int], Iterator[Problem]]  # seed -> endless (or finite) problems
+    reward: RewardFn
+
+
+def load_task(task: str) -> Task:
+    """A built-in task name (reverse, copy, rotate) or an import path `module:object`.
+
+    The imported object is called with the seed and returns an iterable of problems (`Problem`,
+    `(prompt, answer)` or `{"prompt", "answer"}`); its `reward` attribute, when present, is the
+    task's own reward (else positional_match).
+    """
+    if ":" not in task:
+        spec = TaskSpec(name=task)
+        return Task(name=task, problems=lambda seed: _endless(ProblemStream(spec, seed)), reward=positional_match)
+    factory = _import_object(task, "task")
+    reward = getattr(factory, "reward", None) or positional_match
+    if not callable(reward):
+        raise ValueError(f"task {task!r} has a reward attribute that is not callable")
+    return Task(name=task, problems=lambda seed: (_as_problem(p, task) for p in factory(seed)), reward=reward)
+
+
+def _endless(stream: "ProblemStream") -> Iterator[Problem]:
+    while True:
+        yield stream.next_problem()
+
+
+def _as_problem(item: object, task: str) -> Problem:
+    if isinstance(item, Problem):
+        return item
+    if isinstance(item, dict) and isinstance(item.get("prompt"), str) and isinstance(item.get("answer"), str):
+        return Problem(item["prompt"], item["answer"])
+    if isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item):
+        return Problem(*item)
+    raise ValueError(f"task {task!r} produced {item!r}: expected a Problem, (prompt, answer) or a dict")
 
 
 # --- eval datasets --------------------------------------------------------------------------

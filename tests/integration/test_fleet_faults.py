@@ -1,12 +1,13 @@
 """Fault tolerance on real parts: two SGLang CPU engines (local backend), a real sglang-router.
 
 One fleet is shared by the tests of this module, in order: a SIGKILLed engine, a SIGSTOPped
-engine, a corrupted snapshot. Each test leaves two alive engines behind. Latencies measured here
+engine, a corrupted snapshot, an engine the heat guard pauses across a weight sync. Each test leaves two alive engines behind. Latencies measured here
 are printed (run with -s to see them).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -15,13 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 import pytest_asyncio
 from prometheus_client import REGISTRY
 from safetensors.numpy import load_file, save_file
 
-from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
+from rlfleet.crds.specs import EngineSpec, HealthSpec, HeatGuardSpec, RecoverySpec, WeightSyncSpec
 from rlfleet.orchestrator.backend import DeathEvent, EngineState
 from rlfleet.orchestrator.errors import CallError, SnapshotInvalid
 from rlfleet.orchestrator.fleet import FleetRuntime
@@ -277,3 +279,62 @@ async def test_corrupted_snapshot_keeps_old_weights_serving(fleet: Fleet):
     assert await fleet.router_urls() == {e.url for e in after}
     # The monitor was resumed: engines keep being probed.
     assert fleet.runtime.monitor.running and not fleet.runtime.monitor.paused
+
+
+async def engine_ready(url: str) -> int:
+    """GET /ready: 200 when the engine takes new requests, 503 while its generation is paused."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            return resp.status
+
+
+async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, tmp_path: Path):
+    runtime, backend = fleet.runtime, fleet.backend
+    temps = tmp_path / "gpu-temperatures"
+    temps.write_text("rollout-0 60\nrollout-1 60\n")
+    spec = HeatGuardSpec(enabled=True, min_pause_seconds=1, max_pause_seconds=600, poll_interval_seconds=0.2,
+                         source={"type": "file", "path": str(temps)})
+    guard = runtime.heat_guard(spec)
+    runner = asyncio.create_task(guard.run())
+    hot = backend.engines()[1]
+    deaths_before = len(fleet.deaths.events)
+    try:
+        temps.write_text("rollout-0 60\nrollout-1 92\n")
+        async with asyncio.timeout(10):
+            while guard.paused_slots() != {"rollout-1"}:
+                await asyncio.sleep(0.05)
+        assert runtime.monitor.held() == {1: "heat guard pause"}
+        assert await engine_ready(hot.url) == 503
+        # Paused longer than a hang takes to be marked dead: the held engine is not probed.
+        await asyncio.sleep(hang_detection_bound(HEALTH) + 2)
+        assert len(fleet.deaths.events) == deaths_before and backend.engines()[1].state is EngineState.ALIVE
+
+        # A weight sync (it pauses and resumes the monitor) loads the held engine too, and leaves it paused.
+        result = await runtime.sync_weights(make_snapshot(fleet.base, fleet.snapshots, step=4, seed=4), 4)
+        assert sorted((e.slot, e.version) for e in result.engines) == [(0, "4"), (1, "4")]
+        assert await engine_ready(hot.url) == 503, "the sync must not resume an engine the heat guard paused"
+        assert await engine_ready(backend.engines()[0].url) == 200
+        assert runtime.monitor.held() == {1: "heat guard pause"} and not runtime.monitor.paused
+        fleet.version = "4"
+
+        temps.write_text("rollout-0 60\nrollout-1 70\n")
+        async with asyncio.timeout(10):
+            while guard.paused_slots():
+                await asyncio.sleep(0.05)
+        assert runtime.monitor.held() == {}
+        assert (await fleet.greedy(hot.url))[1] == "4"
+        # A /health_generate caught by the pause makes SGLang call itself unhealthy (503 on /ready)
+        # until a health check succeeds again: the monitor's first probe after the release.
+        async with asyncio.timeout(30):
+            while await engine_ready(hot.url) != 200:
+                await asyncio.sleep(0.5)
+        health = runtime.monitor.health(hot.slot, hot.incarnation)
+        successes = metric("rlfleet_engine_probes_total", result="success")
+        await asyncio.sleep(HEALTH.interval_seconds * 3)  # probed again after the release
+        assert metric("rlfleet_engine_probes_total", result="success") > successes
+        assert health is not None and not health.dead and health.held is None
+        assert len(fleet.deaths.events) == deaths_before
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner

@@ -122,3 +122,105 @@ def test_pause_releases_the_probe_in_flight():
     h.pause()
     h.resume(10.0)
     assert h.is_due(10.0)
+
+
+# --- refused connections: the process is gone ----------------------------------------------------
+
+def test_a_refused_connection_is_a_death_at_the_first_failure():
+    h = EngineHealth(SPEC, origin=0.0)
+    probe(h, 0.0, ok=True)
+    ticket = h.start_probe(5.0)
+    assert h.probe_failed(ticket, 5.01, "connection refused", refused=True) is True
+    assert h.dead and h.consecutive_failures == 1 and h.last_failure == "connection refused"
+    assert not h.is_due(100.0)
+
+
+def test_a_refusal_after_other_failures_is_final_too():
+    h = EngineHealth(SPEC, origin=0.0)
+    assert probe(h, 0.0, ok=False, reason="HTTP 503") is False
+    ticket = h.start_probe(2.0)
+    assert h.probe_failed(ticket, 2.0, "connection refused", refused=True) is True
+
+
+def test_timeouts_and_503s_keep_the_threshold():
+    h = EngineHealth(SPEC, origin=0.0)
+    assert probe(h, 0.0, ok=False, reason="HTTP 503 unavailable") is False
+    assert probe(h, 2.0, ok=False, reason="no answer within 2 s") is False
+    assert h.state is HealthState.SUSPECT
+    assert probe(h, 4.0, ok=False, reason="HTTP 503 unavailable") is True
+
+
+def test_a_refusal_that_lands_after_a_pause_or_a_hold_is_ignored():
+    # The orchestrator paused (or held) the engine on purpose, e.g. to restart or reload it.
+    for stop in (lambda h: h.pause(), lambda h: h.hold("heat guard")):
+        h = EngineHealth(SPEC, origin=0.0)
+        ticket = h.start_probe(0.0)
+        stop(h)
+        assert h.probe_failed(ticket, 0.01, "connection refused", refused=True) is False
+        assert not h.dead and h.consecutive_failures == 0
+
+
+# --- per-engine holds ------------------------------------------------------------------------------
+
+HOLD_SPEC = HealthSpec(interval_seconds=5, timeout_seconds=2, failure_threshold=3, first_wait_seconds=10)
+
+
+def test_a_held_engine_is_never_due_and_a_probe_in_flight_does_not_count():
+    h = EngineHealth(HOLD_SPEC, origin=0.0)
+    assert not h.is_due(0.0) and h.is_due(10.0)
+    ticket = h.start_probe(10.0)
+    h.hold("heat guard")
+    assert h.in_flight is None and h.held == "heat guard"
+    assert h.probe_failed(ticket, 12.0, "no answer within 2 s") is False
+    assert h.consecutive_failures == 0
+    assert h.wake_time() is None
+    assert not any(h.is_due(t) for t in (12.0, 100.0, 10_000.0))
+
+
+def test_a_hold_outlasts_a_fleet_pause_and_resume():
+    h = EngineHealth(HOLD_SPEC, origin=0.0)
+    h.hold("heat guard")
+    h.pause()  # weight sync
+    h.resume(20.0)
+    assert not h.paused and h.held == "heat guard"
+    assert not h.is_due(30.0) and not h.is_due(1000.0)
+
+
+def test_release_waits_first_wait_then_rejoins_the_fleet_grid():
+    h = EngineHealth(HOLD_SPEC, origin=0.0)
+    t = h.start_probe(10.0)
+    h.probe_failed(t, 12.0, "no answer within 2 s")
+    assert h.state is HealthState.SUSPECT
+    h.hold("heat guard")
+    h.release(33.0)
+    assert h.held is None and h.state is HealthState.HEALTHY and h.consecutive_failures == 0
+    assert not h.is_due(42.9) and h.is_due(43.0)  # first wait after the release
+    probe(h, 43.0, ok=True)
+    assert h.next_due == 45.0  # back on the fleet's round grid (origin 0, interval 5)
+
+
+def test_release_during_a_fleet_pause_probes_only_after_the_resume():
+    h = EngineHealth(HOLD_SPEC, origin=0.0)
+    h.hold("heat guard")
+    h.pause()
+    h.release(20.0)
+    assert not h.is_due(40.0)
+    h.resume(50.0)
+    assert not h.is_due(59.9) and h.is_due(60.0)
+
+
+def test_release_without_a_hold_changes_nothing():
+    h = EngineHealth(HOLD_SPEC, origin=0.0)
+    h.release(3.0)
+    assert h.next_due == 10.0 and h.epoch == 0
+
+
+def test_a_refusal_between_probes_is_a_death_unless_probes_are_off():
+    h = EngineHealth(SPEC, origin=0.0)
+    probe(h, 0.0, ok=True)
+    assert h.connection_refused(1.0, "connection refused") is True
+    assert h.dead and h.last_failure == "connection refused"
+    for off in (lambda h: h.pause(), lambda h: h.hold("heat guard"), lambda h: h.start_probe(0.0)):
+        h = EngineHealth(SPEC, origin=0.0)
+        off(h)
+        assert h.connection_refused(1.0, "connection refused") is False and not h.dead

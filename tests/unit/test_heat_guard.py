@@ -218,3 +218,30 @@ async def test_stopping_the_guard_resumes_what_it_paused_and_gone_slots_are_drop
     assert engines.calls[-1][1:] == ("http://r0", HeatAction.RESUME)
     assert [c for c in engines.calls if c[1] == "http://r1"] == [(0, "http://r1", HeatAction.PAUSE)]
     assert guard.events[-1].reason == "shutdown"
+
+
+@pytest.mark.looptime
+async def test_the_hold_spans_the_pause_call_and_a_refused_pause_releases_it():
+    temps, engines = Temps(r0=90), Engines("r0")
+    holds: list[tuple[float, str, str]] = []
+    loop = asyncio.get_running_loop()
+
+    async def call(url: str, action: HeatAction) -> None:
+        # The engine call happens while the monitor already holds the engine's probes.
+        assert holds and holds[-1][1] == "hold", holds
+        await engines.call(url, action)
+
+    guard = HeatGuardTask(SPEC, temps, engines=lambda: engines.urls, call_engine=call, fleet="heat-test",
+                          poll_interval_s=5, on_pause=lambda s: holds.append((loop.time(), "hold", s)),
+                          on_resume=lambda s: holds.append((loop.time(), "release", s)))
+    engines.refuse.add("http://r0")
+    runner = asyncio.create_task(guard.run())
+    await asyncio.sleep(1)
+    assert holds == [(0, "hold", "r0"), (0, "release", "r0")]  # refused: held and released again
+    engines.refuse.clear()
+    await asyncio.sleep(5)  # poll at 5 pauses
+    assert holds[-1] == (5, "hold", "r0") and guard.paused_slots() == {"r0"}
+    temps.temps["r0"] = 60
+    await asyncio.sleep(45)  # poll at 50: 45 s held and cool
+    assert holds[-1] == (50, "release", "r0") and guard.paused_slots() == set()
+    runner.cancel()

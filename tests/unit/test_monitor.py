@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.orchestrator.errors import ConnectionRefused
+from rlfleet.orchestrator.errors import ConnectionRefused, ServiceUnavailable
 from rlfleet.orchestrator.health import hang_detection_bound
 from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
 
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.looptime
 
 
 class Engines:
-    """Probe behaviour per slot: "ok", "hang" (never answers) or "refuse" (fails at once)."""
+    """Probe behaviour per slot: "ok", "hang" (never answers), "refuse" (fails at once), "503"
+    (answers 503 at once) or "refuse-late" (refused after half a second)."""
 
     def __init__(self, slots: int, answer_s: float = 0.05):
         self.behaviour = {n: "ok" for n in range(slots)}
@@ -39,6 +40,11 @@ class Engines:
             case "hang":
                 await asyncio.sleep(10_000)
             case "refuse":
+                raise ConnectionRefused("connection refused", url=target.url)
+            case "503":
+                raise ServiceUnavailable("(empty body)", url=target.url, status=503)
+            case "refuse-late":
+                await asyncio.sleep(0.5)
                 raise ConnectionRefused("connection refused", url=target.url)
 
     async def on_dead(self, target: ProbeTarget, reason: str) -> None:
@@ -68,21 +74,49 @@ async def test_all_engines_are_probed_concurrently_every_interval():
     assert engines.dead == {}
 
 
-async def test_crash_is_marked_dead_after_threshold_fast_probes():
+async def test_a_refused_connection_is_a_death_at_the_first_probe():
     spec = HealthSpec(interval_seconds=5, timeout_seconds=1, failure_threshold=3)
     engines = Engines(2)
     monitor = await started(spec, engines)
     await asyncio.sleep(7)  # rounds at 0 and 5
-    crashed_at = asyncio.get_running_loop().time()
-    engines.behaviour[1] = "refuse"
+    engines.behaviour[1] = "refuse"  # the process is gone: nothing listens on its port
     await asyncio.sleep(20)
     await monitor.stop()
     dead_at, reason = engines.dead[1]
-    # Next round at 10, retries at 11 and 12: dead 12, i.e. within interval + threshold x timeout.
-    assert dead_at == pytest.approx(12.0)
-    assert dead_at - crashed_at <= hang_detection_bound(spec)
-    assert "3 consecutive failed health probes" in reason and "connection_refused" in reason
+    assert dead_at == pytest.approx(10.0)  # the next round, no retries
+    assert engines.probe_times(1) == pytest.approx([0.0, 5.0, 10.0])
+    assert reason.startswith("connection refused, nothing listens") and "connection_refused" in reason
     assert 0 not in engines.dead
+
+
+async def test_503s_keep_the_failure_threshold():
+    spec = HealthSpec(interval_seconds=5, timeout_seconds=1, failure_threshold=3)
+    engines = Engines(1)
+    monitor = await started(spec, engines)
+    await asyncio.sleep(2)
+    engines.behaviour[0] = "503"
+    await asyncio.sleep(20)
+    await monitor.stop()
+    dead_at, reason = engines.dead[0]
+    # Round at 5, retries at 6 and 7 (spaced by the probe timeout).
+    assert dead_at == pytest.approx(7.0)
+    assert "3 consecutive failed health probes" in reason and "unavailable" in reason
+
+
+async def test_a_refusal_during_a_deliberate_pause_is_not_a_death():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=3)
+    engines = Engines(1)
+    engines.behaviour[0] = "refuse-late"
+    monitor = await started(spec, engines)
+    await asyncio.sleep(0.2)  # the probe at 0 is in flight; it will be refused at 0.5
+    monitor.pause()  # e.g. a weight sync restarts engines: their ports close on purpose
+    await asyncio.sleep(10)
+    assert engines.dead == {} and engines.probe_times(0) == pytest.approx([0.0])
+    engines.behaviour[0] = "ok"  # back before the resume
+    monitor.resume()
+    await asyncio.sleep(5)
+    await monitor.stop()
+    assert engines.dead == {}
 
 
 async def test_hang_is_marked_dead_within_interval_plus_threshold_times_timeout():
@@ -108,7 +142,7 @@ async def test_one_failure_then_success_is_not_a_death():
     engines = Engines(1)
     monitor = await started(spec, engines)
     await asyncio.sleep(0.5)
-    engines.behaviour[0] = "refuse"
+    engines.behaviour[0] = "503"
     await asyncio.sleep(2)  # the round at 2 fails
     engines.behaviour[0] = "ok"
     await asyncio.sleep(10)
@@ -194,3 +228,106 @@ async def test_replaced_incarnation_is_a_new_engine():
     await asyncio.sleep(5)
     assert engines.probe_times(0) == pytest.approx([0.0])
     await monitor.stop()
+
+
+# --- per-engine holds --------------------------------------------------------------------------------
+
+async def test_a_held_engine_is_not_probed_across_a_fleet_pause_and_resume():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=1, first_wait_seconds=3)
+    engines = Engines(2)
+    monitor = await started(spec, engines)
+    await asyncio.sleep(4.5)  # first probes at 3, then on the grid: 4
+    monitor.hold(1, "heat guard")  # at 4.5
+    engines.behaviour[1] = "hang"  # a paused engine holds /health_generate
+    await asyncio.sleep(6)
+    monitor.pause()  # weight sync at 10.5
+    await asyncio.sleep(5)
+    monitor.resume()  # at 15.5: slot 0 waits first_wait, slot 1 stays held
+    await asyncio.sleep(30)
+    assert engines.probe_times(1) == pytest.approx([3.0, 4.0])
+    assert engines.probe_times(0)[:5] == pytest.approx([3.0, 4.0, 6.0, 8.0, 10.0])
+    assert engines.probe_times(0)[5] == pytest.approx(18.5)  # first wait after the fleet resume
+    assert monitor.held() == {1: "heat guard"}
+    assert engines.dead == {}
+    await monitor.stop()
+
+
+async def test_a_probe_in_flight_when_held_does_not_count_and_release_waits_first_wait():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=1, first_wait_seconds=5)
+    engines = Engines(1)
+    monitor = await started(spec, engines)
+    await asyncio.sleep(5.5)  # first probe at 5 answered
+    engines.behaviour[0] = "hang"
+    await asyncio.sleep(1)  # the probe at 6 hangs (it would time out at 7 and kill: threshold 1)
+    monitor.hold(0, "heat guard")  # at 6.5: the heat guard paused generation
+    await asyncio.sleep(20)
+    assert engines.dead == {} and engines.probe_times(0) == pytest.approx([5.0, 6.0])
+    engines.behaviour[0] = "ok"  # resumed by the heat guard
+    monitor.release(0)  # at 26.5
+    await asyncio.sleep(10)
+    await monitor.stop()
+    times = engines.probe_times(0)
+    assert times[2] == pytest.approx(31.5)  # first wait after the release
+    assert times[3] == pytest.approx(32.0)  # then back on the fleet's round grid (origin 0, interval 2)
+    assert engines.dead == {} and monitor.held() == {}
+
+
+async def test_a_held_engine_that_hangs_for_long_is_never_marked_dead_by_probes():
+    spec = HealthSpec(interval_seconds=1, timeout_seconds=1, failure_threshold=2)
+    engines = Engines(1)
+    monitor = await started(spec, engines)
+    await asyncio.sleep(0.5)
+    monitor.hold(0, "heat guard")
+    engines.behaviour[0] = "hang"
+    await asyncio.sleep(300)
+    await monitor.stop()
+    assert engines.dead == {} and engines.probe_times(0) == pytest.approx([0.0])
+
+
+async def test_a_hold_ends_with_its_engine_and_the_replacement_is_probed():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=1)
+    engines = Engines(1)
+    incarnation = {0: 1}
+    engines.targets = lambda: [ProbeTarget(0, incarnation[0], f"http://127.0.0.2:{incarnation[0]}")]
+    monitor = await started(spec, engines)
+    await asyncio.sleep(1)
+    monitor.hold(0, "heat guard")
+    await asyncio.sleep(4)
+    assert engines.probe_times(0) == pytest.approx([0.0])
+    incarnation[0] = 2  # the held engine died; its slot was recreated
+    monitor.targets_changed()  # at 5
+    await asyncio.sleep(3)
+    await monitor.stop()
+    assert engines.probe_times(0) == pytest.approx([0.0, 5.0, 6.0])
+    assert monitor.held() == {}
+
+
+async def test_a_hold_before_the_engine_is_known_applies_to_it():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=1)
+    engines = Engines(1)
+    monitor = HealthMonitor(spec, targets=engines.targets, probe=engines.probe, on_dead=engines.on_dead, fleet="t")
+    monitor.hold(0, "heat guard")  # the guard paused it before the monitor's first round
+    await monitor.start()
+    await asyncio.sleep(10)
+    assert engines.probe_times(0) == []
+    monitor.release(0)
+    await asyncio.sleep(1)
+    await monitor.stop()
+    assert engines.probe_times(0) == pytest.approx([10.0])
+
+
+async def test_new_engines_join_at_the_next_round_or_at_once_when_announced():
+    spec = HealthSpec(interval_seconds=5, timeout_seconds=1, failure_threshold=1)
+    engines = Engines(2)
+    engines.gone.add(1)  # still starting: not a target yet
+    monitor = await started(spec, engines)
+    await asyncio.sleep(6)
+    engines.gone.discard(1)  # alive at 6; the list is read again at the next round
+    await asyncio.sleep(6)
+    assert engines.probe_times(1) == pytest.approx([10.0])
+    engines.behaviour[2] = "ok"  # a replacement, announced at 12
+    monitor.targets_changed()
+    await asyncio.sleep(1)
+    await monitor.stop()
+    assert engines.probe_times(2) == pytest.approx([12.0])
+    assert engines.probe_times(0) == pytest.approx([0.0, 5.0, 10.0])

@@ -14,14 +14,16 @@ def test_short_runs_use_one_step_each_side():
 
 
 def test_summary_keys_and_versions(tmp_path):
-    summary = RunSummary(steps_planned=3, steps=[StepRecord(1, 0.5, ["0", "0", "1"], 2.0, 3)], engines_marked_dead=1,
-                         engines_recreated=1, wall_seconds=12.3456)
+    summary = RunSummary(steps_planned=3, steps=[StepRecord(1, 0.5, ["0", "0", "1"], 2.0, 3),
+                                                 StepRecord(2, 0.5, ["1"], 9.0, 3, heat_paused=True)],
+                         engines_marked_dead=1, engines_recreated=1, wall_seconds=12.3456)
     out = tmp_path / "s.json"
     summary.write(out)
     import json
 
     data = json.loads(out.read_text())
-    assert data["steps_completed"] == 1 and data["steps_planned"] == 3
-    assert data["weight_versions_per_step"] == {"1": ["0", "1"]}
+    assert data["steps_completed"] == 2 and data["steps_planned"] == 3
+    assert data["weight_versions_per_step"] == {"1": ["0", "1"], "2": ["1"]}
+    assert data["heat_paused_per_step"] == {"1": False, "2": True}
     assert data["engines_marked_dead"] == 1 and data["engines_recreated"] == 1
     assert data["wall_seconds"] == 12.346 and data["eval"] == []
