@@ -144,7 +144,8 @@ class OperatorProcess:
         self.starts = 0
 
     def start(self, *peering: str) -> None:
-        """Start; `peering` replaces --standalone, e.g. ("--peering", "rlfleet", "--priority", "5000")."""
+        """Start (stopping a running one first); `peering` replaces --standalone, e.g. ("--peering", "rlfleet")."""
+        self.stop()
         self.starts += 1
         self.process = LocalProcess("operator", [
             sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
