@@ -77,7 +77,7 @@ class LocalProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc is None:
+        if self.proc is None or self.proc.returncode is not None:  # never started, or already stopped
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
