@@ -28,8 +28,8 @@ from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
 
-# How long a refusal seen between probes waits for the backend's own report of the same death (a
-# SIGKILLed CPU engine's process exit was seen ~0.5 s after the kill, its closed socket ~0.2 s earlier).
+# How long the report of a refusal waits for the backend's own report of the same death (a SIGKILLed
+# CPU engine's process exit was seen ~0.5 s after the kill, its closed port up to ~0.3 s earlier).
 REFUSAL_GRACE_S = 0.5
 
 
@@ -89,6 +89,7 @@ class HealthMonitor:
         self._probes: dict[tuple[int, int], asyncio.Future] = {}  # probes in flight
         self._holds: dict[int, _Hold] = {}
         self._callbacks: set[asyncio.Task] = set()
+        self._pending_reports: dict[tuple[int, int], asyncio.TimerHandle] = {}  # refusals, within their grace
         self._wake = asyncio.Event()
         self._wake_at = 0.0  # when the loop wakes on its own next
         self._targets_due = 0.0  # when the target list is read next (once a round, or when told)
@@ -184,6 +185,9 @@ class HealthMonitor:
     def forget(self, slot: int, incarnation: int) -> None:
         """Stop probing an incarnation already known dead (e.g. the process exited)."""
         key = (slot, incarnation)
+        pending = self._pending_reports.pop(key, None)
+        if pending is not None:
+            pending.cancel()  # the backend told first (and knows more)
         if key in self._health:
             self._health[key].mark_dead("known dead")
         task = self._probes.get(key)
@@ -200,6 +204,9 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._loop_task = None
+        for pending in self._pending_reports.values():
+            pending.cancel()
+        self._pending_reports.clear()
         if self.client is not None:
             self.client.close()
         if self._callbacks:
@@ -317,35 +324,36 @@ class HealthMonitor:
             message = f"connection refused, nothing listens on the engine's port: {reason}"
         else:
             message = f"{health.consecutive_failures} consecutive failed health probes, last: {reason}"
-        self._report(target, message)
+        self._report(target, message, refused=refused)
 
-    def _report(self, target: ProbeTarget, message: str) -> None:
+    def _report(self, target: ProbeTarget, message: str, *, refused: bool = False) -> None:
+        """Tell `on_dead`. A refusal is told after REFUSAL_GRACE_S: the backend's own process or pod
+        watch sees the same death within a moment and knows more (exit code, the engine's last log
+        lines); when it reports first, forget() drops this report."""
+        if refused:
+            loop = asyncio.get_running_loop()
+            self._pending_reports[target.key] = loop.call_later(REFUSAL_GRACE_S, self._report, target, message)
+            return
+        self._pending_reports.pop(target.key, None)
         log.warning("fleet %s slot %d (%s): marked dead: %s", self.fleet, target.slot, target.url, message)
         task = asyncio.create_task(self._report_dead(target, message))
         self._callbacks.add(task)
         task.add_done_callback(self._callbacks.discard)
 
     def _refused_between_probes(self, url: str, error: CallError) -> None:
-        """The probe client reconnected an engine's idle connection and was refused.
-
-        Acted on after REFUSAL_GRACE_S: the backend's own process or pod watch sees the same death
-        within milliseconds and knows more (exit code, the engine's last log lines); if it reports
-        first, the engine is already forgotten here and this refusal changes nothing.
-        """
+        """The probe client reconnected an engine's idle connection (it ended between probes) and
+        was refused: the process is gone."""
         key = self._keys_by_url.get(url)
-        if key is not None:
-            asyncio.get_running_loop().call_later(REFUSAL_GRACE_S, self._confirm_refusal, key, error)
-
-    def _confirm_refusal(self, key: tuple[int, int], error: CallError) -> None:
-        health = self._health.get(key)
-        if health is None or not self.running:
+        health = self._health.get(key) if key is not None else None
+        if health is None:
             return
         kind, reason = describe_failure(error, self.spec.timeout_seconds)
         if not health.connection_refused(asyncio.get_running_loop().time(), reason):
             return
         self._probe_failed.inc()
         self._failure_counter(kind).inc()
-        self._report(self._known[key], f"connection refused, nothing listens on the engine's port: {reason}")
+        self._report(self._known[key], f"connection refused, nothing listens on the engine's port: {reason}",
+                     refused=True)
 
     def _failure_counter(self, kind: str):
         counter = self._failure_kinds.get(kind)

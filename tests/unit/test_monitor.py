@@ -12,7 +12,7 @@ import pytest
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.errors import ConnectionRefused, ServiceUnavailable
 from rlfleet.orchestrator.health import hang_detection_bound
-from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
 
 pytestmark = pytest.mark.looptime
 
@@ -83,10 +83,26 @@ async def test_a_refused_connection_is_a_death_at_the_first_probe():
     await asyncio.sleep(20)
     await monitor.stop()
     dead_at, reason = engines.dead[1]
-    assert dead_at == pytest.approx(10.0)  # the next round, no retries
+    # Dead at the next round's probe (no retries), told after the grace left to the backend's watch.
+    assert dead_at == pytest.approx(10.0 + REFUSAL_GRACE_S)
     assert engines.probe_times(1) == pytest.approx([0.0, 5.0, 10.0])
     assert reason.startswith("connection refused, nothing listens") and "connection_refused" in reason
     assert 0 not in engines.dead
+
+
+async def test_a_refusal_the_backend_reported_first_is_not_told_again():
+    spec = HealthSpec(interval_seconds=5, timeout_seconds=1, failure_threshold=3)
+    engines = Engines(1)
+    monitor = await started(spec, engines)
+    await asyncio.sleep(2)
+    engines.behaviour[0] = "refuse"
+    await asyncio.sleep(3.1)  # refused at 5
+    assert monitor.health(0, 1).dead and engines.dead == {}
+    monitor.forget(0, 1)  # the process watch reported the exit (with its code and log) within the grace
+    await asyncio.sleep(5)
+    await monitor.stop()
+    assert engines.dead == {}
+    assert engines.probe_times(0) == pytest.approx([0.0, 5.0])
 
 
 async def test_503s_keep_the_failure_threshold():
