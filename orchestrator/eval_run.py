@@ -2,7 +2,7 @@
 
 The run loop calls, in order:
 
-    evaluation = RunEvaluation(name, spec, volume=..., run_dir=..., on_point=...)
+    evaluation = RunEvaluation(name, spec, volume=..., start_eval_fleet=..., on_point=...)
     await evaluation.launch(launch_model)           # posture fleet: eval router + engines start (not waited)
     evaluation.attach(trainer=..., rollout=..., producer=..., session=..., stop_token_ids=...)
     await evaluation.after_step(0)                  # evalBeforeTrain
@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -35,14 +36,17 @@ from rlfleet.orchestrator.eval_policy import EvalPoint, last_eval_fields, summar
 
 log = logging.getLogger(__name__)
 
+# Posture fleet: starts (or attaches to) the eval fleet; returns it and its router (or None) to stop.
+StartEvalFleet = Callable[[Path], Awaitable[tuple[Any, Any]]]
+
 
 class EvalSetupError(ValueError):
     """The eval spec cannot work (a dataset cannot be read, the evaluator class cannot be loaded)."""
 
 
 class RunEvaluation:
-    def __init__(self, run_name: str, spec: TrainingRunSpec, *, volume: Path, run_dir: Path,
-                 manifest_dir: Path | None = None, eval_engine_python: str | None = None,
+    def __init__(self, run_name: str, spec: TrainingRunSpec, *, volume: Path, manifest_dir: Path | None = None,
+                 start_eval_fleet: StartEvalFleet | None = None,
                  on_point: Callable[[EvalPoint], None] | None = None):
         if spec.eval is None:
             raise ValueError("the run has no eval spec")
@@ -50,9 +54,8 @@ class RunEvaluation:
         self.spec = spec
         self.eval_spec = spec.eval
         self.volume = Path(volume)
-        self.run_dir = Path(run_dir)
         self.manifest_dir = manifest_dir
-        self.eval_engine_python = eval_engine_python
+        self.start_eval_fleet = start_eval_fleet
         self.on_point = on_point
         self.evaluator = None
         self.dispatcher: EvalDispatcher | None = None
@@ -76,11 +79,9 @@ class RunEvaluation:
         except DatasetError as exc:
             raise EvalSetupError(f"eval dataset: {exc}") from None
         if self.posture == "fleet":
-            from rlfleet.orchestrator.eval_fleet import start_local_eval_fleet
-
-            self.evaluator, self._router = await start_local_eval_fleet(
-                self.run_name, self.spec, launch_model=launch_model, run_dir=self.run_dir,
-                python=self.eval_engine_python)
+            if self.start_eval_fleet is None:
+                raise EvalSetupError("posture fleet: this platform cannot start an eval fleet")
+            self.evaluator, self._router = await self.start_eval_fleet(launch_model)
         elif self.posture == "external":
             from rlfleet.orchestrator.eval_external import ExternalEvaluator
 

@@ -76,6 +76,20 @@ def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, mar
                       exit_code=exit_code, pod=view.name)
 
 
+def recreated_since(engine: EngineSlot, loaded_incarnation: int | None) -> bool:
+    """A slot the operator is recreating, or recreated after `loaded_incarnation` was handed out. Pure.
+
+    A first pod still starting (no restart yet, nothing handed out) is the fleet's start, not a recovery.
+    """
+    if engine.state is EngineState.DEAD:
+        return True
+    if engine.state in (EngineState.STARTING, EngineState.ALIVE):
+        if loaded_incarnation is None:
+            return engine.restarts > 0
+        return engine.incarnation != loaded_incarnation
+    return False
+
+
 def fleet_failure(fleet_name: str, status: dict | None) -> FleetFailed | None:
     """The operator's Failed condition as the orchestrator's FleetFailed (None while not failed)."""
     cond = find((status or {}).get("conditions"), "Failed")
@@ -109,6 +123,7 @@ class KubernetesBackend(FleetBackend):
         self._reported: set[tuple[int, int]] = set()  # (slot, incarnation) deaths already emitted
         self._seen_ready: set[tuple[int, int]] = set()
         self._versions: dict[tuple[int, int], str] = {}
+        self._loaded: dict[int, int] = {}  # slot -> incarnation a wait_all_alive handed out (weights loaded next)
         self._listeners: list[DeathListener] = []
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -285,11 +300,11 @@ class KubernetesBackend(FleetBackend):
         return True
 
     async def recover(self) -> list[int]:
-        """The operator recreates dead slots; this reports the slots it is recreating (or fails)."""
+        """The operator recreates dead slots; this reports the slots being recreated or recreated since
+        the last wait (a new pod whose weights nobody has loaded yet), or raises the fleet's failure."""
         if (failure := self.failure) is not None:
             raise failure
-        return [e.slot for e in self.engines() if e.state in (EngineState.DEAD, EngineState.STARTING)
-                and e.slot in self._marked]
+        return [e.slot for e in self.engines() if recreated_since(e, self._loaded.get(e.slot))]
 
     async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
         bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
@@ -309,6 +324,8 @@ class KubernetesBackend(FleetBackend):
                 async with asyncio.timeout(remaining):
                     await changed.wait()
         alive = [e for e in self.engines() if e.state is EngineState.ALIVE]
+        for e in alive:  # the caller loads its weights on these (bring-up or sync)
+            self._loaded[e.slot] = e.incarnation
         if len(alive) < self.min_ready:
             states = ", ".join(f"slot {e.slot}: {e.state.value}" + (f" ({e.last_failure})" if e.last_failure else "")
                                for e in self.engines())
@@ -375,3 +392,30 @@ async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, mo
     """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
     patch = {"metadata": {"annotations": {b.ANN_MODEL_PATH: model_path, b.ANN_WEIGHT_VERSION: weight_version}}}
     await kube.merge_patch(Resource(b.GROUP, "v1alpha1", PLURALS[kind]), fleet, patch, namespace)
+
+
+FLEET_POLL_S = 2.0
+
+
+async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
+                       timeout: float) -> tuple[KubernetesBackend, str, dict]:
+    """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
+
+    Returns the backend (not started), the router URL and the fleet object. The trainer pod starts
+    beside the fleets it drives, so both may still be coming up.
+    """
+    res = Resource(b.GROUP, "v1alpha1", PLURALS[kind])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    waiting_for = f"{kind} {fleet}"
+    while True:
+        obj = await kube.get_or_none(res, fleet, namespace)
+        if obj is not None:
+            port = b.fleet_spec(obj).router.port
+            waiting_for = f"a ready router pod of {kind} {fleet}"
+            if (url := await router_url(kube, namespace, fleet, port)) is not None:
+                backend = await KubernetesBackend.connect(kube, namespace=namespace, fleet=fleet, kind=kind)
+                return backend, url, obj
+        if loop.time() + FLEET_POLL_S > deadline:
+            raise FleetNotReady(f"no {waiting_for} in namespace {namespace} within {timeout:g} s")
+        await asyncio.sleep(FLEET_POLL_S)

@@ -1,325 +1,65 @@
-"""`rlfleet run`: one TrainingRun on this machine, engines and router as local processes.
+"""`rlfleet run FILE`: one TrainingRun on this machine, engines and routers as local processes.
 
-The same TrainingRun YAML as on Kubernetes, through the same models. The loop:
-
-    export step_0 -> start router + engines (launch weights "0") -> admit engines after read-back
-    fully-async producer keeps the engines busy through the router
-    each step: take prompts_per_step fresh-enough groups -> train -> export step_N -> weight sync
-               (recover dead slots first, load, read back every engine's version, admit replacements)
-    the 503 watchdog, the health monitor and (spec.heatGuard.enabled) the heat guard run beside it;
-    steps that overlapped a heat pause are flagged in the summary; Ctrl-C stops everything cleanly.
+The training loop is `RunLoop`'s; this starts the router and the engines (one process group each, on
+its own 127.0.0.N), the eval fleet of posture fleet likewise, and, with `--chaos`, kills an engine now
+and then so recovery can be watched.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import random
-import shutil
 import signal
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
-from rlfleet import metrics
-from rlfleet.crds.derive import parse_tiny_model, rollout_engine
+from rlfleet.crds.derive import rollout_engine
 from rlfleet.crds.models import TrainingRun
-from rlfleet.orchestrator.backend import DeathEvent, EngineState
-from rlfleet.orchestrator.eval_policy import EvalPoint
-from rlfleet.orchestrator.eval_run import EvalSetupError, RunEvaluation
+from rlfleet.orchestrator.backend import EngineState
 from rlfleet.orchestrator.fleet import FleetRuntime
-from rlfleet.orchestrator.heat_guard import HeatEvent, HeatGuardTask
 from rlfleet.orchestrator.local_backend import LocalBackend
 from rlfleet.orchestrator.local_router import LocalRouter
 from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
-from rlfleet.orchestrator.metrics_server import MetricsServer
-from rlfleet.orchestrator.producer import RolloutProducer, SamplingSettings
-from rlfleet.orchestrator.progress import ProgressReporter, ProgressState
-from rlfleet.orchestrator.rollout import RetryPolicy, RolloutClient
-from rlfleet.orchestrator.summary import RunSummary, StepRecord
-from rlfleet.orchestrator.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.procs import tail_file
-from rlfleet.tools import CACHE_DIR
-from rlfleet.trainer import grpo
-from rlfleet.trainer.base import build_trainer
+from rlfleet.orchestrator.run_loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
 
-log = logging.getLogger(__name__)
+__all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
 
 
-class RunFailed(RuntimeError):
-    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.message = message
-
-
-@dataclass
-class RunOptions:
-    run_dir: Path
-    summary_path: Path | None = None
-    chaos: bool = False
-    chaos_interval_s: float = 20.0
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # None: the spec's metricsPort; 0: any free port
-    progress: ProgressReporter = field(default_factory=ProgressReporter)
-    step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
-    manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
-    eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
-
-
-def resolve_model_dir(model_path: str) -> Path:
-    """A local model directory for modelPath: tiny:// models are generated into the cache."""
-    tiny = parse_tiny_model(model_path)
-    if tiny is not None:
-        from rlfleet.trainer.tiny import ensure_tiny_model
-
-        return ensure_tiny_model(CACHE_DIR / "models" / tiny.cache_name, seed=tiny.seed, arch=tiny.arch)
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise RunFailed("ModelNotFound", f"modelPath {model_path!r} is not a Hugging Face model directory "
-                                         "(locally, use a directory or tiny://llama)")
-    return path
-
-
-def snapshot_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step}"
-
-
-class LocalRun:
+class LocalRun(RunLoop):
     def __init__(self, run: TrainingRun, options: RunOptions):
-        self.run = run
-        self.spec = run.spec
-        self.name = run.metadata.name
-        self.options = options
-        self.progress = options.progress
-        self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
-        self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
-        local_path = self.spec.weight_sync.snapshot_volume.local_path
-        self.snapshots = Path(local_path or default_local_volume(options.run_dir))
+        local_path = run.spec.weight_sync.snapshot_volume.local_path
+        snapshots = Path(local_path or default_local_volume(options.run_dir))
         # A volume chosen on tmpfs is scratch memory: removed when the run ends (set localPath to keep it).
-        self._scratch_volume = local_path is None and is_scratch_volume(self.snapshots)
-        self.current_snapshot: Path | None = None
+        super().__init__(run, options, snapshots=snapshots,
+                         scratch_volume=local_path is None and is_scratch_volume(snapshots))
         self.backend: LocalBackend | None = None
-        self.fleet: FleetRuntime | None = None
-        self.evaluation: RunEvaluation | None = None
-        self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
 
-    # --- the run -----------------------------------------------------------------------------
-
-    async def execute(self) -> RunSummary:
-        started = time.monotonic()
-        try:
-            await self._execute()
-        except* RolloutEnginesUnavailable as group:
-            exc = group.exceptions[0]
-            self.summary.failure = f"RolloutEnginesUnavailable: {exc}"
-            raise RunFailed("RolloutEnginesUnavailable", str(exc)) from None
-        finally:
-            if self._scratch_volume:
-                await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
-            self.summary.wall_seconds = time.monotonic() - started
-            self._count_recoveries()
-            if self.options.summary_path is not None:
-                self.summary.write(self.options.summary_path)
-            self.progress.close()
-        return self.summary
-
-    async def _execute(self) -> None:
+    async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
-        opts = self.options
-        opts.run_dir.mkdir(parents=True, exist_ok=True)
-        self.snapshots.mkdir(parents=True, exist_ok=True)
-        async with contextlib.AsyncExitStack() as stack:
-            server = MetricsServer(opts.metrics_host, spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
-            url = await server.start()
-            stack.push_async_callback(server.stop)
-            self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
+        self._phase("starting the router")
+        router = LocalRouter(self.options.run_dir)
+        router_url = await router.start()
+        stack.push_async_callback(router.stop)
 
-            self._phase("loading the trainer")
-            model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
-            trainer = await asyncio.to_thread(
-                build_trainer, spec.trainer.backend, model_dir, spec.trainer.learning_rate,
-                seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
-                max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
-                loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
-                                     temperature=spec.trainer.temperature or 1.0),
-            )
-            self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
+        self._phase(f"starting {spec.rollout.replicas} engines")
+        engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
+        self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
+                                    run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
+                                    weight_version="0")
+        self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
+                                  weight_sync=spec.weight_sync, reference=self.current_snapshot)
+        return router_url
 
-            # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
-            if spec.eval is not None:
-                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, run_dir=opts.run_dir,
-                                                manifest_dir=opts.manifest_dir,
-                                                eval_engine_python=opts.eval_engine_python, on_point=self._on_eval)
-                stack.push_async_callback(self._close_evaluation)
-                try:
-                    await self.evaluation.launch(self.current_snapshot)
-                except EvalSetupError as exc:
-                    raise RunFailed("EvalInvalid", str(exc)) from None
-            # --- end eval ---
-            self._phase("starting the router")
-            router = LocalRouter(opts.run_dir)
-            router_url = await router.start()
-            stack.push_async_callback(router.stop)
+    def _eval_fleet_factory(self):
+        from rlfleet.orchestrator.eval_fleet import start_local_eval_fleet
 
-            self._phase(f"starting {spec.rollout.replicas} engines")
-            engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
-            self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
-                                        run_dir=opts.run_dir, min_ready=spec.rollout.min_ready_engines,
-                                        weight_version="0")
-            self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
-                                      weight_sync=spec.weight_sync, reference=self.current_snapshot)
-            stack.push_async_callback(self.fleet.stop)
-            self.backend.subscribe(self._on_death)
-            await self.fleet.start()
-            await self.fleet.bring_up("0", timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
-            self._engines_changed()
-            self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)
+        async def start(launch_model: Path):
+            return await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
+                                                run_dir=self.options.run_dir, python=self.options.eval_engine_python)
 
-            session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
-            watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
-                                    engine_logs=self._engine_logs)
-            client = RolloutClient(
-                router_url, session, on_failure=watchdog.record_failure,
-                policy=RetryPolicy(max_attempts=spec.rollout.max_retries + 1,
-                                   deadline_s=spec.rollout.request_timeout_seconds),
-                rng=random.Random(spec.trainer.seed),
-            )
-            producer = self._producer(client, trainer)
-            producer.start()
-            stack.push_async_callback(producer.stop)
-            if self.evaluation is not None:  # eval
-                self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
-                                       stop_token_ids=producer.sampling.stop_token_ids)
-            # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
-            if spec.heat_guard.enabled:
-                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
-                                                  on_event=self._on_heat_event)
+        return start
 
-            async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(watchdog.run(), name="watchdog")]
-                if self.heat is not None:  # cancelled with the others: it resumes what it paused
-                    background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
-                if opts.chaos:
-                    background.append(tasks.create_task(self._chaos(), name="chaos"))
-                try:
-                    await self._train(trainer, producer)
-                finally:
-                    for task in background:
-                        task.cancel()
-            self._phase("done")
-            self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
-
-    def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
-        from rlfleet.trainer.tasks import load_reward_fn, load_task
-
-        t = self.spec.trainer
-        task = load_task(t.task)
-        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
-        problems = iter(task.problems(t.seed))
-
-        def prompts():
-            for p in problems:
-                yield p.prompt, p.answer
-
-        tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
-        eos = tokenizer.eos_token_id
-        return RolloutProducer(
-            client, prompts(), reward_fn,
-            lambda text: tokenizer.encode(text, add_special_tokens=False),
-            samples_per_prompt=t.samples_per_prompt,
-            sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                                      stop_token_ids=(eos,) if eos is not None else ()),
-            concurrency=max(1, min(self.spec.rollout.concurrency_per_engine * self.spec.rollout.replicas,
-                                   t.prompts_per_step)),
-            queue_groups=2 * t.prompts_per_step, run_id=self.name,
-        )
-
-    async def _train(self, trainer, producer: RolloutProducer) -> None:
-        t = self.spec.trainer
-        policy = grpo.StalenessPolicy(t.max_staleness)
-        if self.evaluation is not None:  # eval: the initial model (evalBeforeTrain)
-            await self.evaluation.after_step(0)
-        for step in range(1, t.steps + 1):
-            self._phase("rollout")
-            step_started = time.monotonic()
-            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
-            groups, stale = await self._collect_groups(producer, trainer.step, policy)
-            batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
-            self._phase("train")
-            stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
-            self._phase("export")
-            path = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, step), step)
-            self._phase("weight sync")
-            result = await self.fleet.sync_weights(path, step)
-            previous, self.current_snapshot = self.current_snapshot, path
-            self._retire_snapshot(previous)
-            if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
-                await self.evaluation.after_step(step)
-            seconds = time.monotonic() - step_started
-            heat_paused = (self.heat is not None and self.heat.mark_step(
-                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
-            versions = [s.weight_version for s in batch.samples]
-            self.summary.steps.append(StepRecord(
-                step, stats["reward_mean"], versions, seconds, len(batch.samples),
-                engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
-                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused,
-            ))
-            metrics.RUN_STEP.labels(run=self.name).set(step)
-            metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
-            self.state.step = step
-            self.state.reward = stats["reward_mean"]
-            self.state.weight_version = str(step)
-            self.state.samples_per_s = len(batch.samples) / max(seconds, 1e-9)
-            self._engines_changed()
-            self.progress.event(
-                f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
-                f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
-                self.state,
-            )
-        if self.evaluation is not None:  # eval: every point settles before the run ends
-            self._phase("eval drain")
-            await self.evaluation.finish()
-
-    async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
-        wanted = self.spec.trainer.prompts_per_step
-        groups: list = []
-        stale = 0
-        deadline = asyncio.get_running_loop().time() + self.options.step_group_timeout_s
-        while len(groups) < wanted:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                raise RunFailed("RolloutTimeout", f"only {len(groups)} of {wanted} groups arrived within "
-                                                  f"{self.options.step_group_timeout_s:g} s")
-            group = await asyncio.wait_for(producer.next_group(), remaining)
-            if all(policy.is_fresh(s, current_step) for s in group):
-                groups.append(group)
-            else:
-                stale += 1
-        return groups, stale
-
-    # --- recovery, watchdog and chaos ---------------------------------------------------------
-
-    async def _recover_for_watchdog(self) -> None:
-        assert self.fleet is not None and self.current_snapshot is not None
-        step = int(self.current_snapshot.name.removeprefix("step_"))
-        await self.fleet.sync_weights(self.current_snapshot, step)
-
-    async def _can_serve(self) -> bool:
-        return self._ready_engines() > 0
-
-    def _engine_logs(self) -> dict[str, list[str]]:
-        assert self.backend is not None
-        return {f"slot {e.slot}": tail_file(Path(e.log_path), 8) for e in self.backend.engines() if e.log_path}
+    def _background(self) -> list:
+        return [self._chaos()] if self.options.chaos else []
 
     async def _chaos(self) -> None:
         rng = random.Random()
@@ -333,56 +73,3 @@ class LocalRun:
             if process is not None:
                 self.progress.event(f"chaos: SIGKILL engine slot {victim.slot} ({victim.url})", self.state)
                 process.signal_group(signal.SIGKILL)
-
-    def _on_heat_event(self, event: HeatEvent) -> None:
-        temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
-        self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
-
-    def _on_death(self, event: DeathEvent) -> None:
-        self.summary.engines_marked_dead += 1
-        self._engines_changed()
-        self.progress.event(f"engine slot {event.slot} marked dead ({event.cause}): {event.reason[:200]}", self.state)
-
-    # --- bookkeeping ---------------------------------------------------------------------------
-
-    def _ready_engines(self) -> int:
-        if self.backend is None:
-            return 0
-        return sum(1 for e in self.backend.engines() if e.state is EngineState.ALIVE)
-
-    def _engines_changed(self) -> None:
-        self.state.engines_ready = self._ready_engines()
-        self.progress.update(self.state)
-
-    def _phase(self, phase: str) -> None:
-        self.state.phase = phase
-        self.progress.update(self.state)
-
-    def _count_recoveries(self) -> None:
-        if self.backend is not None:
-            self.summary.engines_recreated = sum(e.restarts for e in self.backend.engines())
-
-    # --- eval ------------------------------------------------------------------------------------
-
-    def _on_eval(self, point: EvalPoint) -> None:
-        assert self.evaluation is not None
-        self.summary.eval = self.evaluation.summary_points()
-        what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
-                else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
-                f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")
-        self.progress.event(f"eval @{point.step} [{point.posture}] {what}", self.state)
-
-    async def _close_evaluation(self) -> None:
-        assert self.evaluation is not None
-        try:
-            await self.evaluation.close()
-        finally:
-            self.summary.eval = self.evaluation.summary_points()
-            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
-
-    def _retire_snapshot(self, path: Path | None) -> None:
-        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""
-        import shutil
-
-        if path is not None and path.name != "step_0":
-            shutil.rmtree(path, ignore_errors=True)

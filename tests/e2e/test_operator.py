@@ -199,61 +199,59 @@ def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control
 
 @pytest.mark.engines
 @pytest.mark.timeout(1200)
-def test_engine_that_always_fails_fails_the_fleet_with_its_log_line(control_plane, operator, tiny_model):
+def test_a_run_whose_engine_always_fails_ends_failed_with_its_log_line_and_delete_collects_everything(
+        control_plane, operator, node_agent, tiny_model):
     cp = control_plane
     started = time.monotonic()
-    apply(cp, fleet_manifest("rf-bad", tiny_model, replicas=1, extra_args=["--no-such-flag"],
-                             recovery={"maxRestartsPerEngine": 1, "backoffBaseSeconds": 1}))
-    try:
-        status = wait_for(lambda: (s := fleet_status(cp, "rf-bad")) and condition(s, "Failed").get("status") == "True"
-                          and s, timeout=600, interval=2, what="the fleet to fail",
-                          context=lambda: json.dumps(fleet_status(cp, "rf-bad"))[-2000:])
-        elapsed = time.monotonic() - started
-        failed = condition(status, "Failed")
-        assert failed["reason"] == "EngineCrashLoop"
-        assert "unrecognized arguments: --no-such-flag" in failed["message"]
-        assert "exit code 2" in failed["message"]
-        slot = status["engines"][0]
-        assert slot["state"] == "Failed" and slot["restarts"] == 1
-        pods = engine_pods(cp, "rf-bad")
-        assert len(pods) == 1 and pods[0]["status"]["phase"] == "Failed"  # kept for `kubectl logs`-style diagnosis
-        reasons = {e["reason"] for e in events_of(cp, "rf-bad")}
-        assert {"EngineDead", "RecreatingEngine", "RestartBudgetExhausted", "EngineCrashLoop"} <= reasons
-        time.sleep(5)  # nothing more happens: no retry storm
-        assert fleet_status(cp, "rf-bad")["restarts"] == 1
-        print(f"\nfigures: crash loop detected and fleet Failed {elapsed:.0f} s after creation")
-    finally:
-        delete_and_wait(cp, "rolloutfleet", "rf-bad", "rlfleet.io/fleet=rf-bad")
-
-
-@pytest.mark.engines
-@pytest.mark.timeout(900)
-def test_deleting_a_training_run_garbage_collects_everything_it_owns(control_plane, operator, tiny_model):
-    cp = control_plane
     run = {
         "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
-        "metadata": {"name": "tr-gc", "namespace": NS},
+        "metadata": {"name": "tr-bad", "namespace": NS},
         "spec": {"modelPath": str(tiny_model), "trainer": {"gpus": 0, "steps": 2},
-                 "rollout": {"replicas": 1, "engine": {"device": "cpu", "maxTotalTokens": 4096}},
+                 "rollout": {"replicas": 1,
+                             "engine": {"device": "cpu", "maxTotalTokens": 4096, "extraArgs": ["--no-such-flag"]},
+                             "health": {"startupTimeoutSeconds": ENGINE_START_S},
+                             "recovery": {"maxRestartsPerEngine": 1, "backoffBaseSeconds": 1}},
                  "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
     }
     apply(cp, run)
-    children = [("rolloutfleet", "tr-gc-rollout"), ("pod", "tr-gc-trainer"), ("pvc", "tr-gc-snapshots"),
-                ("deployment", "tr-gc-rollout-router"), ("service", "tr-gc-rollout-router"),
-                ("pod", "tr-gc-rollout-engine-0")]
+    children = [("rolloutfleet", "tr-bad-rollout"), ("pod", "tr-bad-trainer"), ("pvc", "tr-bad-snapshots"),
+                ("deployment", "tr-bad-rollout-router"), ("service", "tr-bad-rollout-router"),
+                ("pod", "tr-bad-rollout-engine-0")]
     try:
         objs = wait_for(lambda: all(o := [get_json(cp, k, n, namespace=NS) for k, n in children]) and o,
                         timeout=120, what="the run's children")
-        run_uid = get_json(cp, "trainingrun", "tr-gc", namespace=NS)["metadata"]["uid"]
-        owners = {o["metadata"]["ownerReferences"][0]["uid"] for o in objs[:3]}
-        assert owners == {run_uid}
-        table = cp.kubectl("get", "tr", "tr-gc", "-n", NS).stdout.split("\n")[0].split()
+        run_uid = get_json(cp, "trainingrun", "tr-bad", namespace=NS)["metadata"]["uid"]
+        assert {o["metadata"]["ownerReferences"][0]["uid"] for o in objs[:3]} == {run_uid}
+        table = cp.kubectl("get", "tr", "tr-bad", "-n", NS).stdout.split("\n")[0].split()
         assert table[:6] == ["NAME", "PHASE", "STEP", "WEIGHTS", "READY", "LAST"]
-        status = wait_for(lambda: (get_json(cp, "trainingrun", "tr-gc", namespace=NS) or {}).get("status"),
-                          timeout=60, what="the run's status")
-        assert status["totalEngines"] == 1 and status["phase"] in ("Pending", "Running", "Failed")
+
+        status = wait_for(lambda: (s := run_status(cp, "tr-bad")).get("phase") == "Failed" and s, timeout=600,
+                          interval=2, what="the run to fail",
+                          context=lambda: json.dumps(fleet_status(cp, "tr-bad-rollout"))[-2000:])
+        elapsed = time.monotonic() - started
+        for failed in (condition(status, "Failed"), condition(fleet_status(cp, "tr-bad-rollout"), "Failed")):
+            assert failed["reason"] == "EngineCrashLoop", failed
+            assert "unrecognized arguments: --no-such-flag" in failed["message"], failed
+            assert "exit code 2" in failed["message"], failed
+        assert status["totalEngines"] == 1
+        fleet = fleet_status(cp, "tr-bad-rollout")
+        assert fleet["engines"][0]["state"] == "Failed" and fleet["engines"][0]["restarts"] == 1
+        pods = engine_pods(cp, "tr-bad-rollout")
+        assert len(pods) == 1 and pods[0]["status"]["phase"] == "Failed"  # kept for diagnosis
+        reasons = {e["reason"] for e in events_of(cp, "tr-bad-rollout")}
+        assert {"EngineDead", "RecreatingEngine", "RestartBudgetExhausted", "EngineCrashLoop"} <= reasons
+        # The trainer saw the crash loop too and exited with it; no retry storm afterwards.
+        trainer = wait_for(lambda: (p := get_json(cp, "pod", "tr-bad-trainer", namespace=NS))
+                           and p["status"].get("phase") in ("Succeeded", "Failed") and p, timeout=120,
+                           what="the trainer to exit", context=lambda: pod_log(node_agent, NS, "tr-bad-trainer",
+                                                                               "trainer")[-3000:])
+        assert trainer["status"]["phase"] == "Failed"
+        assert "EngineCrashLoop" in pod_log(node_agent, NS, "tr-bad-trainer", "trainer")
+        time.sleep(5)
+        assert fleet_status(cp, "tr-bad-rollout")["restarts"] == 1
+        print(f"\nfigures: crash loop detected and run Failed {elapsed:.0f} s after creation")
     finally:
-        cp.kubectl("delete", "trainingrun", "tr-gc", "-n", NS, "--wait=false", check=False)
+        cp.kubectl("delete", "trainingrun", "tr-bad", "-n", NS, "--wait=false", check=False)
 
     def remaining() -> str:
         left = [(k, n, o["metadata"].get("finalizers"), o["metadata"].get("deletionTimestamp"))
@@ -322,6 +320,98 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         await backend.stop()
         await kube.close()
         await asyncio.to_thread(delete_and_wait, cp, "rolloutfleet", "rf-k", "rlfleet.io/fleet=rf-k")
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+
+
+def quickstart_on_cluster(*, steps: int, eval_interval: int) -> dict:
+    """examples/quickstart.yaml as `kubectl apply` takes it, shortened (fewer steps, denser eval)."""
+    import yaml
+
+    run = yaml.safe_load(QUICKSTART.read_text())
+    run["metadata"]["namespace"] = NS
+    spec = run["spec"]
+    spec["trainer"]["steps"] = steps
+    spec["rollout"]["health"]["startupTimeoutSeconds"] = ENGINE_START_S
+    spec["eval"]["intervalSteps"] = eval_interval
+    return run
+
+
+def run_status(cp, name: str) -> dict:
+    return (get_json(cp, "trainingrun", name, namespace=NS) or {}).get("status", {})
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2700)
+def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(control_plane, operator, node_agent):
+    """`kubectl apply` of the quickstart: the trainer pod drives the operator's fleets to Succeeded.
+
+    Three real SGLang engines (two rollout, one eval) run through the node agent; one rollout engine
+    is SIGKILLed mid-run and must be recreated before the next weight sync and serve that version.
+    """
+    cp = control_plane
+    steps, interval = 8, 4
+    started = time.monotonic()
+    apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval))
+    def context() -> str:
+        return "\n".join([json.dumps(run_status(cp, "quickstart"))[-1500:], diagnostics(cp, operator, node_agent),
+                          pod_log(node_agent, NS, "quickstart-trainer", "trainer")[-4000:]])
+
+    try:
+        status = wait_for(lambda: (s := run_status(cp, "quickstart")).get("step", 0) >= 2 and s,
+                          timeout=ENGINE_START_S + 600, interval=1, what="the run to reach step 2", context=context)
+        running_s = time.monotonic() - started
+        assert status["phase"] == "Running" and status["weightVersion"] == str(status["step"])
+        row = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
+        assert row[:2] == ["quickstart", "Running"], row
+
+        victim = engine_pods(cp, "quickstart-rollout", 1)[0]
+        killed_at_step = run_status(cp, "quickstart")["step"]
+        os.killpg(engine_pgid(victim["status"]["podIP"]), signal.SIGKILL)
+
+        final = wait_for(lambda: (s := run_status(cp, "quickstart")).get("phase") in ("Succeeded", "Failed") and s,
+                         timeout=1800, interval=3, what="the run to finish", context=context)
+        total_s = time.monotonic() - started
+        assert final["phase"] == "Succeeded", json.dumps(final)[-3000:]
+        assert final["step"] == steps and final["weightVersion"] == str(steps)
+        assert final["lastEval"]["step"] == steps and final["lastEval"]["weightVersion"] == str(steps)
+        assert set(final["lastEval"]["scores"]) == {"rotate"}
+        row = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
+        assert row[:4] == ["quickstart", "Succeeded", str(steps), str(steps)], row
+
+        # The run summary, written by the trainer on the run's snapshot volume.
+        claim_dir = node_agent.log_path.parent / "claims" / NS / "quickstart-snapshots"
+        summary = json.loads((claim_dir / "quickstart-summary.json").read_text())
+        assert summary["steps_completed"] == steps and summary["failure"] is None
+        recovered = {int(step): slots for step, slots in summary["recovered_slots_per_step"].items()}
+        assert recovered, "no step recovered the killed engine"
+        first = min(recovered)
+        # Recreated before the next weight sync after the kill (the one after, if the kill hit a sync in
+        # flight), and serving that sync's version from then on.
+        assert recovered[first] == [1] and killed_at_step < first <= killed_at_step + 2, (killed_at_step, recovered)
+        for step in range(first, steps + 1):
+            assert summary["engine_versions_per_step"][str(step)] == {"0": str(step), "1": str(step)}, step
+        assert summary["engines_marked_dead"] >= 1 and summary["engines_recreated"] == 1
+
+        # Eval on the operator's EvalFleet, at every interval and the final step, from one version each.
+        points = {p["step"]: p for p in summary["eval"]}
+        assert sorted(points) == list(range(0, steps + 1, interval))
+        for step, point in points.items():
+            assert point["skipped"] is None and point["posture"] == "fleet", point
+            assert point["weight_version"] == str(step) and point["mixed_version_ratio"] == 0
+        assert final["lastEval"]["scores"]["rotate"] == pytest.approx(points[steps]["scores"]["rotate"], abs=1e-3)
+
+        fleet = fleet_status(cp, "quickstart-rollout")
+        assert fleet["restarts"] == 1
+        reasons = {e["reason"] for e in events_of(cp, "quickstart-rollout")}
+        assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
+        print(f"\nfigures: step 2 reached {running_s:.0f} s after apply, Succeeded after {total_s:.0f} s; "
+              f"engine killed at step {killed_at_step}, recovered at the sync of step {first}")
+    finally:
+        cp.kubectl("delete", "trainingrun", "quickstart", "-n", NS, "--wait=false", check=False)
+        wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=quickstart", namespace=NS) or {})
+                 .get("items"), timeout=180, what="the run's pods to be gone", context=lambda: diagnostics(cp))
 
 
 def pod_log(agent, namespace: str, pod: str, container: str) -> str:

@@ -97,3 +97,24 @@ async def test_orchestrator_may_not_write_the_operators_status_fields():
 
     with pytest.raises(ValueError, match="phase"):
         await report_run_progress(None, "ns", "r", step=3, phase="Succeeded")
+
+
+async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_once():
+    """A crash seen by the pod watch and already replaced by the operator still counts as recovered at the
+    next sync (its new pod has no weights yet), and only at that sync."""
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=2, min_ready=1, recovery=RecoverySpec())
+    await backend._on_pods_listed([pod(0), pod(1)])
+    assert await backend.recover() == []  # the fleet's own start is not a recovery
+    await backend.wait_all_alive(timeout=1)  # bring-up: weights "0" go on incarnations 1, 1
+    assert await backend.recover() == []
+
+    await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=137))
+    assert await backend.recover() == [1]  # dead: the operator is recreating it
+    await backend._on_pod_event("DELETED", pod(1, phase="Failed", ready=False, exit_code=137))
+    await backend._on_pod_event("ADDED", pod(1, restarts=1, ready=False, uid="new"))
+    assert await backend.recover() == [1]  # starting
+    await backend._on_pod_event("MODIFIED", pod(1, restarts=1, uid="new"))
+    assert await backend.recover() == [1]  # ready before the sync looked: still needs the weights
+    alive = await backend.wait_all_alive(timeout=1)  # the sync loads its weights on both
+    assert [(e.slot, e.incarnation) for e in alive] == [(0, 1), (1, 2)]
+    assert await backend.recover() == []  # the next sync has nothing to recover
