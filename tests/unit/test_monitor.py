@@ -81,6 +81,16 @@ async def started(spec: HealthSpec, engines: Engines, fleet: str = "t") -> Healt
     return monitor
 
 
+async def hang_until_dead(monitor: HealthMonitor, engines: Engines, slot: int) -> tuple[float, float, str]:
+    """Hang one engine now, give the monitor 30 s, stop it: (hung at, marked dead at, reason)."""
+    hung_at = asyncio.get_running_loop().time()
+    engines.behaviour[slot] = "hang"
+    await asyncio.sleep(30)
+    await monitor.stop()
+    dead_at, reason = engines.dead[slot]
+    return hung_at, dead_at, reason
+
+
 async def test_all_engines_are_probed_concurrently_every_interval():
     spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=3)
     engines = Engines(50)
@@ -160,11 +170,7 @@ async def test_hang_is_marked_dead_within_interval_plus_threshold_times_timeout(
     engines = Engines(3)
     monitor = await started(spec, engines)
     await asyncio.sleep(5.5)
-    hung_at = asyncio.get_running_loop().time()
-    engines.behaviour[2] = "hang"
-    await asyncio.sleep(30)
-    await monitor.stop()
-    dead_at, reason = engines.dead[2]
+    hung_at, dead_at, reason = await hang_until_dead(monitor, engines, 2)
     assert dead_at - hung_at <= hang_detection_bound(spec)
     # Round at 8, then back-to-back 3 s probes: 8+3+3+3 = 17.
     assert dead_at == pytest.approx(17.0)
@@ -408,11 +414,7 @@ async def test_a_hang_after_a_stall_is_still_marked_dead_within_the_bound():
     await asyncio.sleep(3)
     engines.behaviour[0] = "stall"  # the round at 4 stalls until 24
     await asyncio.sleep(25.5)  # 28.5 (the stall counts as the test's sleep too)
-    hung_at = asyncio.get_running_loop().time()
-    engines.behaviour[2] = "hang"
-    await asyncio.sleep(30)
-    await monitor.stop()
-    dead_at, reason = engines.dead[2]
+    hung_at, dead_at, reason = await hang_until_dead(monitor, engines, 2)
     assert dead_at - hung_at <= hang_detection_bound(spec)
     # Round at 32, then back-to-back 3 s probes: 32+3+3+3 = 41.
     assert dead_at == pytest.approx(41.0) and "3 consecutive failed health probes" in reason
