@@ -19,14 +19,31 @@ Rules (the settings come from HealthSpec):
   paused itself is not blamed for it.
 - A hold is the same for one engine (e.g. the heat guard paused its generation); it outlasts
   fleet-wide pauses and resumes, and its release waits `first_wait_seconds` for that engine alone.
+- Loop-stall brake: a timeout is only evidence against the engine if the prober's own event loop ran
+  while the probe waited. When the loop stood still (an overloaded machine, a blocking call) every probe
+  in flight times out at once, answered or not, and a healthy fleet would be marked dead. So a timed-out
+  probe's loop lag is measured (the longest stall of the loop since the probe's round was due, LoopStalls,
+  and how far past its timeout it was settled); above loop_lag_bound (max(1 s, timeout)) the timeout
+  does not count toward `failure_threshold` and the engine is probed again at once. Second guard: when
+  more than half of at least MASS_TIMEOUT_MIN_ENGINES probed engines time out together while the loop
+  lagged by LOOP_LAG_FLOOR_S or more, none of those timeouts counts (judge_lagged_timeouts). A refused
+  connection, an error status or a closed connection is an answer and always counts.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import NamedTuple
 
 from rlfleet.crds.specs import HealthSpec
+
+
+# A loop stall of this many seconds or more is "the loop lagged"; past max(this, timeout) a timeout is void.
+LOOP_LAG_FLOOR_S = 1.0
+# Below this many probed engines, many timeouts at once are not taken for the prober's fault.
+MASS_TIMEOUT_MIN_ENGINES = 4
 
 
 class HealthState(StrEnum):
@@ -139,6 +156,14 @@ class EngineHealth:
         self.last_failure = reason
         self.epoch += 1
 
+    def probe_void(self, ticket: ProbeTicket, now: float) -> None:
+        """The probe timed out while the prober's loop stalled: no evidence either way. Neither the
+        state nor the failure count changes; the engine is probed again at once (a healthy one too)."""
+        if not self._settle(ticket):
+            return
+        retry_gap = min(self.spec.interval_seconds, self.spec.timeout_seconds)
+        self.next_due = max(now, ticket.started_at + retry_gap)
+
     def probe_abandoned(self, ticket: ProbeTicket) -> None:
         """The probe was cancelled (pause, stop): it neither failed nor succeeded."""
         if self.in_flight == ticket:
@@ -182,3 +207,60 @@ class EngineHealth:
 def hang_detection_bound(spec: HealthSpec) -> float:
     """Worst-case seconds from a hang to the dead mark (first_wait aside)."""
     return spec.interval_seconds + spec.failure_threshold * spec.timeout_seconds
+
+
+def loop_lag_bound(spec: HealthSpec) -> float:
+    """Loop lag above which a timed-out probe says nothing about its engine."""
+    return max(LOOP_LAG_FLOOR_S, spec.timeout_seconds)
+
+
+class LoopStalls:
+    """Recent stalls of the prober's own event loop, each measured as a timed wake that came late.
+
+    `record(scheduled, actual)` after every timed wake; `longest_since(t)` is the longest stall that
+    was still going on at or after t (a stall that delayed a round counts for the probes it started).
+    Only stalls of `notice_s` or more are kept, the last `keep` of them.
+    """
+
+    def __init__(self, *, notice_s: float = LOOP_LAG_FLOOR_S / 4, keep: int = 32):
+        self.notice_s = notice_s
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=keep)  # (scheduled, actual)
+
+    def record(self, scheduled: float, actual: float) -> float:
+        """Note a timed wake; returns how late it came (0 when on time or early)."""
+        lag = actual - scheduled
+        if lag >= self.notice_s:
+            self._stalls.append((scheduled, actual))
+        return max(0.0, lag)
+
+    def longest_since(self, since: float) -> float:
+        return max((end - start for start, end in self._stalls if end >= since), default=0.0)
+
+
+def probe_loop_lag(stalls: LoopStalls, ticket: ProbeTicket, now: float, timeout_s: float) -> float:
+    """How long the loop stood still while a timed-out probe waited: the longest stall since its round
+    was due, or how far past its timeout the timeout was seen, whichever is longer."""
+    return max(now - ticket.started_at - timeout_s, stalls.longest_since(ticket.started_at), 0.0)
+
+
+class TimeoutVerdict(StrEnum):
+    COUNTS = "counts"  # a failed probe like any other
+    LOOP_LAG = "loop_lag"  # void: the loop lagged beyond loop_lag_bound while the probe waited
+    MASS_TIMEOUT = "mass_timeout"  # void: most of the fleet timed out at once while the loop lagged
+
+
+def judge_lagged_timeouts(lags: Sequence[float], probed: int, spec: HealthSpec) -> list[TimeoutVerdict]:
+    """Verdicts for probe timeouts settled together (`lags`: each one's probe_loop_lag), `probed`: the
+    engines being probed now (alive, neither paused nor held), the timed-out ones included."""
+    bound = loop_lag_bound(spec)
+    lagged = sum(1 for lag in lags if lag >= LOOP_LAG_FLOOR_S)
+    mass = probed >= MASS_TIMEOUT_MIN_ENGINES and lagged * 2 > probed
+    verdicts = []
+    for lag in lags:
+        if lag > bound:
+            verdicts.append(TimeoutVerdict.LOOP_LAG)
+        elif mass and lag >= LOOP_LAG_FLOOR_S:
+            verdicts.append(TimeoutVerdict.MASS_TIMEOUT)
+        else:
+            verdicts.append(TimeoutVerdict.COUNTS)
+    return verdicts

@@ -7,6 +7,14 @@ kept-alive connection per engine, a future with one timer (no thread, no task pe
 injected probe function runs as a task. A refused connection is a death at once (health.py), also
 when the client reconnects an idle connection that ended between probes (the process died).
 
+Loop-stall brake: when this process's event loop stalls (an overloaded machine, a blocking call), every
+probe in flight times out at once and a healthy fleet would be marked dead. The loop therefore wakes at
+least every LOOP_TICK_S and notes how late each timed wake came (LoopStalls); a timed-out probe whose
+loop lag exceeds max(1 s, timeout_seconds) does not count toward failure_threshold, and timeouts that
+hit most of the fleet together while the loop lagged do not count either (a warning is logged). Both are
+counted in rlfleet_engine_probe_timeouts_voided_total{reason}. Refusals and other answers always count;
+health.py holds the rules.
+
 Holds: `hold(slot, reason)` stops probing one engine (the heat guard paused its generation) until
 `release(slot)`, across fleet-wide pauses and resumes. A hold belongs to the incarnation it found:
 if that engine dies and is replaced, the replacement is probed as usual.
@@ -23,7 +31,16 @@ from dataclasses import dataclass
 from rlfleet import metrics
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.errors import CallError, FailureKind
-from rlfleet.orchestrator.health import EngineHealth, ProbeTicket, next_round
+from rlfleet.orchestrator.health import (
+    LOOP_LAG_FLOOR_S,
+    EngineHealth,
+    LoopStalls,
+    ProbeTicket,
+    TimeoutVerdict,
+    judge_lagged_timeouts,
+    next_round,
+    probe_loop_lag,
+)
 from rlfleet.orchestrator.probe_client import HealthProbeClient
 
 log = logging.getLogger(__name__)
@@ -31,6 +48,9 @@ log = logging.getLogger(__name__)
 # How long the report of a refusal waits for the backend's own report of the same death (a SIGKILLed
 # CPU engine's process exit was seen ~0.5 s after the kill, its closed port up to ~0.3 s earlier).
 REFUSAL_GRACE_S = 0.5
+
+# The loop wakes at least this often, to measure its own stalls (a cheap timer; no engine is scanned).
+LOOP_TICK_S = LOOP_LAG_FLOOR_S / 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +79,10 @@ def is_refusal(exc: BaseException) -> bool:
 class _Hold:
     reason: str
     incarnation: int | None  # the held incarnation; None until the monitor knows one for the slot
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, TimeoutError) or (isinstance(exc, CallError) and exc.kind is FailureKind.TIMEOUT)
 
 
 def describe_failure(exc: BaseException, timeout_s: float) -> tuple[str, str]:
@@ -96,10 +120,15 @@ class HealthMonitor:
         self._loop_task: asyncio.Task | None = None
         self._paused = False
         self._origin = 0.0
+        self._stalls = LoopStalls()
+        self._lagged_timeouts: list[tuple[ProbeTarget, EngineHealth, ProbeTicket, BaseException, float]] = []
+        self._judging: asyncio.Handle | None = None  # the pending judgement of _lagged_timeouts
         labels = {"fleet": fleet}
         self._probe_ok = metrics.ENGINE_PROBES.labels(**labels, result="success")
         self._probe_failed = metrics.ENGINE_PROBES.labels(**labels, result="failure")
         self._failure_kinds: dict[str, object] = {}
+        self._voided = {verdict: metrics.ENGINE_PROBE_TIMEOUTS_VOIDED.labels(**labels, reason=verdict.value)
+                        for verdict in TimeoutVerdict if verdict is not TimeoutVerdict.COUNTS}
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -204,6 +233,9 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._loop_task = None
+        if self._judging is not None:
+            self._judging.cancel()
+            self._judging, self._lagged_timeouts = None, []
         for pending in self._pending_reports.values():
             pending.cancel()
         self._pending_reports.clear()
@@ -268,9 +300,19 @@ class HealthMonitor:
                 if due is not None and due < wake_at:
                     wake_at = due
             self._wake_at = wake_at
+            await self._sleep_until(wake_at)
+
+    async def _sleep_until(self, wake_at: float) -> None:
+        """Wait for wake_at or a wake-up call, waking every LOOP_TICK_S to note how late the loop runs."""
+        loop = asyncio.get_running_loop()
+        while True:
+            tick_at = min(wake_at, loop.time() + LOOP_TICK_S)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, wake_at - loop.time())):
+                async with asyncio.timeout_at(tick_at):
                     await self._wake.wait()
+            self._stalls.record(tick_at, loop.time())
+            if self._wake.is_set() or loop.time() >= wake_at:
+                return
 
     def _launch(self, key: tuple[int, int], health: EngineHealth, ticket: ProbeTicket) -> None:
         """Start one probe as a future; `_settle` applies its outcome."""
@@ -305,18 +347,51 @@ class HealthMonitor:
                 self._probe_ok.inc()
                 health.probe_succeeded(ticket, now)
             else:
+                self._probe_failed.inc()
+                self._failure_counter(describe_failure(exc, self.spec.timeout_seconds)[0]).inc()
+                lag = probe_loop_lag(self._stalls, ticket, now, self.spec.timeout_seconds) if _is_timeout(exc) else 0.0
+                if lag >= LOOP_LAG_FLOOR_S:
+                    self._defer_lagged_timeout(target, health, ticket, exc, lag)
+                    return  # judged with the timeouts settled at the same moment
                 self._probe_failure(target, health, ticket, exc, now)
-        # Wake the loop only when this engine is due before the loop wakes anyway (after a success
-        # it is due at the next round, which the loop already waits for).
+        self._wake_if_due_early(health)
+
+    def _wake_if_due_early(self, health: EngineHealth) -> None:
+        """Wake the loop only when this engine is due before the loop wakes anyway (after a success
+        it is due at the next round, which the loop already waits for)."""
         due = health.wake_time()
         if due is not None and due < self._wake_at:
             self._wake.set()
 
+    def _defer_lagged_timeout(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket,
+                              exc: BaseException, lag: float) -> None:
+        """Collect the timeouts a loop stall let fire together; they are judged as one batch right after."""
+        if self._judging is None:
+            self._judging = asyncio.get_running_loop().call_soon(self._judge_lagged_timeouts)
+        self._lagged_timeouts.append((target, health, ticket, exc, lag))
+
+    def _judge_lagged_timeouts(self) -> None:
+        batch, self._lagged_timeouts, self._judging = self._lagged_timeouts, [], None
+        now = asyncio.get_running_loop().time()
+        probed = sum(1 for health in self._health.values() if health.probing)
+        verdicts = judge_lagged_timeouts([lag for *_, lag in batch], probed, self.spec)
+        voided = sum(1 for verdict in verdicts if verdict is not TimeoutVerdict.COUNTS)
+        if voided:
+            log.warning("fleet %s: %d probe timeouts not counted: the prober's event loop lagged up to %.1f s "
+                        "(%d of %d probed engines timed out together)", self.fleet, voided,
+                        max(lag for *_, lag in batch), len(batch), probed)
+        for (target, health, ticket, exc, _), verdict in zip(batch, verdicts, strict=True):
+            if verdict is TimeoutVerdict.COUNTS:
+                self._probe_failure(target, health, ticket, exc, now)
+            else:
+                self._voided[verdict].inc()
+                health.probe_void(ticket, now)
+            self._wake_if_due_early(health)
+
     def _probe_failure(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, exc: BaseException,
                        now: float) -> None:
-        kind, reason = describe_failure(exc, self.spec.timeout_seconds)
-        self._probe_failed.inc()
-        self._failure_counter(kind).inc()
+        """Count a failed probe (the metrics are counted already); report the engine when it is dead."""
+        _, reason = describe_failure(exc, self.spec.timeout_seconds)
         refused = is_refusal(exc)
         if not health.probe_failed(ticket, now, reason, refused=refused):
             return

@@ -182,11 +182,13 @@ class WatchdogTask:
         metrics.WATCHDOG_TRIPS.labels(fleet=self.fleet).inc()
         log.error("watchdog tripped after %d strikes in a row; trying one recovery", result.strikes_in_a_row)
         try:
-            await asyncio.wait_for(self._recover(), self._recovery_timeout_s)
+            async with asyncio.timeout(self._recovery_timeout_s):
+                await self._recover()
         except Exception as exc:  # noqa: BLE001 - a failed recovery is judged by can_serve below
             log.error("watchdog recovery failed: %s", exc)
         try:
-            serving = await asyncio.wait_for(self._can_serve(), self._recovery_timeout_s)
+            async with asyncio.timeout(self._recovery_timeout_s):
+                serving = await self._can_serve()
         except Exception as exc:  # noqa: BLE001
             log.error("watchdog serve check failed: %s", exc)
             serving = False

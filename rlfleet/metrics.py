@@ -27,6 +27,13 @@ ENGINE_PROBE_FAILURES = Counter(
     "rlfleet_engine_probe_failures_total", "Failed health probes by failure kind.", ["fleet", "kind"],
     registry=REGISTRY,
 )
+# Timed-out probes that did not count toward failureThreshold because the prober's own event loop
+# stalled (orchestrator/health.py). reason: loop_lag (the loop lagged beyond max(1 s, timeout) while
+# the probe waited), mass_timeout (most of the fleet timed out at once while the loop lagged).
+ENGINE_PROBE_TIMEOUTS_VOIDED = Counter(
+    "rlfleet_engine_probe_timeouts_voided", "Probe timeouts not counted because the prober's event loop stalled.",
+    ["fleet", "reason"], registry=REGISTRY,
+)
 # reason: exited, probe_failed, startup_failed, startup_timeout, load_failed, unreachable, requested
 ENGINES_MARKED_DEAD = Counter(
     "rlfleet_engines_marked_dead_total", "Engines marked dead by reason.", ["fleet", "reason"], registry=REGISTRY

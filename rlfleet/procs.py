@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -25,18 +26,23 @@ def _die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class ManagedProcess:
-    """One child process group with its output appended to a log file."""
+class _ProcessGroup:
+    """What both process kinds share: the child's set-up, its group's signals, the stop rule, its log.
+
+    A subclass supplies only the parts that block or await: start, returncode and stop's two waits.
+    """
+
+    die_with_parent_default = False
 
     def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None, die_with_parent: bool = False):
+                 cwd: str | None = None, die_with_parent: bool | None = None):
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
         self.cwd = cwd
-        self.die_with_parent = die_with_parent
-        self.proc: asyncio.subprocess.Process | None = None
+        self.die_with_parent = self.die_with_parent_default if die_with_parent is None else die_with_parent
+        self.proc: asyncio.subprocess.Process | subprocess.Popen | None = None
 
     @property
     def pid(self) -> int | None:
@@ -44,28 +50,23 @@ class ManagedProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.returncode if self.proc else None
+        raise NotImplementedError
 
-    async def start(self) -> None:
+    @contextlib.contextmanager
+    def _spawn_options(self) -> Iterator[dict]:
+        """Keyword arguments for Popen and create_subprocess_exec alike: a session of its own, no stdin,
+        stdout and stderr appended to the log file (open only while the child is spawned)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        if self.env:
-            env.update(self.env)
         with open(self.log_path, "ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                cwd=self.cwd,
-                start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
-            )
-
-    async def wait(self) -> int:
-        assert self.proc is not None
-        return await self.proc.wait()
+            yield {
+                "stdin": subprocess.DEVNULL,
+                "stdout": log,
+                "stderr": subprocess.STDOUT,
+                "env": {**os.environ, **(self.env or {})},
+                "cwd": self.cwd,
+                "start_new_session": True,
+                "preexec_fn": _die_with_parent if self.die_with_parent else None,
+            }
 
     def signal_group(self, sig: int) -> None:
         if self.proc is None:
@@ -73,27 +74,54 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
+    def _terminate(self) -> bool:
+        """Stop's first step: SIGTERM the group while the leader runs; True when there is an exit to wait for."""
+        if self.returncode is not None:
+            return False
+        self.signal_group(signal.SIGTERM)
+        return True
+
+    def _kill(self) -> None:
+        """Stop's last step, always taken: the leader may be gone while children (scheduler, detokenizer)
+        linger, or the group may be stopped (SIGSTOP), so continue it and SIGKILL it."""
+        self.signal_group(signal.SIGCONT)
+        self.signal_group(signal.SIGKILL)
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return tail_file(self.log_path, lines)
+
+
+class ManagedProcess(_ProcessGroup):
+    """One child process group with its output appended to a log file."""
+
+    proc: asyncio.subprocess.Process | None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> None:
+        with self._spawn_options() as options:
+            self.proc = await asyncio.create_subprocess_exec(*self.argv, **options)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
     async def stop(self, grace_s: float = 8.0) -> int | None:
         """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
         if self.proc is None:
             return None
         try:
-            if self.proc.returncode is None:
-                self.signal_group(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(self.proc.wait(), grace_s)
-                except TimeoutError:
-                    pass
+            if self._terminate():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(grace_s):
+                        await self.proc.wait()
         finally:
-            # The leader may be gone while children (scheduler, detokenizer) linger: kill the group.
-            self.signal_group(signal.SIGCONT)
-            self.signal_group(signal.SIGKILL)
+            self._kill()
             with contextlib.suppress(ProcessLookupError):
                 await asyncio.shield(self.proc.wait())
         return self.proc.returncode
-
-    def tail(self, lines: int = 20) -> list[str]:
-        return tail_file(self.log_path, lines)
 
 
 def tail_file(path: Path, lines: int = 20) -> list[str]:
@@ -124,55 +152,32 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-class GroupProcess:
+class GroupProcess(_ProcessGroup):
     """The blocking twin of ManagedProcess, for code without an event loop (the local control plane).
 
     Same rules: own session, output appended to a log file, stop = SIGTERM the group then SIGKILL.
     """
 
-    def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None, die_with_parent: bool = True):
-        self.name = name
-        self.argv = argv
-        self.log_path = Path(log_path)
-        self.env = env
-        self.cwd = cwd
-        self.die_with_parent = die_with_parent
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    die_with_parent_default = True
+    proc: subprocess.Popen | None
 
     @property
     def returncode(self) -> int | None:
         return self.proc.poll() if self.proc else None
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        if self.env:
-            env.update(self.env)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=self.cwd, start_new_session=True,
-                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
+        with self._spawn_options() as options:
+            self.proc = subprocess.Popen(self.argv, **options)
 
     def stop(self, grace_s: float = 8.0) -> int | None:
         """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
         if self.proc is None:
             return None
         try:
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.proc.pid, signal.SIGTERM)
+            if self._terminate():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(grace_s)
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill()
             self.proc.wait()
         return self.proc.returncode
-
-    def tail(self, lines: int = 20) -> list[str]:
-        return tail_file(self.log_path, lines)

@@ -4,7 +4,18 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.orchestrator.health import EngineHealth, HealthState, ProbeTicket, hang_detection_bound, next_round
+from rlfleet.orchestrator.health import (
+    EngineHealth,
+    HealthState,
+    LoopStalls,
+    ProbeTicket,
+    TimeoutVerdict,
+    hang_detection_bound,
+    judge_lagged_timeouts,
+    loop_lag_bound,
+    next_round,
+    probe_loop_lag,
+)
 
 SPEC = HealthSpec(interval_seconds=5, timeout_seconds=2, failure_threshold=3, first_wait_seconds=0)
 
@@ -224,3 +235,66 @@ def test_a_refusal_between_probes_is_a_death_unless_probes_are_off():
         h = EngineHealth(SPEC, origin=0.0)
         off(h)
         assert h.connection_refused(1.0, "connection refused") is False and not h.dead
+
+
+# --- the loop-stall brake ----------------------------------------------------------------------------
+
+def test_a_void_probe_changes_neither_state_nor_count_and_is_repeated_at_once():
+    h = EngineHealth(SPEC, origin=0.0)
+    probe(h, 0.0, ok=False)
+    probe(h, 2.0, ok=False)  # suspect, 2 of 3
+    ticket = h.start_probe(4.0)
+    h.probe_void(ticket, 30.0)  # timed out while the prober's loop stood still until 30
+    assert h.state is HealthState.SUSPECT and h.consecutive_failures == 2 and not h.dead
+    assert h.is_due(30.0)
+    assert probe(h, 30.0, ok=False) is True  # the next real timeout is the third
+
+
+def test_a_void_probe_from_before_a_pause_is_ignored():
+    h = EngineHealth(SPEC, origin=0.0)
+    ticket = h.start_probe(0.0)
+    h.pause()
+    h.resume(10.0)
+    h.probe_void(ticket, 10.5)
+    assert h.next_due == 10.0  # the resume's schedule stands
+
+
+def test_loop_lag_bound_is_the_timeout_but_at_least_a_second():
+    assert loop_lag_bound(HealthSpec(timeout_seconds=5)) == 5
+    assert loop_lag_bound(HealthSpec(timeout_seconds=0.2)) == 1
+
+
+def test_loop_stalls_keep_the_late_wakes_and_answer_for_a_probe_since_its_start():
+    stalls = LoopStalls()
+    assert stalls.record(1.0, 1.01) == pytest.approx(0.01)  # on time, noise: not kept
+    assert stalls.record(2.0, 1.5) == 0  # woken early by an event
+    assert stalls.record(4.25, 24.0) == pytest.approx(19.75)
+    assert stalls.longest_since(0.0) == pytest.approx(19.75)
+    assert stalls.longest_since(24.0) == pytest.approx(19.75)  # it delayed the round that started at 24
+    assert stalls.longest_since(24.5) == 0
+
+
+def test_probe_loop_lag_is_the_longest_stall_or_the_overshoot_of_the_timeout():
+    stalls = LoopStalls()
+    ticket = ProbeTicket(epoch=0, started_at=10.0)
+    assert probe_loop_lag(stalls, ticket, 12.0, 2.0) == 0  # timed out on time
+    assert probe_loop_lag(stalls, ticket, 16.0, 2.0) == 4  # seen 4 s past its deadline
+    stalls.record(10.25, 12.5)
+    assert probe_loop_lag(stalls, ticket, 12.6, 2.0) == pytest.approx(2.25)
+
+
+def test_a_timeout_counts_unless_the_loop_lagged_beyond_the_bound():
+    spec = HealthSpec(timeout_seconds=5)
+    assert judge_lagged_timeouts([0.0, 4.9, 5.0, 5.1], 100, spec) == [
+        TimeoutVerdict.COUNTS, TimeoutVerdict.COUNTS, TimeoutVerdict.COUNTS, TimeoutVerdict.LOOP_LAG]
+
+
+def test_most_of_at_least_four_engines_timing_out_while_the_loop_lagged_do_not_count():
+    spec = HealthSpec(timeout_seconds=5)
+    mass = TimeoutVerdict.MASS_TIMEOUT
+    assert judge_lagged_timeouts([2.0] * 3, 5, spec) == [mass] * 3
+    assert judge_lagged_timeouts([2.0] * 2, 4, spec) == [TimeoutVerdict.COUNTS] * 2  # half is not most
+    assert judge_lagged_timeouts([2.0] * 3, 3, spec) == [TimeoutVerdict.COUNTS] * 3  # too few engines to tell
+    # A timeout with no lag of its own (the loop ran on time while it waited) is evidence, mass or not.
+    assert judge_lagged_timeouts([2.0, 2.0, 2.0, 0.0, 6.0], 5, spec) == [
+        mass, mass, mass, TimeoutVerdict.COUNTS, TimeoutVerdict.LOOP_LAG]

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from rlfleet import metrics
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.errors import ConnectionRefused, ServiceUnavailable
 from rlfleet.orchestrator.health import hang_detection_bound
@@ -17,13 +18,28 @@ from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTa
 pytestmark = pytest.mark.looptime
 
 
+def stall_loop(seconds: float) -> None:
+    """Hold the event loop for `seconds` of its time, as a blocking call or a starved process does:
+    nothing runs meanwhile, then every timer that fell due fires at once (moves looptime's clock)."""
+    loop = asyncio.get_running_loop()
+    loop.setup_looptime(start=loop.time() + seconds)
+
+
+def voided(fleet: str, reason: str) -> float:
+    value = metrics.REGISTRY.get_sample_value("rlfleet_engine_probe_timeouts_voided_total",
+                                              {"fleet": fleet, "reason": reason})
+    return value or 0.0
+
+
 class Engines:
     """Probe behaviour per slot: "ok", "hang" (never answers), "refuse" (fails at once), "503"
-    (answers 503 at once) or "refuse-late" (refused after half a second)."""
+    (answers 503 at once), "refuse-late" (refused after half a second) or "stall" (blocks the
+    prober's event loop for `stall_s` once, then answers like "ok")."""
 
-    def __init__(self, slots: int, answer_s: float = 0.05):
+    def __init__(self, slots: int, answer_s: float = 0.05, stall_s: float = 20.0):
         self.behaviour = {n: "ok" for n in range(slots)}
         self.answer_s = answer_s
+        self.stall_s = stall_s
         self.calls: list[tuple[float, int]] = []
         self.dead: dict[int, tuple[float, str]] = {}
         self.gone: set[int] = set()
@@ -46,6 +62,10 @@ class Engines:
             case "refuse-late":
                 await asyncio.sleep(0.5)
                 raise ConnectionRefused("connection refused", url=target.url)
+            case "stall":
+                self.behaviour[target.slot] = "ok"
+                stall_loop(self.stall_s)
+                await asyncio.sleep(self.answer_s)
 
     async def on_dead(self, target: ProbeTarget, reason: str) -> None:
         self.dead[target.slot] = (asyncio.get_running_loop().time(), reason)
@@ -55,10 +75,20 @@ class Engines:
         return [t for t, s in self.calls if s == slot]
 
 
-async def started(spec: HealthSpec, engines: Engines) -> HealthMonitor:
-    monitor = HealthMonitor(spec, targets=engines.targets, probe=engines.probe, on_dead=engines.on_dead, fleet="t")
+async def started(spec: HealthSpec, engines: Engines, fleet: str = "t") -> HealthMonitor:
+    monitor = HealthMonitor(spec, targets=engines.targets, probe=engines.probe, on_dead=engines.on_dead, fleet=fleet)
     await monitor.start()
     return monitor
+
+
+async def hang_until_dead(monitor: HealthMonitor, engines: Engines, slot: int) -> tuple[float, float, str]:
+    """Hang one engine now, give the monitor 30 s, stop it: (hung at, marked dead at, reason)."""
+    hung_at = asyncio.get_running_loop().time()
+    engines.behaviour[slot] = "hang"
+    await asyncio.sleep(30)
+    await monitor.stop()
+    dead_at, reason = engines.dead[slot]
+    return hung_at, dead_at, reason
 
 
 async def test_all_engines_are_probed_concurrently_every_interval():
@@ -140,11 +170,7 @@ async def test_hang_is_marked_dead_within_interval_plus_threshold_times_timeout(
     engines = Engines(3)
     monitor = await started(spec, engines)
     await asyncio.sleep(5.5)
-    hung_at = asyncio.get_running_loop().time()
-    engines.behaviour[2] = "hang"
-    await asyncio.sleep(30)
-    await monitor.stop()
-    dead_at, reason = engines.dead[2]
+    hung_at, dead_at, reason = await hang_until_dead(monitor, engines, 2)
     assert dead_at - hung_at <= hang_detection_bound(spec)
     # Round at 8, then back-to-back 3 s probes: 8+3+3+3 = 17.
     assert dead_at == pytest.approx(17.0)
@@ -347,3 +373,77 @@ async def test_new_engines_join_at_the_next_round_or_at_once_when_announced():
     await monitor.stop()
     assert engines.probe_times(2) == pytest.approx([12.0])
     assert engines.probe_times(0) == pytest.approx([0.0, 5.0, 10.0])
+
+
+# --- the loop-stall brake ----------------------------------------------------------------------------
+
+async def test_a_stalled_prober_loop_does_not_mark_a_healthy_fleet_dead():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=1)
+    engines = Engines(8, stall_s=20)
+    monitor = await started(spec, engines, fleet="stall")
+    await asyncio.sleep(3)
+    engines.behaviour[7] = "stall"  # its probe at 4 (the last started) blocks the loop until 24: all time out
+    await asyncio.sleep(30)
+    await monitor.stop()
+    assert engines.dead == {}
+    assert voided("stall", "loop_lag") == 8
+    # The void probes were repeated at once, after the stall, and the fleet went back to its rounds.
+    for slot in range(8):
+        assert engines.probe_times(slot)[:5] == pytest.approx([0, 2, 4, 24, 26])
+
+
+async def test_most_of_the_fleet_timing_out_while_the_loop_lagged_is_not_counted():
+    # A 4.5 s stall, shorter than the 5 s timeout, that ends just after the probes' deadline: the answers
+    # of slow but healthy engines (3 s) sat unread, every probe timed out by little.
+    spec = HealthSpec(interval_seconds=10, timeout_seconds=5, failure_threshold=1)
+    engines = Engines(6, answer_s=3)
+    monitor = await started(spec, engines, fleet="mass")
+    await asyncio.sleep(11)  # the round at 10 is in flight
+    stall_loop(4.5)  # a blocking call on the prober's loop, until 15.5
+    await asyncio.sleep(20)
+    await monitor.stop()
+    assert engines.dead == {}
+    assert voided("mass", "mass_timeout") == 6
+    assert engines.probe_times(0)[:4] == pytest.approx([0, 10, 15.5, 20])
+
+
+async def test_a_hang_after_a_stall_is_still_marked_dead_within_the_bound():
+    spec = HealthSpec(interval_seconds=4, timeout_seconds=3, failure_threshold=3)
+    engines = Engines(3, stall_s=20)
+    monitor = await started(spec, engines, fleet="stall-then-hang")
+    await asyncio.sleep(3)
+    engines.behaviour[0] = "stall"  # the round at 4 stalls until 24
+    await asyncio.sleep(25.5)  # 28.5 (the stall counts as the test's sleep too)
+    hung_at, dead_at, reason = await hang_until_dead(monitor, engines, 2)
+    assert dead_at - hung_at <= hang_detection_bound(spec)
+    # Round at 32, then back-to-back 3 s probes: 32+3+3+3 = 41.
+    assert dead_at == pytest.approx(41.0) and "3 consecutive failed health probes" in reason
+    assert sorted(engines.dead) == [2]
+
+
+async def test_a_fleet_that_really_hangs_at_once_is_marked_dead():
+    # The second guard needs a lagging loop: with the loop running on time, timeouts are evidence.
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=2)
+    engines = Engines(6)
+    monitor = await started(spec, engines, fleet="all-hang")
+    await asyncio.sleep(1)
+    for slot in range(6):
+        engines.behaviour[slot] = "hang"
+    await asyncio.sleep(10)
+    await monitor.stop()
+    assert sorted(engines.dead) == list(range(6))
+    assert [at for at, _ in engines.dead.values()] == pytest.approx([4.0] * 6)  # round at 2, retry at 3
+    assert voided("all-hang", "loop_lag") == voided("all-hang", "mass_timeout") == 0
+
+
+async def test_a_refusal_in_a_stalled_round_still_counts():
+    spec = HealthSpec(interval_seconds=2, timeout_seconds=1, failure_threshold=3)
+    engines = Engines(4, stall_s=20)
+    monitor = await started(spec, engines, fleet="stall-refuse")
+    await asyncio.sleep(3)
+    engines.behaviour[0] = "stall"
+    engines.behaviour[1] = "refuse"  # refused in the stalled round: nothing listens, whatever the loop did
+    await asyncio.sleep(30)
+    await monitor.stop()
+    assert sorted(engines.dead) == [1]
+    assert engines.dead[1][1].startswith("connection refused")
