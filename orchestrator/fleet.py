@@ -23,7 +23,7 @@ from rlfleet.orchestrator.heat_guard import HeatEvent, HeatGuardTask, post_engin
 from rlfleet.orchestrator.heat_sources import build_source
 from rlfleet.orchestrator.membership import RouterMembership
 from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
-from rlfleet.orchestrator.router_client import RouterClient
+from rlfleet.orchestrator.router_client import RouterClient, normalize_url
 from rlfleet.orchestrator.snapshot import SnapshotReference
 from rlfleet.orchestrator.weight_sync import WeightSync, WeightSyncResult
 
@@ -87,6 +87,13 @@ class FleetRuntime:
         await self.backend.start()
         await self.monitor.start()
         await self.membership.start()
+
+    def move_router(self, url: str) -> None:
+        """The fleet's router now answers at `url` (its pod was replaced): the membership's reconcile
+        registers every pinned engine there within one interval, and rollouts follow at once."""
+        self.router_url = url
+        if self.router is not None:
+            self.router.base_url = normalize_url(url)
 
     async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:
         """Wait for the engines to serve their launch weights, then admit them to the router."""

@@ -350,14 +350,20 @@ class KubernetesBackend(FleetBackend):
             log.warning("annotating %s: %s", name, e)
 
 
-async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int) -> str | None:
-    """The URL of the fleet's ready router pod (pod addresses are routable inside the cluster)."""
+async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, prefer: str | None = None
+                     ) -> str | None:
+    """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
+    `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap."""
     pods = await kube.list(PODS, namespace, label_selector=f"{b.LABEL_COMPONENT}=router,{b.LABEL_FLEET}={fleet}")
-    for pod in pods.get("items", []):
-        view = view_pod(pod)
-        if view.ready and view.pod_ip and not view.terminating:
-            return f"http://{view.pod_ip}:{port}"
-    return None
+    return pick_router_url(pods.get("items", []), port, prefer=prefer)
+
+
+def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -> str | None:
+    """Pure part of `router_url`."""
+    ready = [f"http://{v.pod_ip}:{port}" for v in map(view_pod, pods) if v.ready and v.pod_ip and not v.terminating]
+    if prefer in ready:
+        return prefer
+    return ready[0] if ready else None
 
 
 TRAININGRUNS = Resource(b.GROUP, "v1alpha1", "trainingruns")

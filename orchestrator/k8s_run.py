@@ -29,7 +29,7 @@ from rlfleet.operator import builders as b
 from rlfleet.operator.kubeapi import ApiError, KubeClient
 from rlfleet.orchestrator.eval_policy import EvalPoint
 from rlfleet.orchestrator.fleet import FleetRuntime
-from rlfleet.orchestrator.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress
+from rlfleet.orchestrator.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
 from rlfleet.orchestrator.run_loop import RunLoop, RunOptions
 
 log = logging.getLogger(__name__)
@@ -43,22 +43,25 @@ class KubernetesRun(RunLoop):
         self.rollout_fleet = b.rollout_fleet_name(self.name)
         self._status_writes: set[asyncio.Task] = set()
         self._pending_retire: Path | None = None
+        self._eval_runtime: FleetRuntime | None = None
+        self._router_ports: dict[str, int] = {}
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
         self._phase("waiting for the rollout fleet")
-        backend, router_url, _ = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
-                                                    timeout=spec.rollout.health.startup_timeout_seconds)
-        self.progress.event(f"rollout fleet {self.rollout_fleet}: router {router_url}", self.state)
+        backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
+                                               timeout=spec.rollout.health.startup_timeout_seconds)
+        self._router_ports[self.rollout_fleet] = b.fleet_spec(obj).router.port
+        self.progress.event(f"rollout fleet {self.rollout_fleet}: router {url}", self.state)
         # Replacements start from the trainer's own copy of the launch weights from now on.
         await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet,
                                  model_path=str(self.current_snapshot), weight_version="0")
         self._phase(f"waiting for {spec.rollout.replicas} engines")
         self.backend = backend
-        self.fleet = FleetRuntime(backend, router_url, health=spec.rollout.health, weight_sync=spec.weight_sync,
+        self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
                                   reference=self.current_snapshot)
         stack.push_async_callback(self._flush_status_writes)
-        return router_url
+        return url
 
     def _eval_fleet_factory(self):
         from rlfleet.crds.fleet_specs import FleetSpec
@@ -66,17 +69,40 @@ class KubernetesRun(RunLoop):
 
         async def start(launch_model: Path):
             name = b.eval_fleet_name(self.name)
-            backend, router_url, obj = await attach_fleet(
-                self.kube, self.namespace, name, kind="EvalFleet",
-                timeout=self.spec.rollout.health.startup_timeout_seconds)
+            backend, url, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
+                                                   timeout=self.spec.rollout.health.startup_timeout_seconds)
             fleet_spec: FleetSpec = b.fleet_spec(obj)
-            runtime = FleetRuntime(backend, router_url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
+            self._router_ports[name] = fleet_spec.router.port
+            runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
             await runtime.start()
+            self._eval_runtime = runtime
             evaluator = EvalFleet(runtime, self.spec.eval,
                                   wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
             return evaluator, None
 
         return start
+
+    def _background(self) -> list:
+        followed = [(self.fleet, self.rollout_fleet)]
+        if self._eval_runtime is not None:
+            followed.append((self._eval_runtime, b.eval_fleet_name(self.name)))
+        return [self._follow_router(runtime, fleet) for runtime, fleet in followed]
+
+    async def _follow_router(self, runtime: FleetRuntime, fleet: str) -> None:
+        """A replaced router pod has a new address: move the fleet's clients there (the Deployment
+        recreates the pod; the membership re-registers the engines)."""
+        interval = max(1.0, runtime.health_spec.interval_seconds)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                url = await router_url(self.kube, self.namespace, fleet, self._router_ports[fleet],
+                                       prefer=runtime.router_url)
+            except (ApiError, OSError, TimeoutError) as exc:
+                log.warning("looking up the router of %s: %s", fleet, exc)
+                continue
+            if url is not None and url != runtime.router_url:
+                self.progress.event(f"fleet {fleet}: router moved {runtime.router_url} -> {url}", self.state)
+                runtime.move_router(url)
 
     async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
         await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet, model_path=str(snapshot),

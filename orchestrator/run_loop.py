@@ -36,7 +36,7 @@ from rlfleet.orchestrator.heat_guard import HeatEvent, HeatGuardTask
 from rlfleet.orchestrator.metrics_server import MetricsServer
 from rlfleet.orchestrator.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.progress import ProgressReporter, ProgressState
-from rlfleet.orchestrator.rollout import RetryPolicy, RolloutClient
+from rlfleet.orchestrator.rollout import RetryPolicy, RolloutClient, post_generate
 from rlfleet.orchestrator.summary import RunSummary, StepRecord
 from rlfleet.orchestrator.watchdog import RolloutEnginesUnavailable, WatchdogTask
 from rlfleet.procs import tail_file
@@ -185,8 +185,13 @@ class RunLoop:
             session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
                                     engine_logs=self._engine_logs)
+            fleet = self.fleet
+
+            async def to_router(payload, timeout_s: float) -> dict:  # follows the router if it moves
+                return await post_generate(session, fleet.router_url.rstrip("/") + "/generate", payload, timeout_s)
+
             client = RolloutClient(
-                router_url, session, on_failure=watchdog.record_failure,
+                router_url, session, on_failure=watchdog.record_failure, transport=to_router,
                 policy=RetryPolicy(max_attempts=spec.rollout.max_retries + 1,
                                    deadline_s=spec.rollout.request_timeout_seconds),
                 rng=random.Random(spec.trainer.seed),

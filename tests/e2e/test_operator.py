@@ -348,10 +348,11 @@ def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(control
     """`kubectl apply` of the quickstart: the trainer pod drives the operator's fleets to Succeeded.
 
     Three real SGLang engines (two rollout, one eval) run through the node agent; one rollout engine
-    is SIGKILLed mid-run and must be recreated before the next weight sync and serve that version.
+    is SIGKILLed mid-run and must be recreated before the next weight sync and serve that version;
+    later the rollout router's pod is deleted and the trainer must follow its replacement.
     """
     cp = control_plane
-    steps, interval = 8, 4
+    steps, interval = 10, 5
     started = time.monotonic()
     apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval))
     def context() -> str:
@@ -369,6 +370,14 @@ def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(control
         victim = engine_pods(cp, "quickstart-rollout", 1)[0]
         killed_at_step = run_status(cp, "quickstart")["step"]
         os.killpg(engine_pgid(victim["status"]["podIP"]), signal.SIGKILL)
+
+        # Then the rollout router's pod goes: the Deployment replaces it (new address); the trainer follows.
+        wait_for(lambda: run_status(cp, "quickstart").get("step", 0) >= killed_at_step + 3, timeout=900, interval=1,
+                 what="three more steps", context=context)
+        router = get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,rlfleet.io/fleet=quickstart-rollout",
+                          namespace=NS)["items"][0]
+        cp.kubectl("delete", "pod", router["metadata"]["name"], "-n", NS, "--wait=false")
+        router_deleted_at_step = run_status(cp, "quickstart")["step"]
 
         final = wait_for(lambda: (s := run_status(cp, "quickstart")).get("phase") in ("Succeeded", "Failed") and s,
                          timeout=1800, interval=3, what="the run to finish", context=context)
@@ -402,12 +411,16 @@ def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(control
             assert point["weight_version"] == str(step) and point["mixed_version_ratio"] == 0
         assert final["lastEval"]["scores"]["rotate"] == pytest.approx(points[steps]["scores"]["rotate"], abs=1e-3)
 
+        trainer_log = pod_log(node_agent, NS, "quickstart-trainer", "trainer")
+        assert f"router moved {router['status']['podIP']}" in trainer_log.replace("http://", ""), trainer_log[-3000:]
+
         fleet = fleet_status(cp, "quickstart-rollout")
         assert fleet["restarts"] == 1
         reasons = {e["reason"] for e in events_of(cp, "quickstart-rollout")}
         assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
         print(f"\nfigures: step 2 reached {running_s:.0f} s after apply, Succeeded after {total_s:.0f} s; "
-              f"engine killed at step {killed_at_step}, recovered at the sync of step {first}")
+              f"engine killed at step {killed_at_step}, recovered at the sync of step {first}; router pod "
+              f"deleted at step {router_deleted_at_step}")
     finally:
         cp.kubectl("delete", "trainingrun", "quickstart", "-n", NS, "--wait=false", check=False)
         wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=quickstart", namespace=NS) or {})

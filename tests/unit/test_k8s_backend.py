@@ -118,3 +118,19 @@ async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_on
     alive = await backend.wait_all_alive(timeout=1)  # the sync loads its weights on both
     assert [(e.slot, e.incarnation) for e in alive] == [(0, 1), (1, 2)]
     assert await backend.recover() == []  # the next sync has nothing to recover
+
+
+def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_when_it_goes():
+    from rlfleet.orchestrator.k8s_backend import pick_router_url
+
+    def router(ip, *, ready=True, deleting=False):
+        meta = {"name": f"r-{ip}", "uid": ip, "labels": b.router_labels("f")}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        return {"metadata": meta, "status": {"phase": "Running", "podIP": ip,
+                                             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    old, new = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
+    assert pick_router_url([router("10.0.0.2"), router("10.0.0.1")], 30000, prefer=old) == old
+    assert pick_router_url([router("10.0.0.1", deleting=True), router("10.0.0.2")], 30000, prefer=old) == new
+    assert pick_router_url([router("10.0.0.1", ready=False), router("10.0.0.2", ready=False)], 30000) is None
