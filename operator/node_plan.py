@@ -297,6 +297,8 @@ class PodIpPool:
         if not self.network.is_loopback:
             raise ValueError(f"pod network {network} is not a loopback network")
         self._candidates = [str(ip) for i, ip in enumerate(self.network.hosts()) if i + 1 >= first_host]
+        if not self._candidates:
+            raise ValueError(f"first host {first_host} leaves no pod address in {network}")
         self._taken: dict[str, str] = {}  # ip -> pod uid
 
     def take(self, uid: str, preferred: str | None = None, unusable: Iterable[str] = ()) -> str:

@@ -232,7 +232,7 @@ class ControlPlane:
                 tail = process.tail(25)
                 if any("address already in use" in line for line in tail):
                     raise _PortTaken(process.name)
-                raise ControlPlaneError(_failure(process, f"exited with code {process.returncode} during start-up"))
+                raise ControlPlaneError(failure_message(process, f"exited with code {process.returncode} during start-up"))
             try:
                 with urllib.request.urlopen(url, timeout=2.0, context=context) as response:
                     if response.status == 200:
@@ -243,7 +243,7 @@ class ControlPlane:
             except (urllib.error.URLError, OSError) as exc:
                 last = str(getattr(exc, "reason", exc))
             if time.monotonic() >= deadline:
-                raise ControlPlaneError(_failure(process, f"was not ready at {url} in time (last: {last})"))
+                raise ControlPlaneError(failure_message(process, f"was not ready at {url} in time (last: {last})"))
             time.sleep(0.25)
 
     def _ssl_context(self, verify: bool) -> ssl.SSLContext:
@@ -265,7 +265,8 @@ class ControlPlane:
         self.processes = []
 
 
-def _failure(process: GroupProcess, what: str) -> str:
+def failure_message(process: GroupProcess, what: str) -> str:
+    """What went wrong with a component, where its log is, and the log's last lines."""
     tail = "\n".join("    " + line for line in process.tail(25)) or "    (empty log)"
     return f"{process.name} {what}; log {process.log_path}, last lines:\n{tail}"
 

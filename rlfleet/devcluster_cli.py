@@ -1,9 +1,11 @@
-"""`rlfleet dev-cluster up|down|status`: a local Kubernetes control plane that outlives the command.
+"""`rlfleet dev-cluster up|down|status`: a local Kubernetes cluster that outlives the command.
 
 `up` starts a detached supervisor process (`_serve`) that runs the control plane (rlfleet.devcluster)
-and records its state, including every PID, in <dir>/state.json; `up` returns once the API server is
-ready. `down` sends the supervisor SIGTERM (it stops its children), then makes sure that no recorded
-process is left, and removes the directory unless --keep.
+and, once the API server is ready, the node agent (rlfleet.devnode; unless --no-node-agent), and
+records its state, including every PID, in <dir>/state.json; `up` returns once the Node is Ready (the
+API server, with --no-node-agent). `down` sends the supervisor SIGTERM (it stops the node agent, which
+stops its pods, then the control plane), then makes sure that no recorded process and no pod process is
+left, and removes the directory unless --keep.
 """
 from __future__ import annotations
 
@@ -18,13 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-from rlfleet.procs import tail_file
+from rlfleet.devnode import DEFAULT_NODE, node_name_error
+from rlfleet.procs import pod_process_groups, tail_file
 from rlfleet.tools import CACHE_DIR, MissingTool, tool_path
 
 DEFAULT_NAME = "dev"
 STATE_FILE = "state.json"
 SUPERVISOR_LOG = "supervisor.log"
-STOP_TIMEOUT_S = 40.0
+# The supervisor's own stop is bounded: node agent (devnode.STOP_GRACE_S) + three components (10 s each).
+STOP_TIMEOUT_S = 90.0
+NODE_DATA_DIR = "node"
 
 
 def default_dir(name: str) -> Path:
@@ -84,8 +89,14 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _pod_groups(state: dict) -> set[int]:
+    """Process groups of the node agent's pods still running (they run in sessions of their own)."""
+    node = state.get("node")
+    return pod_process_groups(Path(node["data_dir"])) if node else set()
+
+
 def _leftovers(state: dict) -> list[str]:
-    """Recorded processes (supervisor, and each component's whole process group) still alive."""
+    """Recorded processes (supervisor, each component's whole process group, the pods') still alive."""
     left = []
     supervisor = state.get("supervisor_pid")
     if supervisor and _is_ours(supervisor, "devcluster_cli"):
@@ -93,6 +104,8 @@ def _leftovers(state: dict) -> list[str]:
     for component in state.get("components", []):
         for pid in _group_members(component["pid"]):
             left.append(f"{component['name']} pid {pid}")
+    for pgid in sorted(_pod_groups(state)):
+        left.extend(f"pod process pid {pid}" for pid in _group_members(pgid))
     return left
 
 
@@ -106,9 +119,15 @@ def _wait_gone(state: dict, timeout_s: float) -> list[str]:
 # ---- commands ------------------------------------------------------------------------------------
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if args.node_agent and (problem := node_name_error(args.node)):
+        print(f"error: --node: {problem}", file=sys.stderr)
+        return 2
     directory = args.dir
     state = read_state(directory)
     if state and process_alive(state.get("supervisor_pid")) and state.get("status") in ("starting", "ready"):
+        if state["status"] == "starting":
+            print(f"dev cluster {args.name!r} is starting ({directory}); see `rlfleet dev-cluster status`")
+            return 0
         print(f"dev cluster {args.name!r} is already running ({directory})")
         _print_usage(args.name, state)
         return 0
@@ -126,7 +145,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     directory.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-P", "-m", "rlfleet.devcluster_cli", "_serve", "--name", args.name,
-            "--dir", str(directory), "--timeout", str(args.timeout)]
+            "--dir", str(directory), "--timeout", str(args.timeout),
+            "--node-agent" if args.node_agent else "--no-node-agent", "--node", args.node]
+    if args.first_host is not None:
+        argv += ["--first-host", str(args.first_host)]
     with open(directory / SUPERVISOR_LOG, "ab") as log:
         supervisor = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       cwd=str(directory), start_new_session=True)
@@ -183,6 +205,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  kubeconfig: {state['kubeconfig']}")
     if state.get("error"):
         print(f"  error:      {state['error']}")
+    if state.get("node"):
+        print(f"  node:       {state['node']['name']} (pod logs in {state['node']['data_dir']}/logs)")
+    else:
+        print("  node:       none (started with --no-node-agent)")
     print(f"  supervisor: pid {state.get('supervisor_pid')} ({'alive' if process_alive(state.get('supervisor_pid')) else 'gone'})")
     for component in state.get("components", []):
         alive = "alive" if process_alive(component["pid"]) else "gone"
@@ -191,20 +217,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _force_stop(state: dict) -> list[str]:
-    """SIGTERM the supervisor and wait; then SIGKILL anything recorded that is still alive."""
+    """SIGTERM the supervisor and wait; then SIGKILL anything recorded that is still alive.
+
+    Without a live supervisor nothing would stop the rest gracefully, so it is killed at once.
+    """
     supervisor = state.get("supervisor_pid")
+    left = _leftovers(state)
     if supervisor and _is_ours(supervisor, "devcluster_cli"):
         with contextlib.suppress(ProcessLookupError):
             os.kill(supervisor, signal.SIGTERM)
-    left = _wait_gone(state, STOP_TIMEOUT_S)
+        left = _wait_gone(state, STOP_TIMEOUT_S)
     if left:
         if supervisor and _is_ours(supervisor, "devcluster_cli"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(supervisor, signal.SIGKILL)
-        for component in state.get("components", []):
-            if _group_members(component["pid"]):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(component["pid"], signal.SIGKILL)
+        groups = [c["pid"] for c in state.get("components", []) if _group_members(c["pid"])]
+        for pgid in groups + sorted(_pod_groups(state)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
         left = _wait_gone(state, 5.0)
     return left
 
@@ -216,6 +246,10 @@ def _print_usage(name: str, state: dict) -> None:
     except MissingTool:
         kubectl = "kubectl"
     print(f"kubeconfig: {kubeconfig}")
+    if state.get("node"):
+        print(f"node: {state['node']['name']} (Ready; the node agent runs pods as local processes)")
+    else:
+        print("node: none (--no-node-agent): pods stay Pending until a node agent runs")
     print("use it with:")
     print(f"  export KUBECONFIG={kubeconfig}")
     print(f"  {kubectl} --kubeconfig {kubeconfig} get ns")
@@ -229,8 +263,13 @@ class _Terminate(BaseException):
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the control plane until SIGTERM/SIGINT/SIGHUP; stop every child on the way out."""
+    """Run the control plane and the node agent until SIGTERM/SIGINT/SIGHUP or a component exits.
+
+    On the way out the node agent is stopped first (it stops its pods, while the API server still
+    answers), then the control plane.
+    """
     from rlfleet.devcluster import ControlPlane
+    from rlfleet.devnode import DevNode
 
     def terminate(signum, frame):
         raise _Terminate(signal.Signals(signum).name)
@@ -238,17 +277,31 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, terminate)
     directory = args.dir
-    base = {"name": args.name, "supervisor_pid": os.getpid(), "directory": str(directory)}
-    write_state(directory, {**base, "status": "starting"})
+    base: dict = {"name": args.name, "supervisor_pid": os.getpid(), "directory": str(directory)}
     plane = ControlPlane(directory, keep=True)
+    node = None
+    if args.node_agent:
+        node = DevNode(plane, args.node, directory / NODE_DATA_DIR, first_host=args.first_host)
+        base["node"] = {"name": node.node, "data_dir": str(node.data_dir)}
+    write_state(directory, {**base, "status": "starting"})
+
+    def components() -> list[dict]:
+        listed = [vars(c) for c in plane.components()]
+        agent = node.component() if node else None
+        return listed + ([vars(agent)] if agent else [])
+
     status, error, code = "stopped", None, 0
     try:
+        deadline = time.monotonic() + args.timeout
         plane.start(timeout=args.timeout)
-        base.update(server=plane.server, kubeconfig=str(plane.kubeconfig),
-                    components=[vars(c) for c in plane.components()])
+        base.update(server=plane.server, kubeconfig=str(plane.kubeconfig))
+        if node:
+            write_state(directory, {**base, "status": "starting", "components": components()})
+            node.start(deadline)
+        base["components"] = components()
         write_state(directory, {**base, "status": "ready"})
-        print(f"ready: {plane.server}", flush=True)
-        while (failed := plane.failed_component()) is None:
+        print(f"ready: {plane.server}" + (f", node {node.node}" if node else ""), flush=True)
+        while (failed := plane.failed_component() or (node and node.exited())) is None:
             time.sleep(1.0)
         tail = " | ".join(failed.tail(5))
         status, error, code = "failed", f"{failed.name} exited with code {failed.returncode}: {tail}", 1
@@ -259,7 +312,11 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # finish the clean-up whatever arrives now
-        base.setdefault("components", [vars(c) for c in plane.components()])
+        base.setdefault("components", components())
+        if node:
+            with contextlib.suppress(Exception):
+                if left := node.stop():
+                    print(f"killed {left} pod process group(s) the node agent left", flush=True)
         plane.stop(keep=True)
         write_state(directory, {**base, "status": status, **({"error": error} if error else {})})
         print(f"{status}" + (f": {error}" if error else ""), flush=True)
@@ -278,9 +335,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dir", type=Path, default=None,
                        help="state and data directory (default: ~/.cache/rlfleet/clusters/NAME)")
 
+    def node_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--node-agent", action=argparse.BooleanOptionalAction, default=True,
+                       help="start the node agent, which runs pods as local processes (default: on)")
+        p.add_argument("--node", default=DEFAULT_NODE, metavar="NAME",
+                       help="name of the Node the agent registers (default: %(default)s)")
+        p.add_argument("--first-host", type=int, default=None, metavar="N",
+                       help="first pod address 127.0.0.N the agent hands out (default: the agent's)")
+
     up = sub.add_parser("up", help="start a cluster in the background and print how to use it")
     common(up)
-    up.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness")
+    up.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds to wait for readiness (API server and Node)")
+    node_options(up)
     down = sub.add_parser("down", help="stop a cluster; no process is left")
     common(down)
     down.add_argument("--keep", action="store_true", help="keep the data directory")
@@ -289,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = sub.add_parser("_serve", help=argparse.SUPPRESS)
     common(serve_parser)
     serve_parser.add_argument("--timeout", type=float, default=120.0)
+    node_options(serve_parser)
     return parser
 
 

@@ -141,6 +141,32 @@ def tail_file(path: Path, lines: int = 20) -> list[str]:
     return list(kept)
 
 
+def pod_process_groups(data_dir: Path) -> set[int]:
+    """Process groups of the node agent's pods that are still running.
+
+    The node agent (rlfleet.operator.node_agent) sends each container's output to a file under
+    `<data_dir>/logs/`, so a live process whose stdout is such a file belongs to one of its pods; this
+    finds them even after the agent itself is gone (pods run in sessions of their own).
+    """
+    logs = str(Path(data_dir).resolve() / "logs") + "/"
+    groups = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/fd/1").startswith(logs):
+                    groups.add(os.getpgid(int(entry)))
+    return groups
+
+
+def kill_pod_process_groups(data_dir: Path) -> int:
+    """SIGKILL every pod process group of the node agent with data_dir still running; returns how many."""
+    left = pod_process_groups(data_dir)
+    for pgid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return len(left)
+
+
 def group_alive(pgid: int) -> bool:
     """True while any process of the group exists."""
     try:

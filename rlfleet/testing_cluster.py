@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlfleet.devnode import node_agent_argv, node_is_ready
 from rlfleet.ports import free_port
-from rlfleet.procs import group_alive, tail_file
+from rlfleet.procs import group_alive, kill_pod_process_groups, tail_file
 from rlfleet.tools import tool_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,40 +98,21 @@ class LocalProcess:
 
 
 def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> LocalProcess:
-    agent = LocalProcess("node-agent", [
-        sys.executable, "-P", "-m", "rlfleet.operator.node_agent", "--kubeconfig", str(cp.kubeconfig),
-        "--node", "local-node", "--schedule", "--data-dir", str(data_dir), "--first-host", str(first_host),
-    ], data_dir / "node-agent.log").start()
+    argv = node_agent_argv(python=sys.executable, kubeconfig=cp.kubeconfig, node="local-node", data_dir=data_dir,
+                           first_host=first_host)
+    agent = LocalProcess("node-agent", argv, data_dir / "node-agent.log").start()
     wait_for(lambda: _node_ready(cp), timeout=60, what="the node to be Ready", context=agent.tail)
     return agent
-
-
-def pod_process_groups(data_dir: Path) -> set[int]:
-    """Process groups still writing to the node agent's pod logs (its pods' processes)."""
-    logs = str(Path(data_dir).resolve() / "logs") + "/"
-    groups = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{entry}/fd/1").startswith(logs):
-                    groups.add(os.getpgid(int(entry)))
-    return groups
 
 
 def stop_node_agent(agent: LocalProcess, data_dir: Path) -> int:
     """Stop the agent (it stops its pods); kill any pod process group it left. Returns how many it left."""
     agent.stop()
-    left = pod_process_groups(data_dir)
-    for pgid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-    return len(left)
+    return kill_pod_process_groups(data_dir)
 
 
 def _node_ready(cp) -> bool:
-    node = get_json(cp, "node", "local-node")
-    conds = (node or {}).get("status", {}).get("conditions", [])
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+    return node_is_ready(get_json(cp, "node", "local-node"))
 
 
 class OperatorProcess:

@@ -1,5 +1,6 @@
 """Smoke tests: the local control plane is a real Kubernetes API server with RBAC and garbage collection,
-and `rlfleet dev-cluster` starts and stops one without leaving a process behind."""
+and `rlfleet dev-cluster` starts one that runs pods (its node agent) and stops it without leaving a
+process behind."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from rlfleet.devcluster import ControlPlane
+from rlfleet.procs import pod_process_groups
+from rlfleet.testing_cluster import wait_for
 from rlfleet.tools import tool_path
 
 pytestmark = pytest.mark.cluster
@@ -118,11 +121,35 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_dev_cluster_up_get_ns_down(tmp_path: Path) -> None:
+# Images containing "rlfleet" map `rlfleet` and `python` to this installation (operator/node_plan.py).
+DEV_PODS = """\
+apiVersion: v1
+kind: Pod
+metadata: {name: once}
+spec:
+  restartPolicy: Never
+  containers:
+  - {name: main, image: ghcr.io/example/rlfleet:dev, command: [rlfleet, validate, --help]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: sleeper}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 5
+  containers:
+  - name: main
+    image: ghcr.io/example/rlfleet:dev
+    command: [python, -c, "import time; print('sleeping', flush=True); time.sleep(120)"]
+"""
+FIRST_HOST = 240
+
+
+def test_dev_cluster_up_runs_pods_and_down_leaves_no_process(tmp_path: Path) -> None:
     directory = tmp_path / "cluster"
     name = f"smoke-{os.getpid()}"
     pids: list[int] = []
-    up = _run_cli("up", "--name", name, "--dir", str(directory))
+    up = _run_cli("up", "--name", name, "--dir", str(directory), "--first-host", str(FIRST_HOST))
     try:
         assert up.returncode == 0, up.stderr + up.stdout
         match = re.search(r"^\s*export KUBECONFIG=(\S+)$", up.stdout, re.MULTILINE)
@@ -130,21 +157,53 @@ def test_dev_cluster_up_get_ns_down(tmp_path: Path) -> None:
         kubeconfig = match.group(1)
         assert f"--kubeconfig {kubeconfig} get ns" in up.stdout
 
-        namespaces = subprocess.run([str(tool_path("kubectl")), "--kubeconfig", kubeconfig, "get", "ns"],
-                                    capture_output=True, text=True, timeout=60)
+        def kubectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+            return subprocess.run([str(tool_path("kubectl")), "--kubeconfig", kubeconfig, *args], input=stdin,
+                                  capture_output=True, text=True, timeout=60)
+
+        namespaces = kubectl("get", "ns")
         assert namespaces.returncode == 0, namespaces.stderr
         assert re.search(r"^kube-system\s+Active", namespaces.stdout, re.MULTILINE)
+        # `up` returned with the Node already Ready: no wait here.
+        nodes = kubectl("get", "nodes")
+        assert re.search(r"^local\s+Ready\s", nodes.stdout, re.MULTILINE), nodes.stdout + nodes.stderr
 
         status = _run_cli("status", "--name", name, "--dir", str(directory))
         assert status.returncode == 0 and "running" in status.stdout
+        assert re.search(r"^\s+node-agent: pid \d+ \(alive\)", status.stdout, re.MULTILINE), status.stdout
         state = json.loads((directory / "state.json").read_text())
         pids = [state["supervisor_pid"]] + [c["pid"] for c in state["components"]]
-        assert sorted(c["name"] for c in state["components"]) == ["etcd", "kube-apiserver", "kube-controller-manager"]
-        assert len(_pids_alive(pids)) == 4
+        assert sorted(c["name"] for c in state["components"]) == [
+            "etcd", "kube-apiserver", "kube-controller-manager", "node-agent"]
+        assert len(_pids_alive(pids)) == 5
+
+        # The namespace's default ServiceAccount (which admission requires) comes from a controller.
+        wait_for(lambda: kubectl("apply", "-f", "-", stdin=DEV_PODS).returncode == 0, timeout=30, interval=0.5,
+                 what="the pods to be admitted", context=lambda: kubectl("apply", "-f", "-", stdin=DEV_PODS).stderr)
+
+        def pod(pod_name: str) -> dict:
+            return json.loads(kubectl("get", "pod", pod_name, "-o", "json").stdout or "{}")
+
+        agent_log = lambda: "\n".join(Path(c["log"]).read_text()[-3000:] for c in state["components"]  # noqa: E731
+                                      if c["name"] == "node-agent")
+        once = wait_for(lambda: (p := pod("once")).get("status", {}).get("phase") in ("Succeeded", "Failed") and p,
+                        timeout=30, interval=0.5, what="pod `once` to finish", context=agent_log)
+        assert once["status"]["phase"] == "Succeeded", once["status"]
+        assert once["spec"]["nodeName"] == "local"
+        terminated = once["status"]["containerStatuses"][0]["state"]["terminated"]
+        assert terminated["exitCode"] == 0 and "usage: rlfleet validate" in terminated["message"]
+        sleeper = wait_for(lambda: (p := pod("sleeper")).get("status", {}).get("phase") == "Running" and p,
+                           timeout=30, interval=0.5, what="pod `sleeper` to run", context=agent_log)
+        # --first-host reached the agent: pods get 127.0.0.240 and up.
+        assert {once["status"]["podIP"], sleeper["status"]["podIP"]} == {
+            f"127.0.0.{FIRST_HOST}", f"127.0.0.{FIRST_HOST + 1}"}
+        pod_groups = pod_process_groups(directory / "node")
+        assert len(pod_groups) == 1, f"expected the sleeper's process group only: {pod_groups}"
+        pids += sorted(pod_groups)
     finally:
         down = _run_cli("down", "--name", name, "--dir", str(directory))
     assert down.returncode == 0, down.stderr + down.stdout
-    assert _pids_alive(pids) == []
+    assert _pids_alive(pids) == []  # supervisor, control plane, node agent, and the sleeper pod
     assert _processes_mentioning(str(directory)) == []
     assert not directory.exists()
     after = _run_cli("status", "--name", name, "--dir", str(directory))

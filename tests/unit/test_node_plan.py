@@ -137,6 +137,12 @@ def test_ip_pool_exhaustion_is_a_clear_error():
         pool.take("c")
 
 
+def test_ip_pool_rejects_a_first_host_past_the_network():
+    assert plan.PodIpPool("127.0.0.0/24", first_host=254).take("a") == "127.0.0.254"
+    with pytest.raises(ValueError, match="first host 255 leaves no pod address in 127.0.0.0/24"):
+        plan.PodIpPool("127.0.0.0/24", first_host=255)
+
+
 @pytest.mark.parametrize("policy,codes,phase", [
     ("Never", [0], "Succeeded"),
     ("Never", [0, 3], "Failed"),
