@@ -58,7 +58,9 @@ MILES_FLAGS: tuple[FlagMapping, ...] = (
     FlagMapping("--rollout-top-p", "1.0", "spec.trainer.topP", 1.0),
     FlagMapping("--lr", "-", "spec.trainer.learningRate", 1e-6),
     FlagMapping("--eps-clip", "0.2", "spec.trainer.epsClip", 0.2),
-    FlagMapping("--kl-coef", "0", "spec.trainer.klCoef", 0.0),
+    FlagMapping("--kl-loss-coef", "0", "spec.trainer.klCoef", 0.0,
+                note="The KL-to-reference loss term (Miles: with --use-kl-loss --kl-loss-type low_var_kl, the k3 "
+                     "estimator); a coefficient above 0 turns it on. Miles' --kl-coef (KL in the reward) has no field."),
     FlagMapping("--clip-grad", "1.0", "spec.trainer.gradClip", 1.0),
     FlagMapping("--micro-batch-size", "-", "spec.trainer.microBatchSize"),
     FlagMapping("--tensor-model-parallel-size", "1", "spec.trainer.tensorParallelSize", 1),

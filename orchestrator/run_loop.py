@@ -154,13 +154,16 @@ class RunLoop:
 
             self._phase("loading the trainer")
             model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
-            trainer = await asyncio.to_thread(
-                build_trainer, spec.trainer.backend, model_dir, spec.trainer.learning_rate,
-                seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
-                max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
-                loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
-                                     temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
-            )
+            try:
+                trainer = await asyncio.to_thread(
+                    build_trainer, spec.trainer.backend, model_dir, spec.trainer.learning_rate,
+                    seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
+                    max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
+                    loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
+                                         temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
+                )
+            except (ValueError, OSError) as exc:  # before any engine starts: a reason, not a traceback
+                raise RunFailed("TrainerSetupFailed", f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
             # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
