@@ -98,7 +98,8 @@ class LocalBackend(SlotFleetBackend):
         launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version)
         log_path = self.log_path(rec.slot, rec.incarnation)
         process = ManagedProcess(f"{self.fleet}-slot{rec.slot}-inc{rec.incarnation}", launch.argv(self.python),
-                                 log_path=log_path, env=launch.env)
+                                 log_path=log_path, env=launch.env,
+                                 die_with_parent=True)  # a SIGKILLed `rlfleet run` leaves no engine behind
         incarnation = _Incarnation(process)
         rec.handle = incarnation
         rec.url = f"http://{host}:{port}"

@@ -39,7 +39,8 @@ class LocalRouter:
         args = build_router_args(host=host, port=port, metrics_port=metrics_port,
                                  health_interval_s=self.health_interval_s,
                                  health_failure_threshold=self.health_failure_threshold)
-        self.process = ManagedProcess(self.name, [self.python, *args], log_path=self.run_dir / f"{self.name}.log")
+        self.process = ManagedProcess(self.name, [self.python, *args], log_path=self.run_dir / f"{self.name}.log",
+                                      die_with_parent=True)
         await self.process.start()
         self.url = f"http://{host}:{port}"
         self.metrics_url = f"http://{host}:{metrics_port}/metrics"

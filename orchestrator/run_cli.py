@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -117,15 +118,51 @@ async def _run_in_cluster(args) -> RunSummary:
             raise
 
 
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived: the run was cancelled and cleaned up."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _until_signal(execute):
+    """Run `execute()`; the first SIGTERM/SIGHUP cancels it (engines, routers and scratch volumes are
+    cleaned up on the way out, as for Ctrl-C), later ones are ignored so cleanup is not cut short."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not received:
+            received.append(signum)
+            task.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await execute()
+    except asyncio.CancelledError:
+        if received:
+            raise Terminated(received[0]) from None
+        raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+
 def _finish(execute) -> int:
     try:
-        summary = asyncio.run(execute())
+        summary = asyncio.run(_until_signal(execute))
     except RunFailed as exc:
         print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"rlfleet run: stopped by {exc}; engines and router stopped", file=sys.stderr)
+        return 128 + exc.signum
     data = summary.to_dict()
     print(f"rlfleet run: {data['steps_completed']}/{data['steps_planned']} steps, reward "
           f"{data['reward_mean_first']} -> {data['reward_mean_last']}, engines recreated "

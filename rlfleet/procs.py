@@ -141,21 +141,27 @@ def tail_file(path: Path, lines: int = 20) -> list[str]:
     return list(kept)
 
 
-def pod_process_groups(data_dir: Path) -> set[int]:
-    """Process groups of the node agent's pods that are still running.
-
-    The node agent (rlfleet.operator.node_agent) sends each container's output to a file under
-    `<data_dir>/logs/`, so a live process whose stdout is such a file belongs to one of its pods; this
-    finds them even after the agent itself is gone (pods run in sessions of their own).
-    """
-    logs = str(Path(data_dir).resolve() / "logs") + "/"
+def groups_writing_under(directory: Path) -> set[int]:
+    """Process groups with a live process whose stdout is a file under `directory` (our children log
+    there), found from /proc even after whoever started them is gone."""
+    prefix = str(Path(directory).resolve()) + "/"
     groups = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{entry}/fd/1").startswith(logs):
+                if os.readlink(f"/proc/{entry}/fd/1").startswith(prefix):
                     groups.add(os.getpgid(int(entry)))
     return groups
+
+
+def pod_process_groups(data_dir: Path) -> set[int]:
+    """Process groups of the node agent's pods that are still running.
+
+    The node agent (rlfleet.operator.node_agent) sends each container's output to a file under
+    `<data_dir>/logs/`; pods run in sessions of their own, so this finds them even after the agent
+    itself is gone.
+    """
+    return groups_writing_under(Path(data_dir) / "logs")
 
 
 def kill_pod_process_groups(data_dir: Path) -> int:
