@@ -57,7 +57,11 @@ class TrainerSpec(ApiModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling.")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="Optimizer learning rate.")
     eps_clip: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clipping.")
-    kl_coef: float = Field(0.0, ge=0, le=100, description="Weight of the KL penalty to the initial model (0: off).")
+    kl_coef: float = Field(
+        0.0, ge=0, le=100,
+        description="Weight of the KL penalty (k3 estimator, token mean) to the initial model in the loss; "
+        "above 0 the trainer keeps a frozen copy of the initial weights (0: off).",
+    )
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0: off).")
     max_staleness: int = Field(
         1, ge=0, le=1000,

@@ -159,7 +159,7 @@ class RunLoop:
                 seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
                 max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
                 loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
-                                     temperature=spec.trainer.temperature or 1.0),
+                                     temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
             )
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 

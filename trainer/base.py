@@ -4,7 +4,8 @@ A backend supplies a forward pass (logits [B, L, V]), an optimizer step and its 
 Hugging Face names; everything else (collation, the clipped policy-gradient loss, micro-batches,
 export) lives here so the two backends cannot drift.
 
-    trainer = build_trainer("torch", model_dir, lr=1e-3, seed=0, device="cpu")
+    trainer = build_trainer("torch", model_dir, lr=1e-3, seed=0, device="cpu",
+                            loss=grpo.LossConfig(kl_coef=0.01))  # kl_coef > 0: KL to the initial weights
     metrics = trainer.train_step(samples)        # one optimizer step; trainer.step += 1
     state = trainer.state_for_export()           # weights copied off the device (fast)
     write_hf_snapshot(state, out_dir)            # may run in a thread beside the next step
@@ -84,6 +85,14 @@ class Trainer(abc.ABC):
         """Logits [B, L, V] for right-padded input_ids [B, L] under a causal mask."""
 
     @abc.abstractmethod
+    def _reference_logits(self, input_ids: Any) -> Any:
+        """Logits [B, L, V] of the frozen initial weights, as `_forward_logits` computes them.
+
+        Called (under no_grad) only when the loss has a KL penalty (`options.loss.kl_coef` > 0); a
+        backend keeps that frozen copy only then (see `freeze_reference`).
+        """
+
+    @abc.abstractmethod
     def _zero_grad(self) -> None: ...
 
     @abc.abstractmethod
@@ -119,11 +128,12 @@ class Trainer(abc.ABC):
         loss_sum = 0.0
         sums: dict[str, float] = {}
         for c in collated:
+            ref_logprobs = self._reference_logprobs(c.input_ids)
             logits = self._forward_logits(c.input_ids)
             new_logprobs = grpo.token_logprobs(logits, c.input_ids, self.options.loss.temperature)
             loss, stats = grpo.policy_loss(
                 new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
-                normaliser=total_tokens,
+                normaliser=total_tokens, ref_logprobs=ref_logprobs,
             )
             loss.backward()
             loss_sum += float(loss.item())
@@ -147,6 +157,16 @@ class Trainer(abc.ABC):
             "step_seconds": time.perf_counter() - started,
             **sums,
         }
+
+    def _reference_logprobs(self, input_ids: Any) -> Any:
+        """Per-token log-probs of the initial weights (no grad), or None when the KL penalty is off."""
+        if not self.options.loss.uses_reference:
+            return None
+        import torch
+
+        with torch.no_grad():
+            logits = self._reference_logits(input_ids)
+            return grpo.token_logprobs(logits, input_ids, self.options.loss.temperature)
 
     def logits(self, input_ids: Any) -> Any:
         """The model's own forward pass (no grad), float32 on CPU: [B, L, V]."""
@@ -196,6 +216,13 @@ class Trainer(abc.ABC):
         return write_hf_snapshot(state, out_dir)
 
 
+def freeze_reference(module: Any) -> Any:
+    """`module` as a reference policy: eval mode, no parameter takes a gradient."""
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
 def build_trainer(
     backend: str,
     model_dir: str | os.PathLike,
@@ -207,7 +234,8 @@ def build_trainer(
     """A trainer of `backend` ('torch' or 'megatron') initialised from the HF model in model_dir.
 
     Extra keyword arguments are TrainerOptions fields (weight_decay, max_grad_norm, micro_batch_size,
-    loss, dtype, betas).
+    loss, dtype, betas). With `loss.kl_coef` > 0 the trainer also keeps a frozen copy of the initial
+    weights on `device` (the KL reference): one more model's worth of memory.
     """
     opts = TrainerOptions(lr=lr, seed=seed, **options)
     if backend == "torch":

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rlfleet.trainer.base import Trainer, TrainerOptions, resolve_dtype
+from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.hf_export import Architecture, hf_to_megatron, megatron_to_hf
 
 
@@ -193,8 +193,10 @@ class MegatronTrainer(Trainer):
         torch.manual_seed(options.seed)
         _init_single_rank(device, options.seed)
         self.gpt = build_gpt_model(self.arch, self._dtype)
-        load_into(self.gpt, hf_to_megatron(load_hf_weights(model_dir), self.arch))
+        initial = hf_to_megatron(load_hf_weights(model_dir), self.arch)
+        load_into(self.gpt, initial)
         self.gpt.to(device)
+        self.reference = self._build_reference(initial) if options.loss.uses_reference else None
         if device.startswith("cuda"):
             self._gpu = _MegatronGpuStep(self.gpt, options)
             self.model = self._gpu.model
@@ -220,12 +222,35 @@ class MegatronTrainer(Trainer):
             mask = self._masks[length] = mask.view(1, 1, length, length)
         return mask
 
-    def _forward_logits(self, input_ids: Any) -> Any:
+    def _build_reference(self, initial: dict[str, Any]) -> Any:
+        """The KL reference: a second GPTModel holding the initial weights, frozen, on the same device.
+
+        Not wrapped in DDP (it never takes a gradient); on CUDA in half precision it gets the same
+        Float16Module wrapper as the policy, so both compute their logits the same way.
+        """
+        reference = build_gpt_model(self.arch, self._dtype)
+        load_into(reference, initial)
+        reference.to(self.device)
+        if self.device.startswith("cuda") and (reference.config.bf16 or reference.config.fp16):
+            from megatron.core.transformer.module import Float16Module
+
+            reference = Float16Module(reference.config, reference)
+        return freeze_reference(reference)
+
+    def _logits_of(self, model: Any, input_ids: Any) -> Any:
         import torch
 
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, length)
-        return self.model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+        return model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+
+    def _forward_logits(self, input_ids: Any) -> Any:
+        return self._logits_of(self.model, input_ids)
+
+    def _reference_logits(self, input_ids: Any) -> Any:
+        if self.reference is None:
+            raise RuntimeError("this trainer keeps no reference model (kl_coef is 0)")
+        return self._logits_of(self.reference, input_ids)
 
     def _zero_grad(self) -> None:
         if self._gpu is not None:

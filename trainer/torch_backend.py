@@ -1,10 +1,11 @@
 """The `torch` backend: a Hugging Face transformers causal LM with AdamW (CPU or one GPU)."""
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
-from rlfleet.trainer.base import Trainer, TrainerOptions, resolve_dtype
+from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 
 
 class TorchTrainer(Trainer):
@@ -19,6 +20,8 @@ class TorchTrainer(Trainer):
         self._dtype = resolve_dtype(options.dtype, device)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype).to(device)
         self.model.config.use_cache = False
+        # The KL reference: the initial weights, frozen, beside the policy on the same device.
+        self.reference = freeze_reference(copy.deepcopy(self.model)) if options.loss.uses_reference else None
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
         )
@@ -30,6 +33,11 @@ class TorchTrainer(Trainer):
     def _forward_logits(self, input_ids: Any) -> Any:
         # Right padding under a causal mask: pads only follow the tokens that are scored.
         return self.model(input_ids=input_ids, use_cache=False).logits
+
+    def _reference_logits(self, input_ids: Any) -> Any:
+        if self.reference is None:
+            raise RuntimeError("this trainer keeps no reference model (kl_coef is 0)")
+        return self.reference(input_ids=input_ids, use_cache=False).logits
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
