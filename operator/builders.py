@@ -3,7 +3,8 @@
 A TrainingRun owns (ownerReferences, controller) a RolloutFleet `<run>-rollout`, an optional
 EvalFleet `<run>-eval`, the trainer pod `<run>-trainer` and the snapshot claim `<run>-snapshots`
 (unless the run names an existing claim). A fleet owns one engine pod per slot,
-`<fleet>-engine-<slot>`, and its router: Deployment and Service `<fleet>-router`.
+`<fleet>-engine-<slot>`, its router: Deployment and Service `<fleet>-router`, and (unless switched
+off) the NetworkPolicy `<fleet>-engines` that admits only the fleet's own clients to its engines.
 
 Contract with the orchestrator and the node (labels and annotations are API):
 
@@ -15,7 +16,9 @@ Contract with the orchestrator and the node (labels and annotations are API):
 - `rlfleet.io/model-path` and `rlfleet.io/weight-version` on a fleet: the snapshot a replacement
   engine starts from (set by the orchestrator after each weight sync; unset: the spec's model);
 - `rlfleet.io/failed-reason` and `rlfleet.io/failed-message` on a TrainingRun: the orchestrator
-  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
+  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition;
+- `rlfleet.io/client: "true"` on a pod: it may call the engines of the fleets in its namespace that
+  belong to no run (a run's engines admit only its router and trainer pods).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_FLEET = f"{GROUP}/fleet"
 LABEL_SLOT = f"{GROUP}/slot"
 LABEL_RUN = f"{GROUP}/run"
+LABEL_CLIENT = f"{GROUP}/client"
 
 ANN_RESTARTS = f"{GROUP}/restarts"
 ANN_DEAD = f"{GROUP}/dead"
@@ -93,6 +97,10 @@ def engine_labels(fleet_name: str, slot: int | None = None) -> dict[str, str]:
 def engine_selector(fleet_name: str) -> str:
     """Label selector of a fleet's engine pods (also the scale subresource's selector)."""
     return f"{LABEL_COMPONENT}=engine,{LABEL_FLEET}={fleet_name}"
+
+
+def network_policy_name(fleet_name: str) -> str:
+    return f"{fleet_name}-engines"
 
 
 def router_labels(fleet_name: str) -> dict[str, str]:
@@ -296,6 +304,80 @@ def build_router_service(fleet: dict) -> dict:
             "selector": {LABEL_COMPONENT: "router", LABEL_FLEET: fname},
             "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"},
                       {"name": "metrics", "port": ROUTER_METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+
+
+# Engine NetworkPolicy ---------------------------------------------------------------------------------
+NETWORK_POLICY_COMPONENT = "engine-network-policy"
+PEER_SELECTORS = ("namespaceSelector", "podSelector")
+
+
+def network_policy_labels(fleet_name: str) -> dict[str, str]:
+    return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: NETWORK_POLICY_COMPONENT, LABEL_MANAGED_BY: MANAGER,
+            LABEL_FLEET: fleet_name}
+
+
+def network_peers(value: Any) -> list[dict]:
+    """Validate NetworkPolicy `from` peers given as config (namespaceSelector and/or podSelector each).
+
+    Returns them in the form the API server stores (empty matchLabels/matchExpressions dropped), so
+    the policy read back equals the built one and is never patched for nothing. Raises ValueError.
+    """
+    if not isinstance(value, list):
+        raise ValueError(f"peers must be a list of objects, got {type(value).__name__}")
+    out = []
+    for i, peer in enumerate(value):
+        if not isinstance(peer, dict) or not peer:
+            raise ValueError(f"peer {i}: must be an object with namespaceSelector and/or podSelector")
+        unknown = set(peer) - set(PEER_SELECTORS)
+        if unknown:
+            raise ValueError(f"peer {i}: unknown field(s) {sorted(unknown)}; allowed: {list(PEER_SELECTORS)}")
+        clean = {}
+        for key, sel in peer.items():
+            if not isinstance(sel, dict) or set(sel) - {"matchLabels", "matchExpressions"}:
+                raise ValueError(f"peer {i}: {key} must be a label selector (matchLabels, matchExpressions)")
+            labels = sel.get("matchLabels") or {}
+            if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+                raise ValueError(f"peer {i}: {key}.matchLabels must map label names to strings")
+            exprs = sel.get("matchExpressions") or []
+            if not isinstance(exprs, list):
+                raise ValueError(f"peer {i}: {key}.matchExpressions must be a list")
+            clean[key] = {k: v for k, v in (("matchLabels", labels), ("matchExpressions", exprs)) if v}
+        out.append(clean)
+    return out
+
+
+def build_engine_network_policy(fleet: dict, *, metrics_from: list[dict] = ()) -> dict:
+    """Ingress to the fleet's engine pods only from its router pods and the run's trainer pod.
+
+    The engines' HTTP port serves admin endpoints (/update_weights_from_disk, /pause_generation,
+    /abort_request, ...), so nothing else may reach them. The router needs the HTTP port only; the
+    trainer drives weight sync and health probes, and in NCCL mode the broadcast group connects on
+    ports of its own, so it may reach any port. A fleet of no run admits pods labelled
+    `rlfleet.io/client: "true"` in its namespace instead of a trainer. `metrics_from` (peers, e.g.
+    Prometheus) may reach the HTTP port, where SGLang serves /metrics. Egress is not restricted.
+    """
+    spec = fleet_spec(fleet)
+    fname = fleet["metadata"]["name"]
+    http = [{"port": spec.engine.port, "protocol": "TCP"}]
+    router = {"podSelector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}}}
+    ingress: list[dict] = [{"from": [router], "ports": http}]
+    if spec.run_name:
+        trainer = {LABEL_COMPONENT: "trainer", LABEL_RUN: spec.run_name}
+        ingress.append({"from": [{"podSelector": {"matchLabels": trainer}}]})
+    else:
+        ingress.append({"from": [{"podSelector": {"matchLabels": {LABEL_CLIENT: "true"}}}], "ports": http})
+    if metrics_from:
+        ingress.append({"from": [dict(p) for p in metrics_from], "ports": http})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(network_policy_name(fname), fleet, network_policy_labels(fname)),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_COMPONENT: "engine", LABEL_FLEET: fname}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
         },
     }
 

@@ -2,9 +2,11 @@
 
 `decide_fleet_actions(spec, pods, status, ...)` takes the fleet spec, the engine pods observed now and
 the fleet's last written status, and returns the new status plus the pods to create and delete, the
-Events to record and when to look again. Everything needed to survive an operator restart lives in
-the cluster: the slot's restart count in `status.engines[].restarts` and in each pod's
-`rlfleet.io/restarts` annotation; the backoff clock in `status.engines[].lastFailure.time`.
+Events to record and when to look again; `decide_network_policy` converges the fleet's engine
+NetworkPolicy (create when missing, restore when changed, delete when switched off). Everything needed
+to survive an operator restart lives in the cluster: the slot's restart count in
+`status.engines[].restarts` and in each pod's `rlfleet.io/restarts` annotation; the backoff clock in
+`status.engines[].lastFailure.time`.
 
 Slot states: Pending (pod created, not running) -> Starting (running, not ready) -> Ready; a failure
 makes it Dead (waiting out the backoff) -> Recreating (old pod being deleted / new one created) ->
@@ -308,3 +310,29 @@ def fleet_status(spec: FleetSpec, engines: list[dict], total_restarts: int, prev
     if generation is not None:
         out["observedGeneration"] = generation
     return out
+
+
+@dataclass(frozen=True)
+class ChildAction:
+    """One write to a fleet's child object: create `obj`, patch its spec to `obj`'s, or delete it."""
+
+    verb: str  # create | patch | delete
+    obj: dict
+
+
+def decide_network_policy(fleet: dict, current: dict | None, *, enabled: bool,
+                          metrics_from: list[dict] = ()) -> ChildAction | None:
+    """Converge the fleet's engine NetworkPolicy: exists and matches when enabled, absent when not.
+
+    `current` is the policy observed now (labelled for this fleet), None when there is none.
+    """
+    if not enabled:
+        return ChildAction("delete", current) if current and not current["metadata"].get("deletionTimestamp") else None
+    desired = b.build_engine_network_policy(fleet, metrics_from=metrics_from)
+    if current is None:
+        return ChildAction("create", desired)
+    if current["metadata"].get("deletionTimestamp"):
+        return None  # being deleted: created again once it is gone
+    if current.get("spec") != desired["spec"]:
+        return ChildAction("patch", desired)
+    return None

@@ -55,7 +55,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     # Stream only the operator's own children, not every pod of the cluster.
-    for plural in ("pods", "deployments", "services", "persistentvolumeclaims"):
+    for plural in ("pods", "deployments", "services", "persistentvolumeclaims", "networkpolicies"):
         settings.watching.label_selectors[plural] = f"{b.LABEL_MANAGED_BY}={b.MANAGER}"
     # Least privilege: no cluster-wide CRD/namespace scanning; the namespaces are given on the command line.
     settings.scanning.disabled = True
@@ -106,6 +106,14 @@ def router_services(name, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_FLEET]): name}
 
 
+@kopf.index("networking.k8s.io", "v1", "networkpolicies",
+            labels={b.LABEL_COMPONENT: b.NETWORK_POLICY_COMPONENT, b.LABEL_FLEET: kopf.PRESENT})
+def network_policies(body, namespace, labels, **_):
+    meta = body.get("metadata", {})
+    keep = {k: meta.get(k) for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None}
+    return {(namespace, labels[b.LABEL_FLEET]): plain({"metadata": keep, "spec": body.get("spec")})}
+
+
 @kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
 def snapshot_claims(body, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_RUN]): plain(body)}
@@ -142,7 +150,8 @@ def pod_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
 
 @kopf.on.event("deployments", labels=MANAGED)
 @kopf.on.event("services", labels=MANAGED)
-def router_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=MANAGED)
+def fleet_child_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
     _wake(memo, "fleet", namespace, labels.get(b.LABEL_FLEET))
 
 
@@ -196,7 +205,8 @@ async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, 
         memo.triggers.pop(key, None)
 
 
-async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services) -> None:
+async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services,
+                        network_policies) -> None:
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     kind = body["kind"]
@@ -210,6 +220,7 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
             memo.kube, fleet, [plain(p) for p in engine_pods.get(key, [])],
             router_deployment=bool(list(router_deployments.get(key, []))),
             router_service=bool(list(router_services.get(key, []))),
+            network_policy=_one(network_policies, key),
             settings=memo.settings)
         return plan.requeue_after
 
@@ -217,13 +228,15 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
 
 
 @kopf.daemon(GROUP, VERSION, "rolloutfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
-async def rolloutfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, **_):
-    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services)
+async def rolloutfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services,
+                              network_policies, **_):
+    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, network_policies)
 
 
 @kopf.daemon(GROUP, VERSION, "evalfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
-async def evalfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, **_):
-    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services)
+async def evalfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services,
+                           network_policies, **_):
+    await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, network_policies)
 
 
 def _one(index, key):

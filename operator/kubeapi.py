@@ -85,6 +85,7 @@ SECRETS = Resource("", "v1", "secrets")
 SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
 
 
 class KubeClient:

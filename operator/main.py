@@ -3,16 +3,24 @@
     rlfleet operator --namespace team-a [--namespace team-b | --all-namespaces]
                      [--kubeconfig K] [--peering rlfleet [--priority N] | --standalone]
                      [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9402]
+                     [--no-network-policy | --network-policy-metrics-from JSON]
 
 Without --kubeconfig it uses $KUBECONFIG, else the pod's ServiceAccount. Two replicas are safe with
 --peering (Kopf peering: the replica with the highest priority is active, the other waits); the
 default priority is derived from the pod name so replicas never tie.
+
+Each fleet gets a NetworkPolicy `<fleet>-engines`: its engine pods accept ingress only from the fleet's
+router pods and its run's trainer pod (a fleet of no run: pods labelled `rlfleet.io/client: "true"`),
+plus the peers of --network-policy-metrics-from (a JSON list of NetworkPolicy peers, e.g.
+'[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]') on the
+engines' HTTP port, which serves /metrics. --no-network-policy deletes the policies it made.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -41,12 +49,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--rlfleet-image", default=os.environ.get("RLFLEET_IMAGE", b.DEFAULT_RLFLEET_IMAGE),
                    help="image that runs `rlfleet` (tiny-model init containers)")
+    p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                   help="give each fleet a NetworkPolicy admitting only its router and trainer to its engines")
+    p.add_argument("--network-policy-metrics-from", type=_peers, default=[], metavar="JSON",
+                   help="JSON list of NetworkPolicy peers that may also reach the engines' HTTP port (/metrics)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.priority is None:
         # Distinct per replica: equal priorities would make both replicas pause.
         args.priority = 100 + zlib.crc32(os.environ.get("POD_NAME", str(os.getpid())).encode()) % 10000
     return args
+
+
+def _peers(text: str) -> list[dict]:
+    try:
+        return b.network_peers(json.loads(text or "[]"))
+    except (json.JSONDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list of NetworkPolicy peers: {e}") from None
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -60,7 +79,9 @@ async def amain(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=Settings(rlfleet_image=args.rlfleet_image))
+    settings = Settings(rlfleet_image=args.rlfleet_image, network_policy=args.network_policy,
+                        network_policy_metrics_from=tuple(args.network_policy_metrics_from))
+    memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
     flag = asyncio.Future()
     stop_task = asyncio.create_task(_set_when(stop, flag))
     try:

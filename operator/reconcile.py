@@ -2,8 +2,8 @@
 
 Order of writes per fleet reconcile: the status first (at most one write, skipped when unchanged),
 because it records restart counts and failure times before any pod is deleted or created; then pod
-deletions, creations, router objects and Events. A crash between the steps leaves a state that the
-next reconcile, from the cluster alone, completes without counting anything twice.
+deletions, creations, router objects, the engine NetworkPolicy and Events. A crash between the steps
+leaves a state that the next reconcile, from the cluster alone, completes without counting anything twice.
 """
 from __future__ import annotations
 
@@ -15,8 +15,18 @@ from typing import Any
 
 from rlfleet import metrics
 from rlfleet.operator import builders as b
-from rlfleet.operator.fleet_decide import Event, FleetPlan, decide_fleet_actions
-from rlfleet.operator.kubeapi import DEPLOYMENTS, EVENTS, PODS, PVCS, SERVICES, ApiError, KubeClient, Resource
+from rlfleet.operator.fleet_decide import Event, FleetPlan, decide_fleet_actions, decide_network_policy
+from rlfleet.operator.kubeapi import (
+    DEPLOYMENTS,
+    EVENTS,
+    NETWORK_POLICIES,
+    PODS,
+    PVCS,
+    SERVICES,
+    ApiError,
+    KubeClient,
+    Resource,
+)
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
 
 log = logging.getLogger("rlfleet.operator")
@@ -35,6 +45,10 @@ TRAININGRUNS = custom("trainingruns")
 class Settings:
     rlfleet_image: str = b.DEFAULT_RLFLEET_IMAGE
     instance: str = os.environ.get("POD_NAME", "rlfleet-operator")
+    # Each fleet's engines admit only its router and trainer (NetworkPolicy `<fleet>-engines`).
+    network_policy: bool = True
+    # Peers (e.g. Prometheus) that may also reach the engines' HTTP port, where /metrics is served.
+    network_policy_metrics_from: tuple[dict, ...] = ()
 
 
 async def _post_events(kube: KubeClient, obj: dict, events: list[Event], settings: Settings) -> None:
@@ -83,8 +97,12 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
 
 
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: bool,
-                          router_service: bool, settings: Settings, now: float | None = None) -> FleetPlan:
-    """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and router objects."""
+                          router_service: bool, network_policy: dict | None, settings: Settings,
+                          now: float | None = None) -> FleetPlan:
+    """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and child objects.
+
+    `network_policy`: the fleet's engine NetworkPolicy as observed (None: there is none).
+    """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
     spec = b.fleet_spec(fleet)
@@ -101,6 +119,7 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
         await _create(kube, DEPLOYMENTS, b.build_router_deployment(fleet))
     if not router_service:
         await _create(kube, SERVICES, b.build_router_service(fleet))
+    await _apply_network_policy(kube, fleet, network_policy, plan, settings)
     for ev in plan.events:
         if ev.reason == "RecreatingEngine":
             metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc()
@@ -109,6 +128,37 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     metrics.OPERATOR_READY_ENGINES.labels(namespace=ns, fleet=name).set(plan.status["readyReplicas"])
     await _post_events(kube, fleet, plan.events, settings)
     return plan
+
+
+async def _apply_network_policy(kube: KubeClient, fleet: dict, current: dict | None, plan: FleetPlan,
+                                settings: Settings) -> None:
+    action = decide_network_policy(fleet, current, enabled=settings.network_policy,
+                                   metrics_from=list(settings.network_policy_metrics_from))
+    if action is None:
+        return
+    meta = action.obj["metadata"]
+    ns, name = fleet["metadata"]["namespace"], meta["name"]
+    if action.verb == "create":
+        if await _create(kube, NETWORK_POLICIES, action.obj):
+            plan.events.append(Event("Normal", "NetworkPolicyCreated",
+                                     f"NetworkPolicy {name}: engines admit only {_admitted(fleet, settings)}"))
+    elif action.verb == "patch":
+        await kube.merge_patch(NETWORK_POLICIES, name, {"spec": action.obj["spec"]}, ns)
+        plan.events.append(Event("Warning", "NetworkPolicyRestored",
+                                 f"NetworkPolicy {name} had been changed; restored: engines admit only "
+                                 f"{_admitted(fleet, settings)}"))
+    elif await kube.delete(NETWORK_POLICIES, name, ns, uid=meta.get("uid")) is not None:
+        plan.events.append(Event("Normal", "NetworkPolicyDeleted",
+                                 f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
+
+
+def _admitted(fleet: dict, settings: Settings) -> str:
+    run_name = fleet["spec"].get("runName")
+    who = [f"router pods of {fleet['metadata']['name']}",
+           f"the trainer pod of run {run_name}" if run_name else f'pods labelled {b.LABEL_CLIENT}: "true"']
+    if settings.network_policy_metrics_from:
+        who.append(f"{len(settings.network_policy_metrics_from)} metrics peer(s) on the HTTP port")
+    return ", ".join(who)
 
 
 _RESOURCES: dict[str, Resource] = {

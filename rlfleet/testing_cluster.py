@@ -118,8 +118,9 @@ def _node_ready(cp) -> bool:
 class OperatorProcess:
     """`python -m rlfleet.operator` with the chart's ServiceAccount token, restartable."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path):
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, extra_args: tuple[str, ...] = ()):
         self.kubeconfig, self.namespace, self.log_dir = kubeconfig, namespace, log_dir
+        self.extra_args = tuple(extra_args)
         self.liveness_port = free_port()
         self.metrics_port = free_port()
         self.process: LocalProcess | None = None
@@ -133,7 +134,7 @@ class OperatorProcess:
             sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
             "--namespace", self.namespace, *(peering or ("--standalone",)),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
-            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port),
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args,
         ], self.log_dir / f"operator-{self.starts}.log").start()
         wait_for(self.alive, timeout=60, interval=0.5, what="the operator's liveness endpoint", context=self.tail)
 

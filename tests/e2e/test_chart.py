@@ -1,6 +1,7 @@
 """The Helm chart with the pinned helm: lint, schema, rendered RBAC, and a server-side dry run."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -77,3 +78,44 @@ def test_rendered_chart_is_accepted_by_the_api_server(control_plane):
     rest = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
     result = control_plane.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump_all(rest), check=False)
     assert result.returncode == 0, result.stderr
+
+
+NETWORK_POLICY_RULE = {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"],
+                       "verbs": ["get", "list", "watch", "create", "patch", "delete"]}
+PROMETHEUS_PEERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+
+
+@pytest.mark.parametrize("sets", [("watchNamespaces={team-a}",), ()])
+def test_operator_role_manages_network_policies(sets):
+    docs = rendered(*sets)
+    role = next(d for d in docs if d["kind"] in ("Role", "ClusterRole") and "rlfleet-operator" in d["metadata"]["name"])
+    assert NETWORK_POLICY_RULE in role["rules"]
+
+
+def _operator_args(*helm_args: str):
+    from rlfleet.operator.main import parse_args
+
+    out = helm("template", "rlfleet", str(CHART), "-n", "rlfleet-system", *helm_args).stdout
+    deployment = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:2] == ["rlfleet", "operator"]
+    return parse_args(command[2:])
+
+
+def test_network_policy_values_reach_the_operator():
+    default = _operator_args()
+    assert default.network_policy is True and default.network_policy_metrics_from == []
+    peers = _operator_args("--set-json", f"networkPolicy.metricsFrom={json.dumps(PROMETHEUS_PEERS)}")
+    assert peers.network_policy is True and peers.network_policy_metrics_from == PROMETHEUS_PEERS
+    assert _operator_args("--set", "networkPolicy.enabled=false").network_policy is False
+    set_peers = f"networkPolicy.metricsFrom={json.dumps(PROMETHEUS_PEERS)}"
+    lint = helm("lint", str(CHART), "--strict", "--set-json", set_peers)
+    assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
+
+
+@pytest.mark.parametrize("bad", ['[{"ipBlock": {"cidr": "10.0.0.0/8"}}]', "[{}]",
+                                 '[{"podSelector": {"matchLabels": {"a": 1}}}]'])
+def test_values_schema_rejects_bad_metrics_peers(bad):
+    result = helm("template", "x", str(CHART), "--set-json", f"networkPolicy.metricsFrom={bad}", check=False)
+    assert result.returncode != 0 and "networkPolicy/metricsFrom" in result.stderr, result.stderr

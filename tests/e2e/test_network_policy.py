@@ -1,0 +1,171 @@
+"""The engine NetworkPolicy of each fleet, end to end: created, owned, exact, restored, switched off, collected.
+
+Real kube-apiserver + etcd + kube-controller-manager (`control_plane`, whose API server validates the
+policy's schema), the chart installed with helm, the operator as a local process with the chart's
+ServiceAccount token. No node agent: engine and router pods are created but never run (no SGLang).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlfleet.operator import builders as b
+from rlfleet.testing_cluster import (
+    CHART,
+    OPERATOR_SA,
+    SYSTEM_NS,
+    OperatorProcess,
+    apply,
+    get_json,
+    helm,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster]
+
+NS = "rlfleet-netpol"
+RUN_FLEET, RUN = "np-run-rollout", "np-run"
+SOLO_FLEET = "np-solo"
+ENGINE_PORT = 31000
+PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+
+
+@pytest.fixture(scope="module")
+def installed(control_plane):
+    control_plane.kubectl("create", "namespace", NS, check=False)
+    helm(control_plane, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{NS}}}", "--set", "operator.replicas=0")
+    yield
+    helm(control_plane, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(control_plane, installed):
+    return control_plane.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA)
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig, tmp_path_factory):
+    op = OperatorProcess(operator_kubeconfig, NS, tmp_path_factory.mktemp("operator"),
+                         extra_args=("--network-policy-metrics-from", json.dumps(PROMETHEUS)))
+    op.start()
+    yield op
+    op.stop()
+
+
+def fleet_manifest(name: str, *, run_name: str | None) -> dict:
+    # One slot: its pod is created but, with no node agent, never scheduled nor run.
+    spec = {"replicas": 1, "minReadyEngines": 1,
+            "engine": {"modelPath": "/models/none", "device": "cpu", "port": ENGINE_PORT},
+            "health": {"startupTimeoutSeconds": 3600}}
+    if run_name:
+        spec["runName"] = run_name
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def fleets(control_plane, operator):
+    cp = control_plane
+    apply(cp, [fleet_manifest(RUN_FLEET, run_name=RUN), fleet_manifest(SOLO_FLEET, run_name=None)])
+    yield {name: get_json(cp, "rolloutfleet", name, namespace=NS) for name in (RUN_FLEET, SOLO_FLEET)}
+    for name in (RUN_FLEET, SOLO_FLEET):
+        cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+def policy(cp, fleet: str) -> dict | None:
+    return get_json(cp, "networkpolicy", b.network_policy_name(fleet), namespace=NS)
+
+
+def wait_policy(cp, fleet: str, op: OperatorProcess, *, not_uid: str | None = None) -> dict:
+    return wait_for(lambda: (p := policy(cp, fleet)) and p["metadata"]["uid"] != not_uid and p, timeout=60,
+                    interval=0.5, what=f"NetworkPolicy {b.network_policy_name(fleet)}", context=op.tail)
+
+
+def event_reasons(cp, name: str) -> set[str]:
+    events = get_json(cp, "events", "--field-selector", f"involvedObject.name={name}", namespace=NS) or {}
+    return {e["reason"] for e in events.get("items", [])}
+
+
+def pods_selected(cp, selector: dict) -> set[str]:
+    labels = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+    return {p["metadata"]["name"] for p in (get_json(cp, "pods", "-l", labels, namespace=NS) or {}).get("items", [])}
+
+
+def test_each_fleet_gets_an_owned_policy_admitting_only_its_router_and_trainer(control_plane, operator, fleets):
+    cp = control_plane
+    http = [{"port": ENGINE_PORT, "protocol": "TCP"}]
+    for name, fleet in fleets.items():
+        pol = wait_policy(cp, name, operator)
+        owner = pol["metadata"]["ownerReferences"]
+        assert owner == [{"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet", "name": name,
+                          "uid": fleet["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        spec = pol["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        # It selects exactly the fleet's engine pod, and its router peer exactly the fleet's router pod(s).
+        wait_for(lambda: pods_selected(cp, spec["podSelector"]) == {f"{name}-engine-0"}, timeout=60,
+                 what=f"{name}'s engine pod", context=operator.tail)
+        router_peer = spec["ingress"][0]
+        routers = wait_for(lambda: pods_selected(cp, router_peer["from"][0]["podSelector"]), timeout=60,
+                           what=f"{name}'s router pod")
+        assert all(r.startswith(f"{name}-router-") for r in routers), routers
+        assert router_peer == {"from": [{"podSelector": {"matchLabels": {
+            "app.kubernetes.io/component": "router", "rlfleet.io/fleet": name}}}], "ports": http}
+        # The API server returns what the builder makes: the operator never patches it for nothing.
+        assert spec == b.build_engine_network_policy(fleet, metrics_from=PROMETHEUS)["spec"]
+        assert spec["ingress"][2] == {"from": PROMETHEUS, "ports": http}
+        assert len(spec["ingress"]) == 3
+
+    run_rules = policy(cp, RUN_FLEET)["spec"]["ingress"]
+    assert run_rules[1] == {"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/component": "trainer", "rlfleet.io/run": RUN}}}]}
+    solo_rules = policy(cp, SOLO_FLEET)["spec"]["ingress"]
+    assert solo_rules[1] == {"from": [{"podSelector": {"matchLabels": {"rlfleet.io/client": "true"}}}],
+                             "ports": http}
+    wait_for(lambda: "NetworkPolicyCreated" in event_reasons(cp, SOLO_FLEET), timeout=30, interval=0.5,
+             what="the NetworkPolicyCreated Event")
+
+
+def test_a_deleted_or_loosened_policy_is_restored(control_plane, operator, fleets):
+    cp = control_plane
+    old = wait_policy(cp, SOLO_FLEET, operator)
+    cp.kubectl("delete", "networkpolicy", b.network_policy_name(SOLO_FLEET), "-n", NS)
+    new = wait_policy(cp, SOLO_FLEET, operator, not_uid=old["metadata"]["uid"])
+    assert new["spec"] == old["spec"]
+
+    # Someone opens the engines to the whole namespace: the operator puts the policy back.
+    cp.kubectl("patch", "networkpolicy", b.network_policy_name(SOLO_FLEET), "-n", NS, "--type", "merge",
+               "-p", json.dumps({"spec": {"ingress": [{}]}}))
+    wait_for(lambda: policy(cp, SOLO_FLEET)["spec"] == old["spec"], timeout=60, interval=0.5,
+             what="the loosened policy to be restored", context=operator.tail)
+    wait_for(lambda: "NetworkPolicyRestored" in event_reasons(cp, SOLO_FLEET), timeout=30, interval=0.5,
+             what="the NetworkPolicyRestored Event")
+
+
+def test_switched_off_the_operator_deletes_its_policies_and_back_on_recreates_them(
+        control_plane, operator, operator_kubeconfig, fleets, tmp_path):
+    cp = control_plane
+    before = {name: wait_policy(cp, name, operator)["metadata"]["uid"] for name in fleets}
+    operator.stop()
+    off = OperatorProcess(operator_kubeconfig, NS, tmp_path, extra_args=("--no-network-policy",))
+    off.start()
+    try:
+        wait_for(lambda: all(policy(cp, name) is None for name in fleets), timeout=60, interval=0.5,
+                 what="the policies to be deleted when switched off", context=off.tail)
+    finally:
+        off.stop()
+    operator.start()
+    for name in fleets:
+        assert wait_policy(cp, name, operator)["metadata"]["uid"] != before[name]
+
+
+def test_deleting_a_fleet_garbage_collects_its_policy(control_plane, operator, fleets):
+    cp = control_plane
+    for name in fleets:
+        wait_policy(cp, name, operator)
+        cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--wait=false")
+    wait_for(lambda: all(policy(cp, name) is None for name in fleets), timeout=120, interval=1,
+             what="garbage collection of the fleets' policies",
+             context=lambda: cp.kubectl("get", "networkpolicies,rolloutfleets", "-n", NS, check=False).stdout)
