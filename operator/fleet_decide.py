@@ -21,6 +21,7 @@ two pods ever serve one slot, whatever the operator's restarts or stale caches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.operator import builders as b
@@ -334,5 +335,28 @@ def decide_network_policy(fleet: dict, current: dict | None, *, enabled: bool,
     if current["metadata"].get("deletionTimestamp"):
         return None  # being deleted: created again once it is gone
     if current.get("spec") != desired["spec"]:
+        return ChildAction("patch", desired)
+    return None
+
+
+def covers(current: Any, desired: Any) -> bool:
+    """`current` holds everything `desired` sets (the API server adds defaults we never wrote). Pure."""
+    if isinstance(desired, dict):
+        return isinstance(current, dict) and all(covers(current.get(k), v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return (isinstance(current, list) and len(current) == len(desired)
+                and all(covers(c, d) for c, d in zip(current, desired)))
+    return current == desired
+
+
+def decide_router_deployment(fleet: dict, current: dict | None) -> ChildAction | None:
+    """Create the fleet's router Deployment, or roll it when its pod template no longer matches the
+    fleet's router spec (image, policy, port, health settings). The trainer follows the new pod."""
+    desired = b.build_router_deployment(fleet)
+    if current is None:
+        return ChildAction("create", desired)
+    if current["metadata"].get("deletionTimestamp"):
+        return None
+    if not covers(current.get("spec", {}).get("template"), desired["spec"]["template"]):
         return ChildAction("patch", desired)
     return None

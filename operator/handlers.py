@@ -97,8 +97,15 @@ def trainer_pods(body, namespace, labels, **_):
 
 
 @kopf.index("deployments", labels={b.LABEL_COMPONENT: "router", b.LABEL_FLEET: kopf.PRESENT})
-def router_deployments(name, namespace, labels, **_):
-    return {(namespace, labels[b.LABEL_FLEET]): name}
+def router_deployments(body, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
+
+
+def _identity_and_spec(body) -> dict:
+    """What a reconcile compares of a child: who it is (to delete the right one) and its spec."""
+    meta = body.get("metadata", {})
+    keep = {k: meta.get(k) for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None}
+    return plain({"metadata": keep, "spec": body.get("spec")})
 
 
 @kopf.index("services", labels={b.LABEL_COMPONENT: "router", b.LABEL_FLEET: kopf.PRESENT})
@@ -109,9 +116,7 @@ def router_services(name, namespace, labels, **_):
 @kopf.index("networking.k8s.io", "v1", "networkpolicies",
             labels={b.LABEL_COMPONENT: b.NETWORK_POLICY_COMPONENT, b.LABEL_FLEET: kopf.PRESENT})
 def network_policies(body, namespace, labels, **_):
-    meta = body.get("metadata", {})
-    keep = {k: meta.get(k) for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None}
-    return {(namespace, labels[b.LABEL_FLEET]): plain({"metadata": keep, "spec": body.get("spec")})}
+    return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
 
 
 @kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
@@ -218,7 +223,7 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
         key = (ns, name)
         plan = await reconcile_fleet(
             memo.kube, fleet, [plain(p) for p in engine_pods.get(key, [])],
-            router_deployment=bool(list(router_deployments.get(key, []))),
+            router_deployment=_one(router_deployments, key),
             router_service=bool(list(router_services.get(key, []))),
             network_policy=_one(network_policies, key),
             settings=memo.settings)

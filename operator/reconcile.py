@@ -15,7 +15,13 @@ from typing import Any
 
 from rlfleet import metrics
 from rlfleet.operator import builders as b
-from rlfleet.operator.fleet_decide import Event, FleetPlan, decide_fleet_actions, decide_network_policy
+from rlfleet.operator.fleet_decide import (
+    Event,
+    FleetPlan,
+    decide_fleet_actions,
+    decide_network_policy,
+    decide_router_deployment,
+)
 from rlfleet.operator.kubeapi import (
     DEPLOYMENTS,
     EVENTS,
@@ -96,12 +102,13 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
     return True
 
 
-async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: bool,
+async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,
                           router_service: bool, network_policy: dict | None, settings: Settings,
                           now: float | None = None) -> FleetPlan:
     """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and child objects.
 
-    `network_policy`: the fleet's engine NetworkPolicy as observed (None: there is none).
+    `router_deployment`, `network_policy`: the fleet's router Deployment and engine NetworkPolicy as
+    observed (None: there is none).
     """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
@@ -115,8 +122,13 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
                                                      rlfleet_image=settings.rlfleet_image))
-    if not router_deployment:
-        await _create(kube, DEPLOYMENTS, b.build_router_deployment(fleet))
+    router = decide_router_deployment(fleet, router_deployment)
+    if router is not None and router.verb == "create":
+        await _create(kube, DEPLOYMENTS, router.obj)
+    elif router is not None:
+        await kube.merge_patch(DEPLOYMENTS, router.obj["metadata"]["name"], {"spec": router.obj["spec"]}, ns)
+        plan.events.append(Event("Normal", "RouterUpdated", f"router spec changed: rolling "
+                                                            f"{router.obj['metadata']['name']}"))
     if not router_service:
         await _create(kube, SERVICES, b.build_router_service(fleet))
     await _apply_network_policy(kube, fleet, network_policy, plan, settings)

@@ -84,3 +84,49 @@ def test_run_rejects_an_invalid_manifest_naming_the_field(tmp_path: Path):
                           text=True, timeout=120)
     assert proc.returncode == 2
     assert "spec.trainer.maxStaleness" in proc.stderr
+
+
+def test_sigterm_stops_the_run_and_leaves_no_engine_router_or_scratch_volume(tmp_path: Path):
+    """What `kill <pid>` (or a pod's termination) of `rlfleet run` must leave behind: nothing."""
+    import time
+
+    import yaml
+
+    from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
+    from rlfleet.procs import groups_writing_under
+
+    manifest = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    manifest["spec"]["trainer"]["steps"] = 1000  # still training when the signal comes
+    manifest["spec"]["rollout"]["replicas"] = 1
+    del manifest["spec"]["eval"]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    run_dir = tmp_path / "run"
+    out = tmp_path / "out.log"
+    with out.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.cli", "run", str(path), "--run-dir", str(run_dir),
+                                 "--metrics-port", "0"], stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 900
+        while "step 1/1000" not in out.read_text():
+            assert proc.poll() is None, out.read_text()[-3000:]
+            assert time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.5)
+        running = groups_writing_under(run_dir)
+        assert len(running) >= 2, running  # the engine and the router, each its own process group
+        assert default_local_volume(run_dir).is_dir()
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        stop_s = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = out.read_text()
+    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    assert groups_writing_under(run_dir) == set()
+    volume = default_local_volume(run_dir)
+    if is_scratch_volume(volume):  # on tmpfs: the scratch snapshot volume goes with the run
+        assert not volume.exists()
+    print(f"\nfigures: SIGTERM -> run exited with everything stopped in {stop_s:.1f} s")
