@@ -331,3 +331,18 @@ def perturbed_copy(src: str | os.PathLike, dst: str | os.PathLike, *, seed: int 
         save_file(tensors, weights, metadata={"format": "pt"})
         weights.chmod(0o644)
     return dst
+
+
+def on_policy_batch(trainer, prompt: list[int], rewarded: list[tuple[list[int], float]]) -> list:
+    """One GRPO group of `prompt` with the given (response, reward) pairs, log-probs from the trainer's
+    own current policy (on-policy: ratio 1), assembled as the run loop would."""
+    import torch
+
+    from rlfleet.trainer import grpo
+
+    group = []
+    for response, reward in rewarded:
+        ids = torch.tensor([prompt + response])
+        lps = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(prompt) - 1:].tolist()
+        group.append(grpo.Sample(tuple(prompt), tuple(response), tuple(lps), str(trainer.step), reward=reward))
+    return list(grpo.assemble_batch([group], current_step=trainer.step, policy=grpo.StalenessPolicy(0)).samples)

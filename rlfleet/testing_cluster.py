@@ -58,6 +58,19 @@ def helm(cp, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True)
 
 
+@contextlib.contextmanager
+def chart_installed(cp, namespace: str):
+    """The chart installed for one watched namespace, its operator Deployment at zero replicas (tests run
+    the operator as a local process with the chart's ServiceAccount token); uninstalled afterwards."""
+    cp.kubectl("create", "namespace", namespace, check=False)
+    helm(cp, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{namespace}}}", "--set", "operator.replicas=0")
+    try:
+        yield
+    finally:
+        helm(cp, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+
+
 class LocalProcess:
     """A child process in its own process group with its output in a file; stop = SIGTERM then SIGKILL."""
 

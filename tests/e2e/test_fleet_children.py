@@ -13,13 +13,12 @@ import pytest
 
 from rlfleet.operator import builders as b
 from rlfleet.testing_cluster import (
-    CHART,
     OPERATOR_SA,
     SYSTEM_NS,
     OperatorProcess,
     apply,
+    chart_installed,
     get_json,
-    helm,
     wait_for,
 )
 
@@ -35,11 +34,8 @@ PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.nam
 
 @pytest.fixture(scope="module")
 def installed(control_plane):
-    control_plane.kubectl("create", "namespace", NS, check=False)
-    helm(control_plane, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
-         "--set", f"watchNamespaces={{{NS}}}", "--set", "operator.replicas=0")
-    yield
-    helm(control_plane, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+    with chart_installed(control_plane, NS):
+        yield
 
 
 @pytest.fixture(scope="module")

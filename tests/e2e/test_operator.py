@@ -20,6 +20,7 @@ from rlfleet.testing_cluster import (
     SYSTEM_NS,
     OperatorProcess,
     apply,
+    chart_installed,
     engine_pgid,
     get_json,
     helm,
@@ -37,11 +38,8 @@ ENGINE_START_S = 600  # CPU engines start in 25-60 s alone; far slower on a busy
 
 @pytest.fixture(scope="module")
 def installed(control_plane):
-    control_plane.kubectl("create", "namespace", NS, check=False)
-    helm(control_plane, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
-         "--set", f"watchNamespaces={{{NS}}}", "--set", "operator.replicas=0")
-    yield
-    helm(control_plane, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+    with chart_installed(control_plane, NS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlfleet.trainer import grpo
+from rlfleet.testing import on_policy_batch
 from rlfleet.trainer.base import build_trainer
 
 PROMPT = list(b"abc=")
@@ -14,12 +15,7 @@ RESPONSES = torch.tensor([PROMPT + GOOD, PROMPT + BAD])
 
 def batch(trainer) -> list[grpo.Sample]:
     """One on-policy group that rewards GOOD over BAD."""
-    group = []
-    for response, reward in ((GOOD, 1.0), (BAD, 0.0)):
-        ids = torch.tensor([PROMPT + response])
-        lps = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(PROMPT) - 1:].tolist()
-        group.append(grpo.Sample(tuple(PROMPT), tuple(response), tuple(lps), str(trainer.step), reward=reward))
-    return list(grpo.assemble_batch([group], current_step=trainer.step, policy=grpo.StalenessPolicy(0)).samples)
+    return on_policy_batch(trainer, PROMPT, [(GOOD, 1.0), (BAD, 0.0)])
 
 
 def response_distributions(trainer) -> torch.Tensor:

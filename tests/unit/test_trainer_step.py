@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rlfleet.trainer import grpo
+from rlfleet.testing import on_policy_batch
 from rlfleet.trainer.base import build_trainer
 
 PROMPT = list(b"abc=")
@@ -17,12 +18,8 @@ def response_logprob(trainer, response) -> float:
 
 
 def batch(trainer) -> list[grpo.Sample]:
-    group = []
-    for response, reward in ((GOOD, 1.0), (BAD, 0.0)):
-        ids = torch.tensor([PROMPT + response])
-        lps = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(PROMPT) - 1:].tolist()
-        group.append(grpo.Sample(tuple(PROMPT), tuple(response), tuple(lps), str(trainer.step), reward=reward))
-    return list(grpo.assemble_batch([group], current_step=trainer.step, policy=grpo.StalenessPolicy(0)).samples)
+    """One on-policy group that rewards GOOD over BAD."""
+    return on_policy_batch(trainer, PROMPT, [(GOOD, 1.0), (BAD, 0.0)])
 
 
 @pytest.mark.parametrize("backend", ["torch", "megatron"])
