@@ -292,6 +292,7 @@ class RunLoop:
             self._engines_changed()
             self.progress.event(
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
+                + (f"kl_ref {stats['kl_ref']:.4f} " if "kl_ref" in stats else "") +
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
                 f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
