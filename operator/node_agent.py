@@ -9,7 +9,9 @@ plane has no scheduler. It reports status through the API server like the kubele
 pod's own loopback address as `status.podIP` -> Running, Ready once the httpGet readiness probe passes
 -> Succeeded/Failed with each container's exit code and its last log lines as the termination message.
 Deleting a pod stops its processes (SIGTERM to the group, SIGKILL after the grace period) and then
-removes the pod object. Logs stay in `<data-dir>/logs/<namespace>_<pod>_<uid>/<container>.log`.
+removes the pod object. Logs stay in `<data-dir>/logs/<namespace>_<pod>_<uid>/<container>.log`, and
+`kubectl logs` reads them through the agent's HTTPS log endpoint (`rlfleet.operator.log_server`), which
+admits only clients with a certificate of the cluster CA (`--client-ca`, default: the kubeconfig's CA).
 
 How a pod spec maps onto local processes (images, addresses, volumes, API access) is documented and
 decided in `rlfleet.operator.node_plan`; this module does the I/O.
@@ -33,6 +35,7 @@ import aiohttp
 import yaml
 
 from rlfleet.operator import node_plan as plan
+from rlfleet.operator.container_logs import LogRequestError, log_dir_name
 from rlfleet.operator.kubeapi import (
     CONFIGMAPS,
     NODES,
@@ -43,6 +46,8 @@ from rlfleet.operator.kubeapi import (
     KubeClient,
     list_and_watch,
 )
+from rlfleet.operator.log_server import ContainerLogSource, LogServer, server_ssl_context
+from rlfleet.pki import write_self_signed_serving
 from rlfleet.procs import ManagedProcess, tail_file
 from rlfleet.testing import mapped_shm_files
 
@@ -93,7 +98,7 @@ class PodWorker:
         self.shm_files: set[Path] = set()
         self.pod_ip: str | None = (pod.get("status") or {}).get("podIP")
         self.start_time: str | None = None
-        self.log_dir = agent.data_dir / "logs" / f"{self.namespace}_{self.name}_{self.uid}"
+        self.log_dir = agent.data_dir / "logs" / log_dir_name(self.namespace, self.name, self.uid)
         self.conditions: list[dict] = list((pod.get("status") or {}).get("conditions") or [])
         self.dirty = asyncio.Event()
         self.deleting = asyncio.Event()
@@ -253,6 +258,14 @@ class PodWorker:
         return path
 
     # Containers -----------------------------------------------------------------------------------------
+    def container_names(self) -> set[str]:
+        return {r.name for r in self.runs + self.init_runs}
+
+    def container_running(self, name: str) -> bool:
+        """True while the container's current process runs (not before its start, nor between restarts)."""
+        proc = self.procs.get(name)
+        return proc is not None and proc.proc is not None and proc.returncode is None
+
     async def _container_loop(self, run: plan.ContainerRun, cplan: plan.ContainerPlan, container: dict) -> None:
         while not self.deleting.is_set():
             proc = ManagedProcess(f"{self.name}/{run.name}", cplan.argv, log_path=self.log_dir / f"{run.name}.log",
@@ -413,7 +426,7 @@ class NodeAgent:
 
     def __init__(self, kube: KubeClient, node: str, data_dir: Path, *, schedule: bool = False,
                  image_map: plan.ImageMap | None = None, pod_network: str = "127.0.0.0/24", first_host: int = 10,
-                 gpus: int = 0, labels: dict[str, str] | None = None):
+                 gpus: int = 0, labels: dict[str, str] | None = None, client_ca_pem: str | None = None):
         self.kube = kube
         self.node = node
         self.data_dir = Path(data_dir).resolve()
@@ -427,8 +440,15 @@ class NodeAgent:
         cfg = kube.api.configuration
         self.api_server: str = cfg.host
         self.ca_data_b64: str | None = None
+        api_ca_pem: str | None = None
         if cfg.ssl_ca_cert:
-            self.ca_data_b64 = base64.b64encode(Path(cfg.ssl_ca_cert).read_bytes()).decode()
+            api_ca_pem = Path(cfg.ssl_ca_cert).read_text()
+            self.ca_data_b64 = base64.b64encode(api_ca_pem.encode()).decode()
+        # Whose client certificates may read pod logs: the cluster CA, which signs the API server's.
+        self.client_ca_pem = client_ca_pem or api_ca_pem
+        self.log_server: LogServer | None = None
+        self.log_port: int | None = None
+        self._ready_since: str | None = None
         self.ready = asyncio.Event()  # set once the node is registered and the first pod list is handled
 
     # Addresses ------------------------------------------------------------------------------------------
@@ -450,6 +470,7 @@ class NodeAgent:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         async with aiohttp.ClientSession() as self.http:
             try:
+                await self._start_log_server()
                 await self._register()
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._heartbeat())
@@ -458,6 +479,31 @@ class NodeAgent:
                         tg.create_task(self._bind_unscheduled())
             finally:
                 await asyncio.shield(self._shutdown())
+                if self.log_server:
+                    await asyncio.shield(self.log_server.stop())
+
+    # Container logs (kubectl logs) ----------------------------------------------------------------------
+    async def _start_log_server(self) -> None:
+        if not self.client_ca_pem:
+            log.warning("no CA to check clients against (kubeconfig without certificate-authority and no "
+                        "--client-ca): container logs are not served, `kubectl logs` will fail")
+            return
+        cert, key = await asyncio.to_thread(write_self_signed_serving, self.data_dir / "pki",
+                                            f"{self.node}-node-agent", (plan.NODE_ADDRESS,))
+        context = server_ssl_context(cert, key, self.client_ca_pem)
+        self.log_server = LogServer(self.log_source, context, plan.NODE_ADDRESS)
+        self.log_port = await self.log_server.start()
+
+    def log_source(self, namespace: str, pod: str, container: str) -> ContainerLogSource:
+        """The log of a container of a pod on this node; LogRequestError(404) when there is none."""
+        workers = [w for w in self.workers.values() if w.namespace == namespace and w.name == pod]
+        if not workers:
+            raise LogRequestError(404, f"pod {namespace}/{pod} is not on node {self.node}")
+        worker = next((w for w in workers if not w.deleting.is_set()), workers[0])  # a replacement wins
+        if container not in worker.container_names():
+            raise LogRequestError(404, f"container {container!r} is not in pod {namespace}/{pod} "
+                                       f"(it has {sorted(worker.container_names())})")
+        return ContainerLogSource(worker.log_dir / f"{container}.log", lambda: worker.container_running(container))
 
     async def _shutdown(self) -> None:
         workers = list(self.workers.values())
@@ -465,6 +511,8 @@ class NodeAgent:
             if w.task:
                 w.task.cancel()
         await asyncio.gather(*(w.task for w in workers if w.task), return_exceptions=True)
+        if self._ready_since is None:
+            return  # never registered
         with contextlib.suppress(ApiError):
             await self._write_node_status(ready=False)
 
@@ -484,7 +532,8 @@ class NodeAgent:
         log.info("node %s registered", self.node)
 
     async def _write_node_status(self, *, ready: bool) -> None:
-        status = plan.node_status(ready=ready, now=now_iso(), since=self._ready_since, capacity=self._capacity)
+        status = plan.node_status(ready=ready, now=now_iso(), since=self._ready_since, capacity=self._capacity,
+                                  kubelet_port=self.log_port)
         await self.kube.merge_patch(NODES, self.node, {"status": status}, sub="status")
 
     async def _heartbeat(self) -> None:
@@ -584,6 +633,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--first-host", type=int, default=10, help="first host number handed out in --pod-network")
     p.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity to advertise")
     p.add_argument("--label", action="append", default=[], metavar="K=V", help="extra node label (repeatable)")
+    p.add_argument("--client-ca", default=None, metavar="FILE",
+                   help="CA (PEM) whose client certificates may read container logs; default: the kubeconfig's "
+                        "certificate authority, which signs the API server's kubelet client certificate")
     p.add_argument("--image-map", default=None, help='JSON file {"image-pattern": {"word": ["argv", ...]}}')
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -597,9 +649,11 @@ async def amain(args: argparse.Namespace) -> int:
     image_map = plan.ImageMap.from_json(Path(args.image_map).read_text()) if args.image_map else plan.ImageMap()
     data_dir = Path(args.data_dir or Path(".node-agent") / args.node)
     labels = dict(item.split("=", 1) for item in args.label)
+    client_ca_pem = Path(args.client_ca).read_text() if args.client_ca else None
     async with await KubeClient.load(args.kubeconfig) as kube:
         agent = NodeAgent(kube, args.node, data_dir, schedule=args.schedule, image_map=image_map,
-                          pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels)
+                          pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels,
+                          client_ca_pem=client_ca_pem)
         task = asyncio.create_task(agent.run())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

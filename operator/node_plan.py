@@ -53,6 +53,7 @@ from pathlib import Path
 
 TERMINATION_MESSAGE_MAX_BYTES = 4096  # the kubelet's limit per container
 TERMINATION_MESSAGE_LINES = 20
+NODE_ADDRESS = "127.0.0.1"  # the Node's InternalIP: the agent's log endpoint listens there
 
 
 class PodConfigError(ValueError):
@@ -456,11 +457,14 @@ def node_object(name: str, *, labels: Mapping[str, str] | None = None, cpu: int,
     }
 
 
-def node_status(*, ready: bool, now: str, since: str, capacity: Mapping[str, str]) -> dict:
-    return {
+def node_status(*, ready: bool, now: str, since: str, capacity: Mapping[str, str],
+                kubelet_port: int | None = None) -> dict:
+    """The Node status the agent writes. The API server reaches the agent's log endpoint (`kubectl logs`)
+    at the InternalIP address on `daemonEndpoints.kubeletEndpoint.Port` (rlfleet.operator.container_logs)."""
+    status = {
         "capacity": dict(capacity),
         "allocatable": dict(capacity),
-        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": "localhost"}],
+        "addresses": [{"type": "InternalIP", "address": NODE_ADDRESS}, {"type": "Hostname", "address": "localhost"}],
         "conditions": [{
             "type": "Ready", "status": "True" if ready else "False",
             "reason": "NodeAgentReady" if ready else "NodeAgentStopped",
@@ -471,6 +475,9 @@ def node_status(*, ready: bool, now: str, since: str, capacity: Mapping[str, str
                      "containerRuntimeVersion": "local-process://", "kernelVersion": "", "osImage": "",
                      "kubeProxyVersion": "", "machineID": "", "systemUUID": "", "bootID": ""},
     }
+    if kubelet_port is not None:
+        status["daemonEndpoints"] = {"kubeletEndpoint": {"Port": kubelet_port}}
+    return status
 
 
 def schedulable_here(pod: dict, node_labels: Mapping[str, str]) -> bool:

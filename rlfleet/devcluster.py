@@ -195,6 +195,12 @@ class ControlPlane:
             # Loopback only: no `kubernetes` Service endpoints pointing at this machine's address.
             "--endpoint-reconciler-type=none",
             "--profiling=false",
+            # `kubectl logs` is proxied to the node agent's log endpoint (the kubelet's /containerLogs) at the
+            # Node's InternalIP, authenticated with this client certificate. No --kubelet-certificate-authority:
+            # the agent has no CA key, so its serving certificate is self-signed and is not verified.
+            f"--kubelet-client-certificate={pki.kubelet_client_cert}",
+            f"--kubelet-client-key={pki.kubelet_client_key}",
+            "--kubelet-preferred-address-types=InternalIP",
         ], logs)
         self._wait_ready(apiserver, f"{self.server}/readyz", deadline, tls=True)
         _write_kubeconfig(self.kubeconfig, server=self.server, ca_cert=pki.ca_cert, user="admin",

@@ -1,11 +1,14 @@
 """Throwaway certificates for a local control plane (as envtest does): a CA, the API server's serving
-certificate for loopback, an admin client certificate in group system:masters, and the service-account
-token signing key. Keys are ECDSA P-256: fast to generate and accepted everywhere they are used here.
+certificate for loopback, an admin client certificate in group system:masters, the API server's client
+certificate for kubelets (the node agent's log endpoint accepts only clients the CA signed), and the
+service-account token signing key. Keys are ECDSA P-256: fast to generate and accepted everywhere they
+are used here. `write_self_signed_serving` makes the node agent's serving certificate (it has no CA key).
 """
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,8 @@ class ControlPlanePki:
     serving_key: Path
     admin_cert: Path
     admin_key: Path
+    kubelet_client_cert: Path
+    kubelet_client_key: Path
     sa_key: Path
     sa_pub: Path
 
@@ -94,12 +99,18 @@ def write_control_plane_pki(directory: Path, admin_user: str = "rlfleet-admin") 
     # Group system:masters is bound to cluster-admin by the API server's bootstrap RBAC policy.
     admin_key, admin_cert = _leaf(ca_key, ca_name, _name(admin_user, "system:masters"),
                                   ExtendedKeyUsageOID.CLIENT_AUTH, now)
+    # What the API server presents to kubelets (`kubectl logs`); it belongs to no group: the node agent
+    # checks only that the cluster CA signed it, and the API server grants this name nothing.
+    kubelet_key, kubelet_cert = _leaf(ca_key, ca_name, _name("kube-apiserver-kubelet-client"),
+                                      ExtendedKeyUsageOID.CLIENT_AUTH, now)
     sa_key = _new_key()
 
     paths = ControlPlanePki(
         ca_cert=directory / "ca.crt", ca_key=directory / "ca.key",
         serving_cert=directory / "apiserver.crt", serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt", admin_key=directory / "admin.key",
+        kubelet_client_cert=directory / "apiserver-kubelet-client.crt",
+        kubelet_client_key=directory / "apiserver-kubelet-client.key",
         sa_key=directory / "sa.key", sa_pub=directory / "sa.pub",
     )
     pem = serialization.Encoding.PEM
@@ -107,6 +118,7 @@ def write_control_plane_pki(directory: Path, admin_user: str = "rlfleet-admin") 
         paths.ca_cert: ca_cert.public_bytes(pem), paths.ca_key: _key_pem(ca_key),
         paths.serving_cert: serving_cert.public_bytes(pem), paths.serving_key: _key_pem(serving_key),
         paths.admin_cert: admin_cert.public_bytes(pem), paths.admin_key: _key_pem(admin_key),
+        paths.kubelet_client_cert: kubelet_cert.public_bytes(pem), paths.kubelet_client_key: _key_pem(kubelet_key),
         paths.sa_key: _key_pem(sa_key),
         paths.sa_pub: sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo),
     }
@@ -114,3 +126,31 @@ def write_control_plane_pki(directory: Path, admin_user: str = "rlfleet-admin") 
         path.write_bytes(data)
         path.chmod(0o600)
     return paths
+
+
+def write_self_signed_serving(directory: Path, common_name: str, ips: tuple[str, ...] = ("127.0.0.1",),
+                              dns_names: tuple[str, ...] = ("localhost",)) -> tuple[Path, Path]:
+    """A self-signed serving certificate and its key in directory (mode 0700, files 0600): (cert, key).
+
+    For a server that cannot get the cluster CA's key (the node agent): its clients must not verify it
+    against the CA (kube-apiserver without --kubelet-certificate-authority skips the check).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    key = _new_key()
+    name = _name(common_name)
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName(n) for n in dns_names] + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips])
+    cert = (_builder(name, name, key.public_key(), now)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(san, critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "serving.crt", directory / "serving.key"
+    for path, data in ((cert_path, cert.public_bytes(serialization.Encoding.PEM)), (key_path, _key_pem(key))):
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not even briefly
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return cert_path, key_path

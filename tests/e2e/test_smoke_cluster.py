@@ -10,6 +10,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from rlfleet.devcluster import ControlPlane
 from rlfleet.procs import pod_process_groups
-from rlfleet.testing_cluster import wait_for
+from rlfleet.testing_cluster import get_json, start_node_agent, stop_node_agent, wait_for
 from rlfleet.tools import tool_path
 
 pytestmark = pytest.mark.cluster
@@ -199,6 +200,10 @@ def test_dev_cluster_up_runs_pods_and_down_leaves_no_process(tmp_path: Path) -> 
             f"127.0.0.{FIRST_HOST}", f"127.0.0.{FIRST_HOST + 1}"}
         pod_groups = pod_process_groups(directory / "node")
         assert len(pod_groups) == 1, f"expected the sleeper's process group only: {pod_groups}"
+        # `kubectl logs` reaches the agent's log endpoint (the API server has its kubelet client cert).
+        logs = wait_for(lambda: kubectl("logs", "sleeper").stdout, timeout=10, interval=0.5,
+                        what="`kubectl logs sleeper`", context=lambda: kubectl("logs", "sleeper").stderr)
+        assert logs == "sleeping\n"
         pids += sorted(pod_groups)
     finally:
         down = _run_cli("down", "--name", name, "--dir", str(directory))
@@ -236,3 +241,110 @@ def test_killed_owner_leaves_no_control_plane_process(tmp_path: Path) -> None:
     while _pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _pids_alive(pids) == []
+
+
+# `kubectl logs` through the node agent's log endpoint ----------------------------------------------------
+LOGS_NS = "smoke-logs"
+COUNTER = "for i in range(5): print(f'line {i}', flush=True)"
+# Prints `ready`, waits (at most 30 s) for the file named by its argument, then ticks every 0.5 s for 3 s.
+TICKER = """
+import os, sys, time
+print('ready', flush=True)
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+for i in range(6):
+    print(f'tick {i}', flush=True)
+    time.sleep(0.5)
+"""
+
+
+def _log_pods(go_file: Path) -> str:
+    pods = [
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": LOGS_NS},
+         "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 2,
+                  "containers": [{"name": "main", "image": "ghcr.io/example/rlfleet:dev",
+                                  "command": ["python", "-c", script, *args]}]}}
+        for name, script, args in (("counter", COUNTER, []), ("ticker", TICKER, [str(go_file)]))]
+    return "\n---\n".join(json.dumps(p) for p in pods)
+
+
+@pytest.fixture(scope="module")
+def logs_node(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory):
+    data_dir = tmp_path_factory.mktemp("logs-node")
+    agent = start_node_agent(control_plane, data_dir, first_host=200)
+    yield agent
+    left = stop_node_agent(agent, data_dir)
+    assert left == 0, f"the node agent left {left} pod process group(s) running"
+
+
+def _get(url: str, context: ssl.SSLContext) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10, context=context) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_kubectl_logs_tail_follow_and_only_the_cluster_ca_may_read(control_plane: ControlPlane, logs_node,
+                                                                  tmp_path: Path) -> None:
+    cp = control_plane
+    go_file = tmp_path / "go"
+    cp.kubectl("create", "namespace", LOGS_NS)
+    # The namespace's default ServiceAccount (which admission requires) comes from a controller.
+    wait_for(lambda: cp.kubectl("apply", "-f", "-", input=_log_pods(go_file), check=False).returncode == 0,
+             timeout=30, interval=0.5, what="the pods to be admitted")
+
+    def phase(name: str) -> str:
+        return (get_json(cp, "pod", name, namespace=LOGS_NS) or {}).get("status", {}).get("phase", "")
+
+    def logs(*args: str) -> subprocess.CompletedProcess:
+        return cp.kubectl("logs", "-n", LOGS_NS, *args, check=False)
+
+    wait_for(lambda: phase("counter") == "Succeeded", timeout=30, interval=0.3, what="pod counter to succeed",
+             context=logs_node.tail)
+    whole = logs("counter")
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout == "".join(f"line {i}\n" for i in range(5))
+    assert logs("counter", "--tail", "2").stdout == "line 3\nline 4\n"
+    assert logs("counter", "-c", "main", "--tail", "0").stdout == ""
+    unknown = logs("counter", "-c", "nope")
+    assert unknown.returncode != 0 and "nope" in unknown.stderr, unknown.stderr
+    previous = logs("counter", "--previous")
+    assert previous.returncode != 0 and "previous=true is not supported" in previous.stderr, previous.stderr
+
+    # -f streams while the container runs and ends by itself when the container ends.
+    wait_for(lambda: phase("ticker") == "Running", timeout=30, interval=0.3, what="pod ticker to run",
+             context=logs_node.tail)
+    follower = subprocess.Popen([str(tool_path("kubectl")), f"--kubeconfig={cp.kubeconfig}", "logs", "-f",
+                                 "-n", LOGS_NS, "ticker"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout.readline() == "ready\n"
+        assert follower.poll() is None, "kubectl logs -f ended while the container still ran"
+        go_file.touch()
+        rest, errors = follower.communicate(timeout=30)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert follower.returncode == 0, errors
+    assert rest == "".join(f"tick {i}\n" for i in range(6))
+    assert phase("ticker") in ("Running", "Succeeded")  # it ended: the stream closed with the container
+
+    # Straight to the agent: a client certificate of the cluster CA is required.
+    node = get_json(cp, "node", "local-node")
+    port = node["status"]["daemonEndpoints"]["kubeletEndpoint"]["Port"]
+    assert {"type": "InternalIP", "address": "127.0.0.1"} in node["status"]["addresses"]
+    url = f"https://127.0.0.1:{port}/containerLogs/{LOGS_NS}/counter"
+    anonymous = ssl.create_default_context()
+    anonymous.check_hostname, anonymous.verify_mode = False, ssl.CERT_NONE  # its serving cert is self-signed
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        _get(f"{url}/main", anonymous)
+    with_ca_cert = ssl.create_default_context()
+    with_ca_cert.check_hostname, with_ca_cert.verify_mode = False, ssl.CERT_NONE
+    with_ca_cert.load_cert_chain(str(cp.pki.kubelet_client_cert), str(cp.pki.kubelet_client_key))
+    assert _get(f"{url}/main?tailLines=1", with_ca_cert) == (200, "line 4\n")
+    status, body = _get(f"{url}/nope", with_ca_cert)
+    assert status == 404 and "container 'nope' is not in pod" in body
+    status, body = _get(f"https://127.0.0.1:{port}/containerLogs/{LOGS_NS}/ghost/main", with_ca_cert)
+    assert status == 404 and "is not on node local-node" in body
