@@ -282,15 +282,3 @@ def _api_error(status: int, reason: str, raw: bytes | str | None) -> ApiError:
         except (ValueError, AttributeError):
             message = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
     return ApiError(status, reason, message, body)
-
-
-def owner_reference(owner: dict, *, controller: bool = True, block_owner_deletion: bool = True) -> dict:
-    """An ownerReference to `owner` (a full object with apiVersion, kind and metadata.uid)."""
-    return {
-        "apiVersion": owner["apiVersion"],
-        "kind": owner["kind"],
-        "name": owner["metadata"]["name"],
-        "uid": owner["metadata"]["uid"],
-        "controller": controller,
-        "blockOwnerDeletion": block_owner_deletion,
-    }

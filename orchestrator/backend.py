@@ -80,6 +80,55 @@ class DeathEvent:
 DeathListener = Callable[[DeathEvent], Awaitable[None] | None]
 
 
+def fleet_not_ready(backend: FleetBackend, alive: int, waited_s: float) -> FleetNotReady:
+    """The error of a bounded wait that ended with fewer than minReadyEngines alive: every slot's state."""
+    states = ", ".join(f"slot {e.slot}: {e.state.value}" + (f" ({e.last_failure})" if e.last_failure else "")
+                       for e in backend.engines())
+    return FleetNotReady(f"fleet {backend.fleet}: {alive} of {backend.replicas} engines alive after "
+                         f"{waited_s:g} s, minReadyEngines={backend.min_ready}; {states}")
+
+
+class DeathListeners:
+    """Who hears of deaths: every backend's `subscribe` and its emit. A listener may be sync or async;
+    async ones run as tasks (a death is reported without waiting for router removals), and one that
+    fails is logged without keeping the others from hearing."""
+
+    def __init__(self) -> None:
+        self._listeners: list[DeathListener] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def subscribe(self, listener: DeathListener) -> Callable[[], None]:
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def emit(self, event: DeathEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                result = listener(event)
+            except Exception:  # noqa: BLE001 - one bad listener must not block the others
+                log.exception("death listener failed for slot %d", event.slot)
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._tasks.add(task)
+                task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("death listener failed: %r", task.exception())
+
+    async def drain(self) -> None:
+        """Wait for listeners already running (router removals, ...)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
 class FleetBackend(ABC):
     """What the orchestrator needs from a fleet, wherever its engines run."""
 
@@ -184,8 +233,7 @@ class SlotFleetBackend(FleetBackend):
         self.min_ready = min_ready
         self._slots = {n: SlotRecord(slot=n) for n in range(replicas)}
         self._run_restarts = 0
-        self._listeners: list[DeathListener] = []
-        self._listener_tasks: set[asyncio.Task] = set()
+        self._deaths = DeathListeners()
         self._changed = asyncio.Event()
         self._recover_lock = asyncio.Lock()
         self._failure: FleetFailed | None = None
@@ -234,13 +282,7 @@ class SlotFleetBackend(FleetBackend):
             rec.weight_version = version
 
     def subscribe(self, listener: DeathListener) -> Callable[[], None]:
-        self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with contextlib.suppress(ValueError):
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._deaths.subscribe(listener)
 
     # --- state changes ------------------------------------------------------------------------------
 
@@ -298,26 +340,11 @@ class SlotFleetBackend(FleetBackend):
         return True
 
     def _emit(self, event: DeathEvent) -> None:
-        for listener in list(self._listeners):
-            try:
-                result = listener(event)
-            except Exception:  # noqa: BLE001 - one bad listener must not block the others
-                log.exception("death listener failed for slot %d", event.slot)
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                self._listener_tasks.add(task)
-                task.add_done_callback(self._listener_done)
-
-    def _listener_done(self, task: asyncio.Task) -> None:
-        self._listener_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("death listener failed: %r", task.exception())
+        self._deaths.emit(event)
 
     async def drain_listeners(self) -> None:
         """Wait for death listeners already running (router removals, ...)."""
-        while self._listener_tasks:
-            await asyncio.gather(*list(self._listener_tasks), return_exceptions=True)
+        await self._deaths.drain()
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -430,8 +457,5 @@ class SlotFleetBackend(FleetBackend):
         if self._failure is not None:
             raise self._failure
         if len(alive) < self.min_ready:
-            states = ", ".join(f"slot {e.slot}: {e.state.value}" + (f" ({e.last_failure})" if e.last_failure else "")
-                               for e in self.engines())
-            raise FleetNotReady(f"fleet {self.fleet}: {len(alive)} of {self.replicas} engines alive after "
-                                f"{bound:g} s, minReadyEngines={self.min_ready}; {states}")
+            raise fleet_not_ready(self, len(alive), bound)
         return alive

@@ -36,9 +36,11 @@ from rlfleet.orchestrator.backend import (
     DeathCause,
     DeathEvent,
     DeathListener,
+    DeathListeners,
     EngineSlot,
     EngineState,
     FleetBackend,
+    fleet_not_ready,
 )
 from rlfleet.orchestrator.errors import FleetFailed, FleetNotReady
 
@@ -124,7 +126,7 @@ class KubernetesBackend(FleetBackend):
         self._seen_ready: set[tuple[int, int]] = set()
         self._versions: dict[tuple[int, int], str] = {}
         self._loaded: dict[int, int] = {}  # slot -> incarnation a wait_all_alive handed out (weights loaded next)
-        self._listeners: list[DeathListener] = []
+        self._deaths = DeathListeners()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
@@ -167,6 +169,7 @@ class KubernetesBackend(FleetBackend):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._deaths.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def _slot_of(self, pod: dict) -> int | None:
@@ -237,16 +240,7 @@ class KubernetesBackend(FleetBackend):
                     reason)
         event = DeathEvent(fleet=self.fleet, slot=slot, incarnation=incarnation, url=url, cause=cause,
                            reason=reason, at=time.time(), monotonic=asyncio.get_running_loop().time())
-        for listener in list(self._listeners):
-            try:
-                result = listener(event)
-            except Exception:  # noqa: BLE001 - one bad listener must not block the others
-                log.exception("death listener failed for slot %d", slot)
-                continue
-            if asyncio.iscoroutine(result) or isinstance(result, asyncio.Future):
-                task = asyncio.ensure_future(result)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+        self._deaths.emit(event)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -268,13 +262,7 @@ class KubernetesBackend(FleetBackend):
         return fleet_failure(self.fleet, self._status)
 
     def subscribe(self, listener: DeathListener) -> Callable[[], None]:
-        self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with contextlib.suppress(ValueError):
-                self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._deaths.subscribe(listener)
 
     async def mark_dead(self, slot: int, reason: str, *, cause: DeathCause = DeathCause.REQUESTED,
                         incarnation: int | None = None) -> bool:
@@ -327,10 +315,7 @@ class KubernetesBackend(FleetBackend):
         for e in alive:  # the caller loads its weights on these (bring-up or sync)
             self._loaded[e.slot] = e.incarnation
         if len(alive) < self.min_ready:
-            states = ", ".join(f"slot {e.slot}: {e.state.value}" + (f" ({e.last_failure})" if e.last_failure else "")
-                               for e in self.engines())
-            raise FleetNotReady(f"fleet {self.fleet}: {len(alive)} of {self.replicas} engines alive after "
-                                f"{bound:g} s, minReadyEngines={self.min_ready}; {states}")
+            raise fleet_not_ready(self, len(alive), bound)
         return alive
 
     def record_weight_version(self, slot: int, incarnation: int, version: str) -> None:

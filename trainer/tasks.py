@@ -12,12 +12,9 @@ character.
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 RewardFn = Callable[[str, str, str], float]
 DEFAULT_REWARD = "rlfleet.trainer.tasks:positional_match"
@@ -166,37 +163,6 @@ def _as_problem(item: object, task: str) -> Problem:
     if isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item):
         return Problem(*item)
     raise ValueError(f"task {task!r} produced {item!r}: expected a Problem, (prompt, answer) or a dict")
-
-
-# --- eval datasets --------------------------------------------------------------------------
-
-
-def write_eval_dataset(path: str | os.PathLike, problems: Iterable[Problem]) -> Path:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", encoding="utf-8") as f:
-        for p in problems:
-            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
-    return out
-
-
-def load_eval_dataset(path: str | os.PathLike) -> list[Problem]:
-    """Read a JSONL eval set; blank lines are skipped, anything else malformed is an error."""
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not JSON: {exc.msg}") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not isinstance(row.get("answer"), str):
-                raise ValueError(f'{path}:{number}: expected {{"prompt": str, "answer": str}}')
-            problems.append(Problem(prompt=row["prompt"], answer=row["answer"]))
-    if not problems:
-        raise ValueError(f"{path}: no problems")
-    return problems
 
 
 def eval_problems(spec: TaskSpec, count: int, seed: int = 1_000_003) -> list[Problem]:

@@ -12,11 +12,9 @@ from rlfleet.trainer.tasks import (
     ProblemStream,
     TaskSpec,
     exact_match,
-    load_eval_dataset,
     load_reward_fn,
     load_task,
     positional_match,
-    write_eval_dataset,
 )
 
 
@@ -92,22 +90,3 @@ def test_plugin_task_by_import_path(monkeypatch):
     task = load_task("user_task_module:arithmetic")
     assert list(task.problems(5)) == [Problem("5+0=", "5"), Problem("5+1=", "6"), Problem("5+2=", "7")]
     assert task.reward is exact_match
-
-
-def test_eval_dataset_round_trips(tmp_path):
-    problems = ProblemStream(TaskSpec("reverse"), 0).take(5)
-    path = write_eval_dataset(tmp_path / "eval.jsonl", problems)
-    assert load_eval_dataset(path) == problems
-
-
-@pytest.mark.parametrize("content, message", [
-    ('{"prompt": "a="}\n', "expected"),
-    ("not json\n", "not JSON"),
-    ("\n\n", "no problems"),
-    ('{"prompt": "a=", "answer": 3}\n', "expected"),
-])
-def test_malformed_eval_datasets_say_which_line(tmp_path, content, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "ab=", "answer": "ba"}\n' + content if "no problems" not in message else content)
-    with pytest.raises(ValueError, match=message):
-        load_eval_dataset(path)
