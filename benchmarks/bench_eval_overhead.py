@@ -49,8 +49,8 @@ def build_run(name: str, steps: int, interval: int, volume: Path, eval_on: bool)
 
 
 async def one_run(name: str, steps: int, interval: int, work: Path, eval_on: bool) -> dict:
-    from rlfleet.orchestrator.local_run import LocalRun, RunOptions
-    from rlfleet.orchestrator.progress import ProgressReporter
+    from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+    from rlfleet.orchestrator.run.progress import ProgressReporter
 
     run = build_run(name, steps, interval, work / name / "volume", eval_on)
     local = LocalRun(run, RunOptions(run_dir=work / name / "run", metrics_port=0,

@@ -12,7 +12,7 @@ Detection latency = time the prober reported an engine dead - time the fault too
 monotonic clock; both processes run on this machine).
 
 Probers:
-- rlfleet: rlfleet.orchestrator.monitor.HealthMonitor (concurrent probes, failure threshold, a refused
+- rlfleet: rlfleet.orchestrator.fleet.monitor.HealthMonitor (concurrent probes, failure threshold, a refused
   connection is a death at once) with its own probe client (one kept-alive connection per engine,
   reopened at once when it ends between probes, so a crash is refused within milliseconds);
 - rlfleet-aiohttp (opt-in): the same monitor probing through aiohttp, to price the client alone;
@@ -65,7 +65,7 @@ async def run_rlfleet(urls: list[str], settings: ProbeSettings, on_dead: OnDead)
 
 async def run_rlfleet_aiohttp(urls: list[str], settings: ProbeSettings, on_dead: OnDead) -> None:
     """The same monitor probing through aiohttp (EngineClient over one session), for comparison."""
-    from rlfleet.orchestrator.engine_client import EngineClient
+    from rlfleet.sglang.engine import EngineClient
 
     def probe_factory(session: aiohttp.ClientSession, timeout_s: float):
         clients: dict[str, EngineClient] = {}
@@ -81,7 +81,7 @@ async def run_rlfleet_aiohttp(urls: list[str], settings: ProbeSettings, on_dead:
 
 async def _run_monitor(urls: list[str], settings: ProbeSettings, on_dead: OnDead, *, probe_factory) -> None:
     from rlfleet.crds.specs import HealthSpec
-    from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
+    from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 
     spec = HealthSpec(interval_seconds=settings.interval_s, timeout_seconds=settings.timeout_s,
                       failure_threshold=settings.threshold)

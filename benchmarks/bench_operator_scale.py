@@ -27,8 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from rlfleet.devcluster import ControlPlane
-from rlfleet.ports import free_port
+from rlfleet.devcluster.control_plane import ControlPlane
+from rlfleet.util.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NS = "bench"
@@ -82,7 +82,7 @@ def converged(cp: ControlPlane, fleets: int, slots: int) -> int:
 
 def naive_resync_pass(cp: ControlPlane, fleets: int) -> tuple[float, int]:
     """A list-per-reconcile controller's resync: LIST each fleet's pods, PATCH its status. (seconds, requests)"""
-    from rlfleet.operator.kubeapi import KubeClient, PODS, Resource
+    from rlfleet.kube.client import KubeClient, PODS, Resource
     import asyncio
 
     async def run() -> tuple[float, int]:

@@ -23,7 +23,7 @@ def run_one(args: argparse.Namespace, *, lr: float, group_size: int, prompts: in
 
     from rlfleet.trainer import grpo
     from rlfleet.trainer.base import build_trainer
-    from rlfleet.trainer.local_rollout import SamplingSettings, greedy_scores, rollout_groups
+    from local_rollout import SamplingSettings, greedy_scores, rollout_groups
     from rlfleet.trainer.tasks import ProblemStream, TaskSpec, eval_problems, load_reward_fn
     from rlfleet.trainer.tiny import ensure_tiny_model
 

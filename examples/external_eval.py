@@ -26,10 +26,11 @@ from pathlib import Path
 import aiohttp
 
 from rlfleet.crds.specs import EngineSpec, RecoverySpec
-from rlfleet.orchestrator.checkpoint_eval import CheckpointEvalFn, EvalOutcome, EvalRequest, EvalSkip
-from rlfleet.orchestrator.engine_client import EngineClient, EngineTimeouts
-from rlfleet.orchestrator.errors import CallError, FleetFailed, FleetNotReady
-from rlfleet.orchestrator.eval_generate import evaluate_datasets
+from rlfleet.orchestrator.evaluation.api import CheckpointEvalFn, EvalOutcome, EvalRequest, EvalSkip
+from rlfleet.sglang.engine import EngineClient, EngineTimeouts
+from rlfleet.sglang.errors import CallError
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
+from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
 
 URL_ENV = "RLFLEET_EXTERNAL_EVAL_URL"
 
@@ -90,8 +91,8 @@ class ExternalSglangEval(CheckpointEvalFn):
     async def _server_url(self, first_checkpoint: str) -> str:
         if self.url:
             return self.url.rstrip("/")
-        from rlfleet.orchestrator.backend import EngineState
-        from rlfleet.orchestrator.local_backend import LocalBackend
+        from rlfleet.orchestrator.fleet.backend import EngineState
+        from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 
         if self._backend is None:
             if self.work_dir is None:

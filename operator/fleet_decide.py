@@ -25,37 +25,8 @@ from typing import Any
 
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.operator import builders as b
-from rlfleet.operator.conditions import clip, condition, find, iso, parse_time, reason_word
-
-# Waiting reasons that never resolve by waiting: the slot is dead.
-START_FAILURES = frozenset({"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
-                            "CreateContainerError", "ImageNotMapped", "RunContainerError"})
-FAILURE_MESSAGE_MAX = 4096
-
-
-@dataclass(frozen=True)
-class Failure:
-    reason: str
-    message: str
-    exit_code: int | None = None
-
-
-@dataclass(frozen=True)
-class PodView:
-    """What the decision needs of one engine pod."""
-
-    name: str
-    uid: str
-    slot: int | None
-    restarts: int
-    phase: str
-    ready: bool
-    terminating: bool
-    pod_ip: str | None
-    created: float | None
-    failure: Failure | None
-    weight_version: str | None
-
+from rlfleet.kube.conditions import clip, condition, find, iso, parse_time, reason_word
+from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, pod_failure, view_pod
 
 @dataclass(frozen=True)
 class Event:
@@ -73,59 +44,6 @@ class FleetPlan:
     requeue_after: float | None = None
 
 
-def _int(value, default: int = 0) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
-
-
-def pod_failure(pod: dict) -> Failure | None:
-    """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can)."""
-    meta, status = pod.get("metadata", {}), pod.get("status") or {}
-    ann = meta.get("annotations") or {}
-    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
-    terminated = next((s["state"]["terminated"] for s in statuses
-                       if (s.get("state") or {}).get("terminated") and s["state"]["terminated"].get("exitCode", 0) != 0),
-                      None)
-    if terminated is None and status.get("phase") in ("Failed", "Succeeded"):
-        terminated = next((s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")),
-                          {"exitCode": None, "message": status.get("message", "")})
-    if b.ANN_DEAD in ann:
-        code = terminated.get("exitCode") if terminated else None
-        message = ann.get(b.ANN_DEAD_MESSAGE, "")
-        if terminated and terminated.get("message"):
-            message = f"{message}\n{terminated['message']}".strip()
-        return Failure(reason_word(ann[b.ANN_DEAD], "MarkedDead"), message, code)
-    if terminated is not None:
-        code = terminated.get("exitCode")
-        reason = "Exited" if code == 0 else "Crashed"
-        return Failure(reason, terminated.get("message") or terminated.get("reason") or "", code)
-    if status.get("phase") in ("Failed", "Succeeded"):
-        return Failure("PodFailed", status.get("message") or status.get("reason") or "")
-    for s in statuses:
-        waiting = (s.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in START_FAILURES:
-            return Failure(waiting["reason"], waiting.get("message", ""))
-    return None
-
-
-def view_pod(pod: dict) -> PodView:
-    meta, status = pod["metadata"], pod.get("status") or {}
-    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
-    slot_label = labels.get(b.LABEL_SLOT, "")
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return PodView(
-        name=meta["name"], uid=meta.get("uid", ""),
-        slot=int(slot_label) if slot_label.isdigit() else None,
-        restarts=_int(ann.get(b.ANN_RESTARTS)),
-        phase=status.get("phase", "Pending"), ready=ready and status.get("phase") == "Running",
-        terminating=bool(meta.get("deletionTimestamp")),
-        pod_ip=status.get("podIP"), created=parse_time(meta.get("creationTimestamp")),
-        failure=pod_failure(pod), weight_version=ann.get(b.ANN_WEIGHT_VERSION),
-    )
-
-
 def backoff_s(spec: FleetSpec, restarts_done: int) -> float:
     r = spec.recovery
     return min(r.backoff_max_seconds, r.backoff_base_seconds * (2 ** restarts_done))
@@ -141,7 +59,7 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
     """One level-based reconcile of a fleet: new status, pods to create/delete, events, requeue time."""
     status = status or {}
     old_slots = {e["slot"]: e for e in status.get("engines") or [] if isinstance(e.get("slot"), int)}
-    total = _int(status.get("restarts"))
+    total = int_or(status.get("restarts"))
     plan = FleetPlan(status={})
     views = [view_pod(p) for p in pods]
     by_slot: dict[int, PodView] = {}
@@ -163,7 +81,7 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
         old = old_slots.get(slot, {})
         pod = by_slot.get(slot)
         state = old.get("state", "Pending") if old else "New"
-        restarts = max(_int(old.get("restarts")), pod.restarts if pod else 0)
+        restarts = max(int_or(old.get("restarts")), pod.restarts if pod else 0)
         last_failure = old.get("lastFailure")
         entry: dict = {"slot": slot, "pod": b.engine_pod_name(fleet_name, slot)}
 

@@ -23,9 +23,9 @@ import time
 import kopf
 from pydantic import ValidationError
 
-from rlfleet import metrics
+from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
-from rlfleet.operator.kubeapi import ApiError, KubeClient
+from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.operator.reconcile import (
     Settings,
     compact_pod,

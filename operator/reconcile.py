@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet import metrics
+from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import (
     Event,
@@ -22,7 +22,7 @@ from rlfleet.operator.fleet_decide import (
     decide_network_policy,
     decide_router_deployment,
 )
-from rlfleet.operator.kubeapi import (
+from rlfleet.kube.client import (
     DEPLOYMENTS,
     EVENTS,
     NETWORK_POLICIES,

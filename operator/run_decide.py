@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.operator import builders as b
-from rlfleet.operator.conditions import condition, find, iso, is_true, reason_word
+from rlfleet.kube.conditions import condition, find, iso, is_true, reason_word
 from rlfleet.operator.fleet_decide import Event
 
 TERMINAL = ("Succeeded", "Failed")

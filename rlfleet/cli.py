@@ -9,13 +9,13 @@ import rlfleet
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
-    "run": ("rlfleet.orchestrator.run_cli", "run a TrainingRun YAML on this machine (local processes)"),
+    "run": ("rlfleet.orchestrator.run.cli", "run a TrainingRun YAML on this machine (local processes)"),
     "validate": ("rlfleet.crds.validate_cli", "check TrainingRun/RolloutFleet/EvalFleet YAML files"),
-    "watchdog": ("rlfleet.orchestrator.watchdog_cli", "replay recorded rollout errors through the 503 watchdog"),
-    "dev-cluster": ("rlfleet.devcluster_cli", "start/stop a local Kubernetes control plane (no Docker)"),
+    "watchdog": ("rlfleet.orchestrator.guards.watchdog_cli", "replay recorded rollout errors through the 503 watchdog"),
+    "dev-cluster": ("rlfleet.devcluster.cli", "start/stop a local Kubernetes control plane (no Docker)"),
     "operator": ("rlfleet.operator.main", "run the Kubernetes operator"),
     "tiny-model": ("rlfleet.trainer.tiny", "write the tiny offline test model"),
-    "check-monitoring": ("rlfleet.monitoring_cli", "check dashboards and alert rules against the exported metrics"),
+    "check-monitoring": ("rlfleet.observability.cli", "check dashboards and alert rules against the exported metrics"),
 }
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from rlfleet.testing import LocalEngine, LocalProcesses, LocalRouter
-from rlfleet.tools import CACHE_DIR
+from helpers.engines import LocalEngine, LocalProcesses, LocalRouter
+from rlfleet.util.binaries import CACHE_DIR
 
 TESTS_DIR = Path(__file__).parent
 SESSION_LOOP_DIRS = (TESTS_DIR / "integration", TESTS_DIR / "e2e")
@@ -113,7 +113,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator["Control
 
     `control_plane.kubectl(...)`, `.kubeconfig` (admin), `.service_account_kubeconfig(ns, name)`.
     """
-    from rlfleet.devcluster import ControlPlane
+    from rlfleet.devcluster.control_plane import ControlPlane
 
     plane = ControlPlane(tmp_path_factory.mktemp("control-plane"))
     try:

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from rlfleet.trainer import grpo
 from rlfleet.trainer.hf_export import hf_state_for_save
-from rlfleet.trainer.snapshot_writer import ExportState, config_with_dtype, write_hf_snapshot
+from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
 
 BACKENDS = ("torch", "megatron")
 

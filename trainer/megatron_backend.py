@@ -84,7 +84,7 @@ def _init_single_rank(device: str, seed: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from rlfleet.ports import free_port
+    from rlfleet.util.ports import free_port
 
     if not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"

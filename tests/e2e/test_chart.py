@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from rlfleet.testing_cluster import CHART
-from rlfleet.tools import tool_path
+from helpers.cluster import CHART
+from rlfleet.util.binaries import tool_path
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from rlfleet.operator import builders as b
-from rlfleet.testing_cluster import (
+from helpers.cluster import (
     OPERATOR_SA,
     SYSTEM_NS,
     OperatorProcess,

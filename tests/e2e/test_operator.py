@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.testing_cluster import (
+from helpers.cluster import (
     CHART,
     OPERATOR_SA,
     SYSTEM_NS,
@@ -266,9 +266,9 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
     """The orchestrator's Kubernetes backend, with the trainer's own ServiceAccount (chart RBAC)."""
     import asyncio
 
-    from rlfleet.operator.kubeapi import KubeClient
-    from rlfleet.orchestrator.backend import DeathCause, EngineState
-    from rlfleet.orchestrator.k8s_backend import KubernetesBackend, router_url
+    from rlfleet.kube.client import KubeClient
+    from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
+    from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, router_url
 
     cp = control_plane
     await asyncio.to_thread(apply, cp, fleet_manifest("rf-k", tiny_model, replicas=1))

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.devcluster import ControlPlane
-from rlfleet.procs import pod_process_groups
-from rlfleet.testing_cluster import get_json, start_node_agent, stop_node_agent, wait_for
-from rlfleet.tools import tool_path
+from rlfleet.devcluster.control_plane import ControlPlane
+from rlfleet.util.procs import pod_process_groups
+from helpers.cluster import get_json, start_node_agent, stop_node_agent, wait_for
+from rlfleet.util.binaries import tool_path
 
 pytestmark = pytest.mark.cluster
 
@@ -122,7 +122,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-# Images containing "rlfleet" map `rlfleet` and `python` to this installation (operator/node_plan.py).
+# Images containing "rlfleet" map `rlfleet` and `python` to this installation (rlfleet/devcluster/node_agent/plan.py).
 DEV_PODS = """\
 apiVersion: v1
 kind: Pod
@@ -218,7 +218,7 @@ def test_dev_cluster_up_runs_pods_and_down_leaves_no_process(tmp_path: Path) -> 
 OWNER_SCRIPT = """
 import sys, time
 from pathlib import Path
-from rlfleet.devcluster import ControlPlane
+from rlfleet.devcluster.control_plane import ControlPlane
 plane = ControlPlane(Path(sys.argv[1])).start()
 print(" ".join(str(c.pid) for c in plane.components()), flush=True)
 time.sleep(600)

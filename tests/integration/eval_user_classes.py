@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from rlfleet.orchestrator.checkpoint_eval import CheckpointEvalFn, EvalSkip
+from rlfleet.orchestrator.evaluation.api import CheckpointEvalFn, EvalSkip
 
 
 def weight_score(checkpoint_dir: str) -> float:

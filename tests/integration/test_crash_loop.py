@@ -7,10 +7,10 @@ import asyncio
 import pytest
 
 from rlfleet.crds.specs import EngineSpec, RecoverySpec
-from rlfleet.orchestrator.backend import DeathCause, DeathEvent, EngineState
-from rlfleet.orchestrator.errors import FleetFailed
-from rlfleet.orchestrator.local_backend import LocalBackend
-from rlfleet.orchestrator.recovery import backoff_schedule
+from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState
+from rlfleet.orchestrator.fleet.errors import FleetFailed
+from rlfleet.orchestrator.fleet.local_backend import LocalBackend
+from rlfleet.policy.recovery import backoff_schedule
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
 

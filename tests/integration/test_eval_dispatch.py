@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.orchestrator.checkpoint_eval import load_checkpoint_eval_fn
-from rlfleet.orchestrator.eval_dispatcher import EvalDispatcher, SnapshotVolume, TrainerSnapshotExporter
-from rlfleet.orchestrator.eval_external import ExternalEvaluator
-from rlfleet.orchestrator.snapshot import validate_snapshot
+from rlfleet.orchestrator.evaluation.api import load_checkpoint_eval_fn
+from rlfleet.orchestrator.evaluation.dispatcher import EvalDispatcher, SnapshotVolume, TrainerSnapshotExporter
+from rlfleet.orchestrator.evaluation.postures.external import ExternalEvaluator
+from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 
@@ -118,7 +118,7 @@ async def test_a_crashing_evaluator_skips_crashed_retires_each_snapshot_and_keep
 
 
 async def test_a_missing_class_or_a_wrong_base_class_is_a_clear_error():
-    from rlfleet.orchestrator.checkpoint_eval import EvaluatorLoadError
+    from rlfleet.orchestrator.evaluation.api import EvaluatorLoadError
 
     with pytest.raises(EvaluatorLoadError, match="cannot import"):
         load_checkpoint_eval_fn("no_such_module:Eval")
@@ -135,7 +135,7 @@ async def test_a_missing_class_or_a_wrong_base_class_is_a_clear_error():
      "missing.jsonl"),
 ])
 def test_rlfleet_run_rejects_an_unusable_eval_spec_before_starting_any_engine(tmp_path, capsys, eval_yaml, message):
-    from rlfleet.orchestrator.run_cli import main
+    from rlfleet.orchestrator.run.cli import main
 
     manifest = (HERE.parents[1] / "examples" / "quickstart.yaml").read_text()
     head, _, _ = manifest.partition("  eval:\n")

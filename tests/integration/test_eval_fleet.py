@@ -25,9 +25,9 @@ from prometheus_client import REGISTRY
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec, EvalFleetTemplateSpec, EvalSpec
 from rlfleet.crds.loader import load_training_run
-from rlfleet.orchestrator.local_run import LocalRun, RunOptions
-from rlfleet.orchestrator.progress import ProgressReporter
-from rlfleet.tools import python_executable
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
+from rlfleet.util.binaries import python_executable
 
 pytestmark = pytest.mark.engines
 

@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec, EvalSpec, ExternalEvalSpec
 from rlfleet.crds.loader import load_training_run
-from rlfleet.orchestrator.local_run import LocalRun, RunOptions
-from rlfleet.orchestrator.progress import ProgressReporter
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
 
 pytestmark = pytest.mark.engines
 

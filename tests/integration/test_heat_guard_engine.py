@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from rlfleet.crds.specs import HeatGuardSpec
-from rlfleet.orchestrator.heat_guard import HeatAction, HeatGuardTask, post_engine_action
-from rlfleet.orchestrator.heat_sources import build_source
+from rlfleet.orchestrator.guards.heat_guard import HeatAction, HeatGuardTask, post_engine_action
+from rlfleet.orchestrator.guards.heat_sources import build_source
 
 pytestmark = pytest.mark.engines
 

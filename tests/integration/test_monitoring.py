@@ -15,16 +15,16 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from rlfleet import monitoring
+from rlfleet.observability import monitoring
 from rlfleet.crds.specs import HealthSpec, WatchdogSpec
-from rlfleet.orchestrator.engine_client import EngineClient
-from rlfleet.orchestrator.metrics_server import MetricsServer
-from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
-from rlfleet.orchestrator.rollout import RetryPolicy, RolloutClient, generate_all
-from rlfleet.orchestrator.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.ports import allocate_endpoint, free_port
-from rlfleet.procs import ManagedProcess
-from rlfleet.tools import tool_path
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.orchestrator.run.metrics_server import MetricsServer
+from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
+from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.util.ports import allocate_endpoint, free_port
+from rlfleet.util.procs import ManagedProcess
+from rlfleet.util.binaries import tool_path
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"

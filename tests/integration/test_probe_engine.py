@@ -7,11 +7,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.orchestrator.errors import ConnectionRefused
-from rlfleet.orchestrator.monitor import HealthMonitor, ProbeTarget
-from rlfleet.orchestrator.probe_client import HealthProbeClient
-from rlfleet.ports import allocate_endpoint
-from rlfleet.testing import LocalEngine
+from rlfleet.sglang.errors import ConnectionRefused
+from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
+from rlfleet.sglang.probe import HealthProbeClient
+from rlfleet.util.ports import allocate_endpoint
+from helpers.engines import LocalEngine
 
 pytestmark = pytest.mark.engines
 

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.crds.specs import WatchdogSpec
-from rlfleet.orchestrator.rollout import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
-from rlfleet.orchestrator.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.procs import tail_file
-from rlfleet.testing import StartupFailed, start_engine
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
+from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.util.procs import tail_file
+from helpers.engines import StartupFailed, start_engine
 
 pytestmark = pytest.mark.engines
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.orchestrator.health import hang_detection_bound
-from rlfleet.orchestrator.local_run import LocalRun, RunOptions
-from rlfleet.orchestrator.progress import ProgressReporter
+from rlfleet.orchestrator.fleet.health import hang_detection_bound
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
 
 pytestmark = pytest.mark.engines
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.orchestrator.local_run import LocalRun, RunOptions
-from rlfleet.orchestrator.progress import ProgressReporter
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
 
 pytestmark = pytest.mark.engines
 
@@ -92,8 +92,8 @@ def test_sigterm_stops_the_run_and_leaves_no_engine_router_or_scratch_volume(tmp
 
     import yaml
 
-    from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
-    from rlfleet.procs import groups_writing_under
+    from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
+    from rlfleet.util.procs import groups_writing_under
 
     manifest = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
     manifest["spec"]["trainer"]["steps"] = 1000  # still training when the signal comes

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rlfleet.testing import LocalEngine, perturbed_copy
+from helpers.engines import LocalEngine, perturbed_copy
 
 pytestmark = pytest.mark.engines
 

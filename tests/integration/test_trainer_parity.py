@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rlfleet.orchestrator.engine_client import EngineClient
-from rlfleet.orchestrator.snapshot import MANIFEST_NAME, MARKER_NAME, validate_snapshot
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.snapshot.format import MANIFEST_NAME, MARKER_NAME, validate_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import Trainer, build_trainer
 from rlfleet.trainer.tasks import ProblemStream, TaskSpec

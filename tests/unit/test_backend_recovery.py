@@ -11,9 +11,9 @@ import asyncio
 import pytest
 
 from rlfleet.crds.specs import RecoverySpec
-from rlfleet.orchestrator.backend import DeathCause, DeathEvent, EngineState, SlotFleetBackend, SlotRecord
-from rlfleet.orchestrator.errors import FleetFailed, FleetNotReady
-from rlfleet.orchestrator.recovery import backoff_schedule
+from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, SlotFleetBackend, SlotRecord
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
+from rlfleet.policy.recovery import backoff_schedule
 
 pytestmark = pytest.mark.looptime
 

@@ -3,7 +3,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlfleet.operator import builders as b
-from rlfleet.orchestrator.sglang_cmd import build_engine_launch
+from rlfleet.sglang.launch import build_engine_launch
 from rlfleet.crds.specs import EngineSpec
 
 

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rlfleet.orchestrator.engine_client import EngineClient
-from rlfleet.orchestrator.errors import (
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.sglang.errors import (
     CallTimeout,
     ClientErrorStatus,
     ConnectionClosed,
@@ -25,9 +25,9 @@ from rlfleet.orchestrator.errors import (
     ServiceUnavailable,
     classify_status,
 )
-from rlfleet.orchestrator.httpcall import call
-from rlfleet.orchestrator.membership import plan_membership
-from rlfleet.orchestrator.router_client import RouterWorker, parse_workers
+from rlfleet.sglang.http import call
+from rlfleet.orchestrator.fleet.membership import plan_membership
+from rlfleet.sglang.router import RouterWorker, parse_workers
 
 
 @pytest.fixture

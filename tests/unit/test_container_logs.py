@@ -1,8 +1,8 @@
 """The node agent's log endpoint rules: query parsing, tail selection, byte limits, follow steps, Node fields."""
 import pytest
 
-from rlfleet.operator import container_logs as cl
-from rlfleet.operator import node_plan as plan
+from rlfleet.devcluster.node_agent import container_logs as cl
+from rlfleet.devcluster.node_agent import plan
 
 
 def reader(data: bytes, reads: list[tuple[int, int]] | None = None):

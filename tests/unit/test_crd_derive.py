@@ -114,7 +114,7 @@ def test_bad_tiny_model_path():
 
 
 def test_engine_parallelism_reaches_the_sglang_command_line():
-    from rlfleet.orchestrator.sglang_cmd import build_engine_launch
+    from rlfleet.sglang.launch import build_engine_launch
 
     engine = EngineSpec(model_path="/m", tensor_parallel_size=2, expert_parallel_size=2, gpus_per_engine=2)
     args = list(build_engine_launch(engine, host="127.0.0.2").args)

@@ -1,7 +1,7 @@
-"""Every dashboard panel and alert rule queries series that rlfleet.metrics really exports.
+"""Every dashboard panel and alert rule queries series that rlfleet.observability.metrics really exports.
 
 The names come from the registry's collectors as prometheus_client exposes them (a Counter `x_total`,
-a Histogram's `x_bucket`/`x_sum`/`x_count`), so renaming a metric or a label in rlfleet/metrics.py
+a Histogram's `x_bucket`/`x_sum`/`x_count`), so renaming a metric or a label in rlfleet/observability/metrics.py
 without updating the dashboards and alerts fails here, naming the panel or alert.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet import metrics, monitoring, promql
+from rlfleet.observability import metrics, monitoring, promql
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "rlfleet"
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
@@ -36,7 +36,7 @@ def test_a_renamed_metric_or_label_is_caught():
     assert monitoring.problems(monitoring.grafana_to_promql(panel), EXPORTED) == []
     renamed = panel.replace("rlfleet_engine_probes_total", "rlfleet_engine_probe_total")
     assert monitoring.problems(monitoring.grafana_to_promql(renamed), EXPORTED) == [
-        "rlfleet_engine_probe_total is not exported by rlfleet.metrics"]
+        "rlfleet_engine_probe_total is not exported by rlfleet.observability.metrics"]
     relabelled = panel.replace("{fleet=", "{pool=")
     assert monitoring.problems(monitoring.grafana_to_promql(relabelled), EXPORTED) == [
         "rlfleet_engine_probes_total has no label pool (it has fleet, result)"]
@@ -113,7 +113,7 @@ def test_unreadable_expressions_raise(expr):
 
 
 def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tmp_path, capsys):
-    from rlfleet import monitoring_cli
+    from rlfleet.observability import cli as monitoring_cli
 
     board = json.loads((CHART / "dashboards" / "rlfleet-fleet.json").read_text())
     assert monitoring_cli.main([str(CHART / "dashboards" / "rlfleet-fleet.json")]) == 0
@@ -124,4 +124,4 @@ def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tm
     capsys.readouterr()
     assert monitoring_cli.main([str(edited)]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        "edited.json: Health probes [A]: rlfleet_probes_total is not exported by rlfleet.metrics"]
+        "edited.json: Health probes [A]: rlfleet_probes_total is not exported by rlfleet.observability.metrics"]

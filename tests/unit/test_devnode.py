@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.devcluster_cli import build_parser
-from rlfleet.devnode import node_agent_argv, node_is_ready, node_name_error
-from rlfleet.operator.node_agent import parse_args as parse_node_agent_args
+from rlfleet.devcluster.cli import build_parser
+from rlfleet.devcluster.node import node_agent_argv, node_is_ready, node_name_error
+from rlfleet.devcluster.node_agent.agent import parse_args as parse_node_agent_args
 
 
 def test_the_agent_accepts_its_command_line() -> None:
     argv = node_agent_argv(python="/py", kubeconfig=Path("/c/admin.kubeconfig"), node="local",
                            data_dir=Path("/c/node"), first_host=200)
-    assert argv[:4] == ["/py", "-P", "-m", "rlfleet.operator.node_agent"]
+    assert argv[:4] == ["/py", "-P", "-m", "rlfleet.devcluster.node_agent.agent"]
     args = parse_node_agent_args(argv[4:])
     assert (args.kubeconfig, args.node, args.data_dir) == ("/c/admin.kubeconfig", "local", "/c/node")
     assert args.schedule is True  # the local control plane has no scheduler

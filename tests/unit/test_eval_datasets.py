@@ -7,8 +7,8 @@ import pytest
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
-from rlfleet.orchestrator.eval_datasets import DatasetError, read_jsonl_problems, resolve_dataset
-from rlfleet.orchestrator.local_volume import default_local_volume, is_scratch_volume
+from rlfleet.orchestrator.evaluation.datasets import DatasetError, read_jsonl_problems, resolve_dataset
+from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
 from rlfleet.trainer.tasks import positional_match
 
 TRAINER = TrainerSpec(max_new_tokens=16, temperature=0.7, top_p=0.9)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.orchestrator.checkpoint_eval import EvalOutcome, EvalSkip
-from rlfleet.orchestrator.errors import SnapshotInvalid
-from rlfleet.orchestrator.eval_dispatcher import EvalDispatcher
-from rlfleet.orchestrator.eval_policy import DatasetScore
+from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalSkip
+from rlfleet.snapshot.format import SnapshotInvalid
+from rlfleet.orchestrator.evaluation.dispatcher import EvalDispatcher
+from rlfleet.orchestrator.evaluation.policy import DatasetScore
 
 pytestmark = pytest.mark.looptime
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.crds.status import LastEvalStatus
-from rlfleet.orchestrator.checkpoint_eval import EvalSkip
-from rlfleet.orchestrator.eval_policy import (
+from rlfleet.orchestrator.evaluation.api import EvalSkip
+from rlfleet.orchestrator.evaluation.policy import (
     Admission,
     DatasetScore,
     EvalPoint,
@@ -136,7 +136,7 @@ def test_eval_skip_reasons_are_short_words():
 def test_eval_metrics_are_exported_under_their_api_names():
     from prometheus_client import Counter, Gauge, Histogram
 
-    from rlfleet import metrics
+    from rlfleet.observability import metrics
 
     assert isinstance(metrics.EVAL_SKIPPED, Counter)
     names = {m.describe()[0].name for m in vars(metrics).values() if isinstance(m, (Counter, Gauge, Histogram))}

@@ -7,7 +7,7 @@ import pytest
 
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.operator import builders as b
-from rlfleet.operator.conditions import find, iso
+from rlfleet.kube.conditions import find, iso
 from rlfleet.operator.fleet_decide import backoff_s, decide_fleet_actions
 
 T0 = 1_700_000_000.0
@@ -231,5 +231,5 @@ def test_unstartable_container_is_dead_at_once():
 @pytest.mark.parametrize("text,word", [("probe_failed", "ProbeFailed"), ("probe timeout", "ProbeTimeout"),
                                        ("EngineCrashLoop", "EngineCrashLoop"), ("", "Unknown"), ("3x", "X")])
 def test_reasons_are_camel_case(text, word):
-    from rlfleet.operator.conditions import reason_word
+    from rlfleet.kube.conditions import reason_word
     assert reason_word(text) == word

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.orchestrator.health import (
+from rlfleet.orchestrator.fleet.health import (
     EngineHealth,
     HealthState,
     LoopStalls,

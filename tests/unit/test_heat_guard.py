@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.crds.specs import HeatGuardSpec
-from rlfleet.orchestrator.heat_guard import EngineHeat, HeatAction, HeatGuardTask, PauseLedger, check_heat_spec
-from rlfleet.orchestrator.heat_sources import (
+from rlfleet.orchestrator.guards.heat_guard import EngineHeat, HeatAction, HeatGuardTask, PauseLedger, check_heat_spec
+from rlfleet.orchestrator.guards.heat_sources import (
     FileSource,
     TemperatureReadError,
     parse_dcgm_metrics,

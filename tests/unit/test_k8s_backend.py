@@ -3,8 +3,8 @@ import asyncio
 
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.operator import builders as b
-from rlfleet.orchestrator.backend import DeathCause, EngineState
-from rlfleet.orchestrator.k8s_backend import KubernetesBackend, fleet_failure, slot_view
+from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
+from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, fleet_failure, slot_view
 
 
 def pod(slot, *, restarts=0, phase="Running", ready=True, exit_code=None, message="", annotations=None, uid=None):
@@ -93,7 +93,7 @@ async def test_wait_all_alive_is_bounded_and_says_why():
 async def test_orchestrator_may_not_write_the_operators_status_fields():
     import pytest
 
-    from rlfleet.orchestrator.k8s_backend import report_run_progress
+    from rlfleet.orchestrator.fleet.k8s_backend import report_run_progress
 
     with pytest.raises(ValueError, match="phase"):
         await report_run_progress(None, "ns", "r", step=3, phase="Succeeded")
@@ -121,7 +121,7 @@ async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_on
 
 
 def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_when_it_goes():
-    from rlfleet.orchestrator.k8s_backend import pick_router_url
+    from rlfleet.orchestrator.fleet.k8s_backend import pick_router_url
 
     def router(ip, *, ready=True, deleting=False):
         meta = {"name": f"r-{ip}", "uid": ip, "labels": b.router_labels("f")}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from rlfleet import metrics
+from rlfleet.observability import metrics
 
 
 def defined_metrics():
@@ -12,7 +12,7 @@ def defined_metrics():
 
 def test_names_follow_the_rules():
     found = defined_metrics()
-    assert found, "rlfleet.metrics defines no metric"
+    assert found, "rlfleet.observability.metrics defines no metric"
     for attribute, metric in found.items():
         name = metric._name  # noqa: SLF001 - prometheus_client keeps the base name here
         assert name.startswith("rlfleet_"), attribute

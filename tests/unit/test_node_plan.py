@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.operator import node_plan as plan
+from rlfleet.devcluster.node_agent import plan
 
 PY = "/opt/py/bin/python"
 

@@ -13,7 +13,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from rlfleet.orchestrator.errors import (
+from rlfleet.sglang.errors import (
     BadResponse,
     CallTimeout,
     ClientErrorStatus,
@@ -22,7 +22,7 @@ from rlfleet.orchestrator.errors import (
     ServerErrorStatus,
     ServiceUnavailable,
 )
-from rlfleet.orchestrator.probe_client import HealthProbeClient, IncompleteAnswer, ResponseParser
+from rlfleet.sglang.probe import HealthProbeClient, IncompleteAnswer, ResponseParser
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nserver: uvicorn\r\n\r\n"
 
@@ -380,7 +380,7 @@ async def test_without_a_watcher_idle_connections_are_not_reopened(raw_server, c
 
 async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refused(raw_server):
     from rlfleet.crds.specs import HealthSpec
-    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
+    from rlfleet.orchestrator.fleet.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
 
     server, url = await raw_server(lambda n: OK)
     held_server, other = await raw_server(lambda n: OK)
@@ -410,7 +410,7 @@ async def test_the_monitor_marks_an_engine_dead_when_its_idle_connection_is_refu
 
 async def test_a_death_the_backend_reports_first_is_not_reported_again(raw_server):
     from rlfleet.crds.specs import HealthSpec
-    from rlfleet.orchestrator.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
+    from rlfleet.orchestrator.fleet.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
 
     server, url = await raw_server(lambda n: OK)
     deaths: list[str] = []

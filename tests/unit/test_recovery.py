@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.crds.specs import RecoverySpec
-from rlfleet.orchestrator.recovery import (
+from rlfleet.policy.recovery import (
     SlotView,
     backoff_delay,
     backoff_schedule,

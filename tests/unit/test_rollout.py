@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rlfleet.orchestrator.errors import CallError, FailureKind, error_for
-from rlfleet.orchestrator.rollout import (
+from rlfleet.sglang.errors import CallError, FailureKind, error_for
+from rlfleet.orchestrator.rollout.client import (
     DuplicateDelivery,
     GiveUp,
     Retry,

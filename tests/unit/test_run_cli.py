@@ -1,7 +1,7 @@
 """`rlfleet run` refuses incomplete command lines before it touches anything."""
 import pytest
 
-from rlfleet.orchestrator.run_cli import main
+from rlfleet.orchestrator.run.cli import main
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from rlfleet.orchestrator.errors import SnapshotInvalid
-from rlfleet.orchestrator.snapshot import (
+from rlfleet.snapshot.format import SnapshotInvalid
+from rlfleet.snapshot.format import (
     MANIFEST_NAME,
     MARKER_NAME,
     SnapshotReference,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlfleet.orchestrator.snapshot import MANIFEST_NAME, MARKER_NAME, validate_snapshot
+from rlfleet.snapshot.format import MANIFEST_NAME, MARKER_NAME, validate_snapshot
 from rlfleet.trainer.base import TrainerOptions, build_trainer
-from rlfleet.trainer.snapshot_writer import (
+from rlfleet.snapshot.writer import (
     WEIGHTS_INDEX_NAME,
     ExportState,
     config_with_dtype,

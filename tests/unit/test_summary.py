@@ -1,4 +1,4 @@
-from rlfleet.orchestrator.summary import RunSummary, StepRecord, reward_means_first_last
+from rlfleet.orchestrator.run.summary import RunSummary, StepRecord, reward_means_first_last
 
 
 def test_first_and_last_ten_percent():

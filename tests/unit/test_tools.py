@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet import tools
-from rlfleet.devcluster import ControlPlane
-from rlfleet.tools import MissingTool, tool_path
+from rlfleet.util import binaries as tools
+from rlfleet.devcluster.control_plane import ControlPlane
+from rlfleet.util.binaries import MissingTool, tool_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

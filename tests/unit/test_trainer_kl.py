@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlfleet.trainer import grpo
-from rlfleet.testing import on_policy_batch
+from helpers.engines import on_policy_batch
 from rlfleet.trainer.base import build_trainer
 
 PROMPT = list(b"abc=")

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from rlfleet.crds.specs import WatchdogSpec
-from rlfleet.orchestrator.watchdog import RolloutEnginesUnavailable, WatchdogRule, WatchdogTask
+from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogRule, WatchdogTask
 
 SPEC = WatchdogSpec()  # window 60, every 30 s, limit 100, 10 checks
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.crds.specs import WatchdogSpec
-from rlfleet.orchestrator.watchdog_replay import TraceError, parse_trace, replay, replay_offset
+from rlfleet.orchestrator.guards.watchdog_replay import TraceError, parse_trace, replay, replay_offset
 
 REPO = Path(__file__).resolve().parents[2]
 TRACES = REPO / "benchmarks" / "traces"

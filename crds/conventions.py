@@ -1,0 +1,86 @@
+"""The contract between the operator, the orchestrator and the node: names, labels, annotations.
+
+Labels and annotations are API:
+
+- engine pods carry `rlfleet.io/fleet`, `rlfleet.io/slot`, `app.kubernetes.io/component=engine`;
+- `rlfleet.io/restarts` on an engine pod: the recreation number of the slot this pod embodies;
+- `rlfleet.io/dead` (reason) and `rlfleet.io/dead-message` on an engine pod: set by the
+  orchestrator to mark the slot dead; the operator then recreates it within the budget;
+- `rlfleet.io/weight-version` on an engine pod: the version the orchestrator read back from it;
+- `rlfleet.io/model-path` and `rlfleet.io/weight-version` on a fleet: the snapshot a replacement
+  engine starts from (set by the orchestrator after each weight sync; unset: the spec's model);
+- `rlfleet.io/failed-reason` and `rlfleet.io/failed-message` on a TrainingRun: the orchestrator
+  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition;
+- `rlfleet.io/client: "true"` on a pod: it may call the engines of the fleets in its namespace that
+  belong to no run (a run's engines admit only its router and trainer pods).
+"""
+from __future__ import annotations
+
+from rlfleet.crds import API_VERSION, GROUP, VERSION
+
+__all__ = ["API_VERSION", "GROUP", "VERSION"]
+
+PLURALS = {"TrainingRun": "trainingruns", "RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
+
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_FLEET = f"{GROUP}/fleet"
+LABEL_SLOT = f"{GROUP}/slot"
+LABEL_RUN = f"{GROUP}/run"
+LABEL_CLIENT = f"{GROUP}/client"
+
+ANN_RESTARTS = f"{GROUP}/restarts"
+ANN_DEAD = f"{GROUP}/dead"
+ANN_DEAD_MESSAGE = f"{GROUP}/dead-message"
+ANN_WEIGHT_VERSION = f"{GROUP}/weight-version"
+ANN_MODEL_PATH = f"{GROUP}/model-path"
+ANN_FAILED_REASON = f"{GROUP}/failed-reason"
+ANN_FAILED_MESSAGE = f"{GROUP}/failed-message"
+
+MANAGER = "rlfleet-operator"
+ROUTER_METRICS_PORT = 29000
+ENGINE_CONTAINER = "engine"
+TRAINER_SERVICE_ACCOUNT = "rlfleet-trainer"
+DEFAULT_RLFLEET_IMAGE = "rlfleet/rlfleet:0.1.0"
+SNAPSHOT_VOLUME = "snapshots"
+
+def engine_pod_name(fleet_name: str, slot: int) -> str:
+    return f"{fleet_name}-engine-{slot}"
+
+
+def router_name(fleet_name: str) -> str:
+    return f"{fleet_name}-router"
+
+
+def rollout_fleet_name(run_name: str) -> str:
+    return f"{run_name}-rollout"
+
+
+def eval_fleet_name(run_name: str) -> str:
+    return f"{run_name}-eval"
+
+
+def trainer_pod_name(run_name: str) -> str:
+    return f"{run_name}-trainer"
+
+
+def engine_labels(fleet_name: str, slot: int | None = None) -> dict[str, str]:
+    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "engine", LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet_name}
+    if slot is not None:
+        labels[LABEL_SLOT] = str(slot)
+    return labels
+
+
+def engine_selector(fleet_name: str) -> str:
+    """Label selector of a fleet's engine pods (also the scale subresource's selector)."""
+    return f"{LABEL_COMPONENT}=engine,{LABEL_FLEET}={fleet_name}"
+
+
+def network_policy_name(fleet_name: str) -> str:
+    return f"{fleet_name}-engines"
+
+
+def router_labels(fleet_name: str) -> dict[str, str]:
+    return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "router", LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet_name}

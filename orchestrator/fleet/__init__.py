@@ -1,0 +1,1 @@
+"""A fleet of engines: backends (local, Kubernetes), health, recovery, router membership, weight sync."""

@@ -1,0 +1,413 @@
+"""The Kubernetes fleet backend: the orchestrator's view of a RolloutFleet/EvalFleet run by the operator.
+
+Same interface as the local backend (`FleetBackend`); the difference is who acts:
+
+- the engines are the fleet's pods `<fleet>-engine-<slot>`, created and recreated by the operator,
+  within the fleet's restart budget and backoff (this backend never creates or deletes a pod);
+- `mark_dead` annotates the slot's pod with `rlfleet.io/dead` (the cause) and
+  `rlfleet.io/dead-message` (the reason); the slot is dead for the orchestrator at once, and the
+  operator recreates it;
+- the backend watches the fleet's pods, so a terminated container is marked dead (and listeners hear
+  of it) the moment the node reports it, without waiting for health probes;
+- an incarnation is one pod: its number is the pod's `rlfleet.io/restarts` annotation + 1;
+- `wait_all_alive` waits until every slot that is not given up has a Ready pod (its readiness probe
+  passed), bounded; the weight sync then pins the current weights on it;
+- the fleet's `Failed` condition (set by the operator on a crash loop) becomes `FleetFailed` with the
+  operator's message, which quotes the engine's last log lines;
+- `record_weight_version` also writes `rlfleet.io/weight-version` on the pod, so the fleet status shows
+  every engine's version.
+
+`stop()` stops watching; the engines belong to the fleet (scale it to zero, or delete the run).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.specs import RecoverySpec
+from rlfleet.crds import conventions
+from rlfleet.kube.conditions import find
+from rlfleet.kube.pods import pod_failure, view_pod
+from rlfleet.kube.client import PODS, ApiError, KubeClient, Resource, list_and_watch
+from rlfleet.orchestrator.fleet.backend import (
+    DeathCause,
+    DeathEvent,
+    DeathListener,
+    DeathListeners,
+    EngineSlot,
+    EngineState,
+    FleetBackend,
+    fleet_not_ready,
+)
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
+
+log = logging.getLogger(__name__)
+
+PLURALS = {"RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
+WATCH_READY_TIMEOUT_S = 30.0
+
+
+def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, marked_dead: int | None,
+              weight_version: str | None) -> EngineSlot:
+    """One slot as the orchestrator sees it, from its pod and the operator's status entry. Pure."""
+    entry = entry or {}
+    failure = (entry.get("lastFailure") or {})
+    last_failure = f"{failure.get('reason')}: {failure.get('message', '')}".strip() if failure else None
+    if pod is None:
+        restarts = int(entry.get("restarts") or 0)
+        state = EngineState.FAILED if entry.get("state") == "Failed" else EngineState.DEAD
+        return EngineSlot(slot=slot, url=None, state=state, incarnation=restarts, restarts=restarts,
+                          last_failure=last_failure, exit_code=failure.get("exitCode"))
+    view = view_pod(pod)
+    incarnation = view.restarts + 1
+    if entry.get("state") == "Failed":
+        state = EngineState.FAILED
+    elif marked_dead == incarnation or view.terminating or view.failure is not None:
+        state = EngineState.DEAD
+    elif view.ready:
+        state = EngineState.ALIVE
+    else:
+        state = EngineState.STARTING
+    url = f"http://{view.pod_ip}:{port}" if view.pod_ip else None
+    exit_code = view.failure.exit_code if view.failure else failure.get("exitCode")
+    return EngineSlot(slot=slot, url=url, state=state, incarnation=incarnation, restarts=view.restarts,
+                      weight_version=weight_version or view.weight_version, last_failure=last_failure,
+                      exit_code=exit_code, pod=view.name)
+
+
+def recreated_since(engine: EngineSlot, loaded_incarnation: int | None) -> bool:
+    """A slot the operator is recreating, or recreated after `loaded_incarnation` was handed out. Pure.
+
+    A first pod still starting (no restart yet, nothing handed out) is the fleet's start, not a recovery.
+    """
+    if engine.state is EngineState.DEAD:
+        return True
+    if engine.state in (EngineState.STARTING, EngineState.ALIVE):
+        if loaded_incarnation is None:
+            return engine.restarts > 0
+        return engine.incarnation != loaded_incarnation
+    return False
+
+
+def fleet_failure(fleet_name: str, status: dict | None) -> FleetFailed | None:
+    """The operator's Failed condition as the orchestrator's FleetFailed (None while not failed)."""
+    cond = find((status or {}).get("conditions"), "Failed")
+    if not cond or cond.get("status") != "True":
+        return None
+    failed = [e for e in (status or {}).get("engines", []) if e.get("state") == "Failed"]
+    last = (failed[-1].get("lastFailure") or {}) if failed else {}
+    message = cond.get("message", "")
+    return FleetFailed(f"fleet {fleet_name}: {message}", reason=cond.get("reason", "EngineCrashLoop"),
+                       slot=failed[-1]["slot"] if failed else None, exit_code=last.get("exitCode"),
+                       log_tail=(last.get("message") or "").splitlines()[-30:])
+
+
+class KubernetesBackend(FleetBackend):
+    """A fleet whose engines are pods managed by the rlfleet operator."""
+
+    def __init__(self, kube: KubeClient, *, namespace: str, fleet: str, replicas: int, min_ready: int,
+                 recovery: RecoverySpec, port: int = 30000, kind: str = "RolloutFleet"):
+        self.kube = kube
+        self.namespace = namespace
+        self.fleet = fleet
+        self.kind = kind
+        self.replicas = replicas
+        self.min_ready = min_ready
+        self.recovery = recovery
+        self.port = port
+        self._fleet_res = Resource(conventions.GROUP, "v1alpha1", PLURALS[kind])
+        self._pods: dict[int, dict] = {}
+        self._status: dict = {}
+        self._marked: dict[int, int] = {}  # slot -> incarnation marked dead here
+        self._reported: set[tuple[int, int]] = set()  # (slot, incarnation) deaths already emitted
+        self._seen_ready: set[tuple[int, int]] = set()
+        self._versions: dict[tuple[int, int], str] = {}
+        self._loaded: dict[int, int] = {}  # slot -> incarnation a wait_all_alive handed out (weights loaded next)
+        self._deaths = DeathListeners()
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+        self._pods_listed = asyncio.Event()
+        self._fleet_listed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, kube: KubeClient, *, namespace: str, fleet: str, kind: str = "RolloutFleet"
+                      ) -> KubernetesBackend:
+        """A backend for an existing fleet, its settings read from the fleet object."""
+        obj = await kube.get(Resource(conventions.GROUP, "v1alpha1", PLURALS[kind]), fleet, namespace)
+        spec = FleetSpec.model_validate(obj["spec"])
+        return cls(kube, namespace=namespace, fleet=fleet, kind=kind, replicas=spec.replicas,
+                   min_ready=spec.min_ready_engines, recovery=spec.recovery, port=spec.engine.port)
+
+    # Watches ---------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._tasks:
+            return
+        self._tasks = [
+            asyncio.create_task(list_and_watch(self.kube, PODS, self._on_pods_listed, self._on_pod_event,
+                                               namespace=self.namespace,
+                                               label_selector=conventions.engine_selector(self.fleet),
+                                               on_error=lambda e: log.warning("engine pod watch: %s", e))),
+            asyncio.create_task(list_and_watch(self.kube, self._fleet_res, self._on_fleets_listed,
+                                               self._on_fleet_event, namespace=self.namespace,
+                                               field_selector=f"metadata.name={self.fleet}",
+                                               on_error=lambda e: log.warning("fleet watch: %s", e))),
+        ]
+        try:
+            async with asyncio.timeout(WATCH_READY_TIMEOUT_S):
+                await self._pods_listed.wait()
+                await self._fleet_listed.wait()
+        except TimeoutError:
+            await self.stop()
+            raise FleetNotReady(f"fleet {self.fleet}: could not list its pods within {WATCH_READY_TIMEOUT_S:g} s")
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._deaths.drain()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _slot_of(self, pod: dict) -> int | None:
+        view = view_pod(pod)
+        if view.slot is None or view.name != conventions.engine_pod_name(self.fleet, view.slot):
+            return None
+        return view.slot
+
+    async def _on_pods_listed(self, pods: list[dict]) -> None:
+        self._pods = {}
+        for pod in pods:
+            if (slot := self._slot_of(pod)) is not None:
+                self._pods[slot] = pod
+                self._observe(slot, pod)
+        self._pods_listed.set()
+        self._notify()
+
+    async def _on_pod_event(self, kind: str, pod: dict) -> None:
+        slot = self._slot_of(pod)
+        if slot is None:
+            return
+        current = self._pods.get(slot)
+        if kind == "DELETED":
+            if current and current["metadata"]["uid"] == pod["metadata"]["uid"]:
+                del self._pods[slot]
+                self._observe(slot, None, deleted=pod)
+        else:
+            self._pods[slot] = pod
+            self._observe(slot, pod)
+        self._notify()
+
+    async def _on_fleets_listed(self, fleets: list[dict]) -> None:
+        if fleets:
+            self._status = fleets[0].get("status") or {}
+        self._fleet_listed.set()
+        self._notify()
+
+    async def _on_fleet_event(self, kind: str, fleet: dict) -> None:
+        if kind != "DELETED":
+            self._status = fleet.get("status") or {}
+        self._notify()
+
+    def _observe(self, slot: int, pod: dict | None, deleted: dict | None = None) -> None:
+        """Emit a death the moment a pod's container terminates or the pod disappears."""
+        if pod is not None:
+            view = view_pod(pod)
+            inc = view.restarts + 1
+            if view.ready:
+                self._seen_ready.add((slot, inc))
+            failure = pod_failure(pod)
+            if failure is not None and conventions.ANN_DEAD not in ((pod["metadata"].get("annotations")) or {}):
+                cause = DeathCause.EXITED if (slot, inc) in self._seen_ready else DeathCause.STARTUP_FAILED
+                code = f" (exit code {failure.exit_code})" if failure.exit_code is not None else ""
+                last_line = (failure.message.strip().splitlines() or [""])[-1]
+                self._emit(slot, inc, view.pod_ip, cause, f"{failure.reason}{code}: {last_line}".strip())
+        elif deleted is not None:
+            view = view_pod(deleted)
+            self._emit(slot, view.restarts + 1, view.pod_ip, DeathCause.EXITED, f"pod {view.name} deleted")
+
+    def _emit(self, slot: int, incarnation: int, pod_ip: str | None, cause: DeathCause, reason: str) -> None:
+        if (slot, incarnation) in self._reported:
+            return
+        self._reported.add((slot, incarnation))
+        url = f"http://{pod_ip}:{self.port}" if pod_ip else None
+        from rlfleet.observability import metrics
+        metrics.ENGINES_MARKED_DEAD.labels(fleet=self.fleet, reason=cause.value).inc()
+        log.warning("fleet %s slot %d incarnation %d dead (%s): %s", self.fleet, slot, incarnation, cause.value,
+                    reason)
+        event = DeathEvent(fleet=self.fleet, slot=slot, incarnation=incarnation, url=url, cause=cause,
+                           reason=reason, at=time.time(), monotonic=asyncio.get_running_loop().time())
+        self._deaths.emit(event)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # FleetBackend ----------------------------------------------------------------------------------------
+    def engines(self) -> list[EngineSlot]:
+        entries = {e.get("slot"): e for e in self._status.get("engines", [])}
+        views = []
+        for slot in range(self.replicas):
+            pod = self._pods.get(slot)
+            inc = view_pod(pod).restarts + 1 if pod else None
+            views.append(slot_view(slot, pod, entries.get(slot), port=self.port, marked_dead=self._marked.get(slot),
+                                   weight_version=self._versions.get((slot, inc)) if inc else None))
+        return views
+
+    @property
+    def failure(self) -> FleetFailed | None:
+        return fleet_failure(self.fleet, self._status)
+
+    def subscribe(self, listener: DeathListener) -> Callable[[], None]:
+        return self._deaths.subscribe(listener)
+
+    async def mark_dead(self, slot: int, reason: str, *, cause: DeathCause = DeathCause.REQUESTED,
+                        incarnation: int | None = None) -> bool:
+        if not 0 <= slot < self.replicas:
+            raise KeyError(f"fleet {self.fleet} has no slot {slot}")
+        view = self.engines()[slot]
+        if incarnation is not None and incarnation != view.incarnation:
+            return False
+        if view.state not in (EngineState.STARTING, EngineState.ALIVE):
+            return False
+        self._marked[slot] = view.incarnation
+        pod = self._pods.get(slot)
+        self._emit(slot, view.incarnation, view_pod(pod).pod_ip if pod else None, cause, reason)
+        self._notify()
+        if pod is not None:
+            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value, conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
+            try:
+                await self.kube.merge_patch(PODS, pod["metadata"]["name"], patch, self.namespace)
+            except ApiError as e:
+                if not e.not_found:  # a pod already gone is being recreated anyway
+                    log.error("could not mark %s dead: %s", pod["metadata"]["name"], e)
+                    raise
+        return True
+
+    async def recover(self) -> list[int]:
+        """The operator recreates dead slots; this reports the slots being recreated or recreated since
+        the last wait (a new pod whose weights nobody has loaded yet), or raises the fleet's failure."""
+        if (failure := self.failure) is not None:
+            raise failure
+        return [e.slot for e in self.engines() if recreated_since(e, self._loaded.get(e.slot))]
+
+    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
+        bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound
+        while True:
+            if (failure := self.failure) is not None:
+                raise failure
+            engines = self.engines()
+            if all(e.state in (EngineState.ALIVE, EngineState.FAILED) for e in engines):
+                break
+            changed = self._changed
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+        alive = [e for e in self.engines() if e.state is EngineState.ALIVE]
+        for e in alive:  # the caller loads its weights on these (bring-up or sync)
+            self._loaded[e.slot] = e.incarnation
+        if len(alive) < self.min_ready:
+            raise fleet_not_ready(self, len(alive), bound)
+        return alive
+
+    def record_weight_version(self, slot: int, incarnation: int, version: str) -> None:
+        self._versions[(slot, incarnation)] = version
+        pod = self._pods.get(slot)
+        if pod is None or view_pod(pod).restarts + 1 != incarnation:
+            return
+        patch = {"metadata": {"annotations": {conventions.ANN_WEIGHT_VERSION: version}}}
+        task = asyncio.ensure_future(self._patch_quietly(pod["metadata"]["name"], patch))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _patch_quietly(self, name: str, patch: dict) -> None:
+        try:
+            await self.kube.merge_patch(PODS, name, patch, self.namespace)
+        except ApiError as e:
+            log.warning("annotating %s: %s", name, e)
+
+
+async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, prefer: str | None = None
+                     ) -> str | None:
+    """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
+    `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap."""
+    pods = await kube.list(PODS, namespace, label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
+    return pick_router_url(pods.get("items", []), port, prefer=prefer)
+
+
+def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -> str | None:
+    """Pure part of `router_url`."""
+    ready = [f"http://{v.pod_ip}:{port}" for v in map(view_pod, pods) if v.ready and v.pod_ip and not v.terminating]
+    if prefer in ready:
+        return prefer
+    return ready[0] if ready else None
+
+
+TRAININGRUNS = Resource(conventions.GROUP, "v1alpha1", "trainingruns")
+# The TrainingRun status fields the orchestrator owns; the operator writes the others.
+ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval")
+
+
+async def report_run_progress(kube: KubeClient, namespace: str, run: str, **fields) -> None:
+    """Write the orchestrator's part of a TrainingRun's status (step, weightVersion, rewardMean, lastEval).
+
+    Keyword names are the status' camelCase names; anything else is refused so the two writers never
+    overwrite each other's fields.
+    """
+    unknown = set(fields) - set(ORCHESTRATOR_STATUS_KEYS)
+    if unknown:
+        raise ValueError(f"not orchestrator-owned status fields: {sorted(unknown)}")
+    await kube.merge_patch(TRAININGRUNS, run, {"status": fields}, namespace, sub="status")
+
+
+async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, message: str) -> None:
+    """Fail the run from the orchestrator (e.g. reason RolloutEnginesUnavailable, the engines' log lines).
+
+    Written as annotations (`rlfleet.io/failed-reason`, `rlfleet.io/failed-message`), never into the
+    status conditions the operator owns; the operator turns them into the run's Failed condition.
+    """
+    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason, conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
+    await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
+
+
+async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, model_path: str, weight_version: str,
+                             kind: str = "RolloutFleet") -> None:
+    """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
+    patch = {"metadata": {"annotations": {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}}}
+    await kube.merge_patch(Resource(conventions.GROUP, "v1alpha1", PLURALS[kind]), fleet, patch, namespace)
+
+
+FLEET_POLL_S = 2.0
+
+
+async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
+                       timeout: float) -> tuple[KubernetesBackend, str, dict]:
+    """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
+
+    Returns the backend (not started), the router URL and the fleet object. The trainer pod starts
+    beside the fleets it drives, so both may still be coming up.
+    """
+    res = Resource(conventions.GROUP, "v1alpha1", PLURALS[kind])
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    waiting_for = f"{kind} {fleet}"
+    while True:
+        obj = await kube.get_or_none(res, fleet, namespace)
+        if obj is not None:
+            port = FleetSpec.model_validate(obj["spec"]).router.port
+            waiting_for = f"a ready router pod of {kind} {fleet}"
+            if (url := await router_url(kube, namespace, fleet, port)) is not None:
+                backend = await KubernetesBackend.connect(kube, namespace=namespace, fleet=fleet, kind=kind)
+                return backend, url, obj
+        if loop.time() + FLEET_POLL_S > deadline:
+            raise FleetNotReady(f"no {waiting_for} in namespace {namespace} within {timeout:g} s")
+        await asyncio.sleep(FLEET_POLL_S)

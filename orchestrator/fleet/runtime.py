@@ -1,0 +1,152 @@
+"""FleetRuntime: one fleet's backend, health monitor, router membership and weight sync, wired.
+
+- The monitor probes the backend's alive engines and marks the dead through the backend; a refused
+  connection (nothing listens: the process is gone) is a death at once.
+- Every death (probe, process exit, failed load) reaches the membership at once, which removes the
+  engine from the router, and the monitor, which stops probing that incarnation.
+- Weight syncs pause the monitor, recover, load, read back and admit replacements.
+- The heat guard (optional) pauses hot engines; the monitor holds their probes meanwhile.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from rlfleet.crds.specs import HealthSpec, HeatGuardSpec, WeightSyncSpec
+from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend
+from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
+from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, post_engine_action
+from rlfleet.orchestrator.guards.heat_sources import build_source
+from rlfleet.orchestrator.fleet.membership import RouterMembership
+from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
+from rlfleet.sglang.router import RouterClient, normalize_url
+from rlfleet.snapshot.format import SnapshotReference
+from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
+
+log = logging.getLogger(__name__)
+
+
+class FleetRuntime:
+    def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
+                 reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
+                 timeouts: EngineTimeouts | None = None):
+        self.backend = backend
+        self.fleet = backend.fleet
+        self.health_spec = health
+        self.router_url = router_url
+        self.timeouts = timeouts or EngineTimeouts(health=health.timeout_seconds)
+        self._reference = reference
+        self._pause_mode = pause_mode
+        self._weight_sync_spec = weight_sync
+        self.session: aiohttp.ClientSession | None = None
+        self.monitor: HealthMonitor | None = None
+        self.membership: RouterMembership | None = None
+        self.weights: WeightSync | None = None
+        self.router: RouterClient | None = None
+        self._unsubscribe = None
+
+    def engine_client(self, url: str) -> EngineClient:
+        assert self.session is not None, "FleetRuntime not started"
+        return EngineClient(self.session, url, self.timeouts)
+
+    def _probe_targets(self) -> list[ProbeTarget]:
+        return [ProbeTarget(e.slot, e.incarnation, e.url) for e in self.backend.engines()
+                if e.state is EngineState.ALIVE and e.url]
+
+    async def _on_probe_dead(self, target: ProbeTarget, reason: str) -> None:
+        await self.backend.mark_dead(target.slot, reason, cause=DeathCause.PROBE_FAILED,
+                                     incarnation=target.incarnation)
+
+    async def _on_death(self, event: DeathEvent) -> None:
+        assert self.monitor is not None and self.membership is not None
+        self.monitor.forget(event.slot, event.incarnation)
+        await self.membership.on_death(event)
+
+    def _alive_urls(self) -> list[str]:
+        return [e.url for e in self.backend.engines() if e.state is EngineState.ALIVE and e.url]
+
+    async def start(self) -> None:
+        """Create the clients and loops; launch the engines (not yet in the router)."""
+        # No connection cap: a thousand engines are probed in the same round.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.router = RouterClient(self.session, self.router_url)
+        self.membership = RouterMembership(self.router, engine_client=self.engine_client,
+                                           alive_urls=self._alive_urls, fleet=self.fleet,
+                                           interval_s=self.health_spec.interval_seconds)
+        # Probes go through the monitor's own keep-alive client (GET /health_generate), not the session.
+        self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, on_dead=self._on_probe_dead,
+                                     fleet=self.fleet)
+        self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
+                                  engine_client=self.engine_client, monitor=self.monitor,
+                                  pause_mode=self._pause_mode, reference=self._reference)
+        self._unsubscribe = self.backend.subscribe(self._on_death)
+        await self.backend.start()
+        await self.monitor.start()
+        await self.membership.start()
+
+    def move_router(self, url: str) -> None:
+        """The fleet's router now answers at `url` (its pod was replaced): the membership's reconcile
+        registers every pinned engine there within one interval, and rollouts follow at once."""
+        self.router_url = url
+        if self.router is not None:
+            self.router.base_url = normalize_url(url)
+
+    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:
+        """Wait for the engines to serve their launch weights, then admit them to the router."""
+        assert self.membership is not None
+        alive = await self.backend.wait_all_alive(timeout)
+        admitted = []
+        for engine in alive:
+            if engine.url and not self.membership.is_member(engine.url):
+                await self.membership.admit(engine.url, version)
+                self.backend.record_weight_version(engine.slot, engine.incarnation, version)
+                admitted.append(engine.slot)
+        return admitted
+
+    async def sync_weights(self, snapshot_dir: str | Path, step: int) -> WeightSyncResult:
+        assert self.weights is not None
+        return await self.weights.sync(snapshot_dir, step)
+
+    def heat_slot(self, slot: int) -> str:
+        """The heat guard's name of a slot, as temperature files and metrics spell it: `<fleet>-<slot>`."""
+        return f"{self.fleet}-{slot}"
+
+    def heat_guard(self, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
+                   on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
+        """A heat guard for this fleet's alive engines (run it as a task; cancelling it resumes what it
+        paused). While it holds an engine paused, the monitor holds that engine's probes."""
+        assert self.session is not None and self.monitor is not None, "FleetRuntime not started"
+        slots = {self.heat_slot(slot): slot for slot in range(self.backend.replicas)}
+        # NVML: slot n is taken to run on GPUs n*gpusPerEngine.. (the first one is read).
+        source = build_source(spec.source, session=self.session,
+                              slot_by_gpu_index={slot * max(1, gpus_per_engine): name for name, slot in slots.items()})
+        if source is None:
+            raise ValueError("an enabled heat guard needs a temperature source other than none")
+        monitor = self.monitor
+
+        def engines() -> dict[str, str]:
+            return {self.heat_slot(e.slot): e.url for e in self.backend.engines()
+                    if e.state is EngineState.ALIVE and e.url}
+
+        return HeatGuardTask(spec, source, engines=engines, call_engine=functools.partial(post_engine_action, self.session),
+                             fleet=self.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
+                             on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)
+
+    async def stop(self) -> None:
+        try:
+            if self.monitor is not None:
+                await self.monitor.stop()
+            if self.membership is not None:
+                await self.membership.stop()
+            if self._unsubscribe is not None:
+                self._unsubscribe()
+        finally:
+            try:
+                await self.backend.stop()
+            finally:
+                if self.session is not None:
+                    await self.session.close()

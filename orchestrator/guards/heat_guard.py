@@ -1,0 +1,281 @@
+"""The heat guard (seed 002): pause generation on an engine whose GPU runs hot, resume when it cools.
+
+Per engine: at or above `pauseAtC` pause generation (`/pause_generation {"mode": "retract"}`, which
+keeps in-flight requests and makes new ones wait instead of failing); resume (`/continue_generation`)
+at or below `resumeAtC` once the pause has lasted `minPauseSeconds`, or after `maxPauseSeconds`
+whatever the temperature, so a GPU that never cools still makes progress between pauses.
+
+`EngineHeat` is the pure per-engine decision; `PauseLedger` remembers pause intervals so steps that
+overlapped one can be marked; `HeatGuardTask` reads a temperature source and applies decisions.
+Temperature sources live in heat_sources.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from rlfleet.observability import metrics
+from rlfleet.crds.specs import HeatGuardSpec
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.orchestrator.guards.heat_sources import TemperatureSource
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODE = "retract"  # keeps requests (abort would fail them; in_place leaves a stale cache)
+
+
+def check_heat_spec(spec: HeatGuardSpec) -> None:
+    """Reject settings that would make the guard flap or never resume."""
+    if spec.resume_at_c >= spec.pause_at_c:
+        raise ValueError(f"heat guard: resumeAtC ({spec.resume_at_c}) must be below pauseAtC ({spec.pause_at_c})")
+    if spec.min_pause_seconds > spec.max_pause_seconds:
+        raise ValueError(f"heat guard: minPauseSeconds ({spec.min_pause_seconds}) must not exceed "
+                         f"maxPauseSeconds ({spec.max_pause_seconds})")
+
+
+class HeatAction(enum.StrEnum):
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class HeatDecision:
+    action: HeatAction
+    reason: str  # hot | cooled | max_pause | shutdown
+
+
+class EngineHeat:
+    """One engine's pause state. `decide()` proposes; `applied()` commits once the engine obeyed."""
+
+    def __init__(self, spec: HeatGuardSpec):
+        self.spec = spec
+        self.paused_since: float | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self.paused_since is not None
+
+    def decide(self, temp_c: float | None, now: float) -> HeatDecision | None:
+        """What to do given the latest reading (None: no reading this round)."""
+        if self.paused_since is None:
+            if temp_c is not None and temp_c >= self.spec.pause_at_c:
+                return HeatDecision(HeatAction.PAUSE, "hot")
+            return None
+        held = now - self.paused_since
+        if held >= self.spec.max_pause_seconds:
+            return HeatDecision(HeatAction.RESUME, "max_pause")
+        if temp_c is not None and temp_c <= self.spec.resume_at_c and held >= self.spec.min_pause_seconds:
+            return HeatDecision(HeatAction.RESUME, "cooled")
+        return None
+
+    def applied(self, action: HeatAction, now: float) -> float:
+        """Commit an action the engine accepted; returns the pause length for a resume (else 0)."""
+        if action is HeatAction.PAUSE:
+            self.paused_since = now
+            return 0.0
+        held = now - self.paused_since if self.paused_since is not None else 0.0
+        self.paused_since = None
+        return held
+
+
+@dataclass
+class PauseInterval:
+    slot: str
+    start: float
+    end: float | None = None  # None while the pause lasts
+
+
+class PauseLedger:
+    """Pause intervals on one clock, so a step's [start, end] can be checked against them."""
+
+    def __init__(self, keep: int = 10_000):
+        self._intervals: deque[PauseInterval] = deque(maxlen=keep)
+        self._open: dict[str, PauseInterval] = {}
+
+    def start(self, slot: str, at: float) -> None:
+        if slot in self._open:
+            return
+        interval = PauseInterval(slot, at)
+        self._open[slot] = interval
+        self._intervals.append(interval)
+
+    def end(self, slot: str, at: float) -> None:
+        interval = self._open.pop(slot, None)
+        if interval is not None:
+            interval.end = at
+
+    def overlapping(self, start: float, end: float) -> set[str]:
+        """Slots that were paused at any moment of [start, end]."""
+        return {i.slot for i in self._intervals if i.start <= end and (i.end is None or i.end >= start)}
+
+    def intervals(self) -> list[PauseInterval]:
+        return list(self._intervals)
+
+
+@dataclass(frozen=True)
+class HeatEvent:
+    """One pause or resume, for the run's event log."""
+
+    at: float  # wall-clock epoch seconds
+    slot: str
+    action: HeatAction
+    reason: str
+    temp_c: float | None
+    paused_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepMark:
+    step: int
+    seconds: float
+    overlapped_pause: bool
+    paused_slots: tuple[str, ...] = field(default_factory=tuple)
+
+
+# Applies an action to one engine URL; raises on failure. The default posts to the engine.
+EngineCall = Callable[[str, HeatAction], Awaitable[None]]
+
+
+class HeatGuardTask:
+    """Polls the temperature source every `pollIntervalSeconds` and pauses/resumes engines.
+
+    `engines()` returns the current slot -> engine URL map (dead or replaced slots drop out).
+    `on_pause` / `on_resume` let the health monitor hold its probes of an engine the guard pauses (a
+    paused engine holds /health_generate, then answers 503): on_pause runs before the pause call (and
+    on_resume right after it if that call fails), on_resume after the engine accepted the resume.
+    Stopping the task (cancel) resumes every engine it holds paused, so no run stays paused.
+    """
+
+    def __init__(self, spec: HeatGuardSpec, source: TemperatureSource, *,
+                 engines: Callable[[], Mapping[str, str]], call_engine: EngineCall,
+                 fleet: str = "rollout", poll_interval_s: float | None = None,
+                 on_pause: Callable[[str], None] | None = None, on_resume: Callable[[str], None] | None = None,
+                 on_event: Callable[[HeatEvent], None] | None = None, keep_events: int = 10_000):
+        check_heat_spec(spec)
+        self.spec = spec
+        self.source = source
+        self.fleet = fleet
+        self.poll_interval_s = spec.poll_interval_seconds if poll_interval_s is None else poll_interval_s
+        self._engines = engines
+        self._call_engine = call_engine
+        self._on_pause = on_pause
+        self._on_resume = on_resume
+        self._on_event = on_event
+        self.states: dict[str, EngineHeat] = {}
+        self.ledger = PauseLedger()
+        self.events: deque[HeatEvent] = deque(maxlen=keep_events)
+        self._urls: dict[str, str] = {}
+
+    def paused_slots(self) -> set[str]:
+        return {slot for slot, state in self.states.items() if state.paused}
+
+    def mark_step(self, step: int, started: float, ended: float) -> StepMark:
+        """Mark a training step (times on the loop clock) that overlapped any pause."""
+        slots = tuple(sorted(self.ledger.overlapping(started, ended)))
+        if slots:
+            metrics.STEPS_OVERLAPPING_PAUSE.labels(fleet=self.fleet).inc()
+        return StepMark(step=step, seconds=ended - started, overlapped_pause=bool(slots), paused_slots=slots)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            next_poll = loop.time()
+            while True:
+                await self.poll_once()
+                next_poll += self.poll_interval_s
+                await asyncio.sleep(max(0.0, next_poll - loop.time()))
+        finally:
+            await asyncio.shield(self._resume_all())
+
+    async def poll_once(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            temps = await self.source.read()
+        except Exception as exc:  # noqa: BLE001 - a failed read is a round without readings
+            metrics.HEAT_GUARD_READ_ERRORS.labels(fleet=self.fleet, source=self.source.name).inc()
+            log.warning("heat guard: cannot read temperatures from %s: %s", self.source.name, exc)
+            temps = {}
+        engines = dict(self._engines())
+        self._forget_gone(set(engines), loop.time())
+        self._urls = engines
+        for slot, temp in temps.items():
+            if slot in engines:
+                metrics.GPU_TEMPERATURE.labels(fleet=self.fleet, slot=slot).set(temp)
+        await asyncio.gather(*(self._step_engine(slot, url, temps.get(slot), loop.time())
+                               for slot, url in engines.items()))
+
+    async def _step_engine(self, slot: str, url: str, temp: float | None, now: float) -> None:
+        state = self.states.setdefault(slot, EngineHeat(self.spec))
+        decision = state.decide(temp, now)
+        if decision is not None:
+            await self._apply(slot, url, state, decision, temp)
+
+    async def _apply(self, slot: str, url: str, state: EngineHeat, decision: HeatDecision,
+                     temp: float | None) -> bool:
+        pausing = decision.action is HeatAction.PAUSE
+        if pausing and self._on_pause:
+            # Before the engine stops generating: its health probes must not see the pause.
+            self._on_pause(slot)
+        try:
+            await self._call_engine(url, decision.action)
+        except Exception as exc:  # noqa: BLE001 - retried on the next poll
+            if pausing and self._on_resume:
+                self._on_resume(slot)  # not paused after all
+            metrics.HEAT_GUARD_ACTION_ERRORS.labels(fleet=self.fleet, slot=slot, action=decision.action.value).inc()
+            log.warning("heat guard: %s on %s (%s) failed: %s", decision.action.value, slot, url, exc)
+            return False
+        now = asyncio.get_running_loop().time()
+        held = state.applied(decision.action, now)
+        labels = {"fleet": self.fleet, "slot": slot}
+        if pausing:
+            self.ledger.start(slot, now)
+            metrics.HEAT_GUARD_PAUSES.labels(**labels).inc()
+            metrics.HEAT_GUARD_PAUSED.labels(**labels).set(1)
+        else:
+            self.ledger.end(slot, now)
+            metrics.HEAT_GUARD_PAUSE_DURATION.labels(**labels).observe(held)
+            metrics.HEAT_GUARD_PAUSED.labels(**labels).set(0)
+            if self._on_resume:
+                self._on_resume(slot)  # after the engine generates again
+        event = HeatEvent(at=time.time(), slot=slot, action=decision.action, reason=decision.reason,
+                          temp_c=temp, paused_seconds=held)
+        self.events.append(event)
+        log.warning("heat guard: %s %s (%s, %s C%s)", decision.action.value, slot, decision.reason,
+                    "?" if temp is None else f"{temp:.0f}",
+                    f", paused {held:.0f} s" if decision.action is HeatAction.RESUME else "")
+        if self._on_event:
+            self._on_event(event)
+        return True
+
+    def _forget_gone(self, current: set[str], now: float) -> None:
+        """A slot that left the fleet (dead, replaced) is no longer ours to resume."""
+        for slot in set(self.states) - current:
+            if self.states.pop(slot).paused:
+                self.ledger.end(slot, now)
+                metrics.HEAT_GUARD_PAUSED.labels(fleet=self.fleet, slot=slot).set(0)
+
+    async def _resume_all(self) -> None:
+        """Resume every engine still paused (on stop); bounded by the engine calls' own timeouts."""
+        paused = [(slot, state) for slot, state in self.states.items() if state.paused and slot in self._urls]
+        decision = HeatDecision(HeatAction.RESUME, "shutdown")
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(self._apply(slot, self._urls[slot], state, decision, None)
+                                   for slot, state in paused))
+
+
+async def post_engine_action(session: aiohttp.ClientSession, url: str, action: HeatAction, *,
+                             timeout_s: float = 10.0) -> None:
+    """The engine side of an action: /pause_generation {"mode": "retract"} or /continue_generation."""
+    client = EngineClient(session, url)
+    if action is HeatAction.PAUSE:
+        await client.pause_generation(PAUSE_MODE, timeout_s=timeout_s)
+    else:
+        await client.continue_generation(timeout_s=timeout_s)

@@ -1,0 +1,1 @@
+"""The rollout path: the classified-retry client and the producer that feeds the trainer."""

@@ -1,0 +1,155 @@
+"""The fully-async rollout producer: keeps the engines busy while the trainer steps.
+
+Groups of `samples_per_prompt` samples are generated concurrently through the router and queued
+with the weight version each sample was produced under. `pause()` stops new groups from starting
+and waits until the groups in flight have finished (nothing is aborted; their samples are kept), so
+evaluation on the shared engines and weight syncs see a quiet fleet when they need one.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
+from rlfleet.trainer.grpo import Sample, sample_from_generate
+
+log = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected answer) -> reward
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ProducerStats:
+    groups_started: int = 0
+    groups_done: int = 0
+    groups_failed: int = 0
+    samples: int = 0
+    generated_tokens: int = 0
+
+
+class RolloutProducer:
+    def __init__(self, client: RolloutClient, prompts: Iterator[tuple[str, str]], reward_fn: RewardFn,
+                 encode: Encode, *, samples_per_prompt: int, sampling: SamplingSettings,
+                 concurrency: int = 4, queue_groups: int = 16, run_id: str = "run"):
+        if samples_per_prompt < 1:
+            raise ValueError("samples_per_prompt must be >= 1")
+        self.client = client
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.encode = encode
+        self.samples_per_prompt = samples_per_prompt
+        self.sampling = sampling
+        self.concurrency = concurrency
+        self.queue: asyncio.Queue[list[Sample]] = asyncio.Queue(maxsize=queue_groups)
+        self.stats = ProducerStats()
+        self.run_id = run_id
+        self._group_ids = itertools.count()
+        self._running = asyncio.Event()
+        self._running.set()
+        self._in_flight = 0
+        self._idle = asyncio.Condition()
+        self._task: asyncio.Task | None = None
+        self.failures: list[RolloutRequestFailed] = []
+
+    # --- control -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="rollout-producer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def pause(self) -> None:
+        """Start no new group; return once every group in flight has finished and been queued."""
+        self._running.clear()
+        async with self._idle:
+            await self._idle.wait_for(lambda: self._in_flight == 0)
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def next_group(self) -> list[Sample]:
+        return await self.queue.get()
+
+    # --- work --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        async with asyncio.TaskGroup() as workers:
+            for i in range(self.concurrency):
+                workers.create_task(self._worker(), name=f"rollout-worker-{i}")
+
+    async def _worker(self) -> None:
+        while True:
+            await self._running.wait()
+            prompt, answer = next(self.prompts)
+            group_id = f"{self.run_id}-g{next(self._group_ids)}"
+            self._in_flight += 1
+            self.stats.groups_started += 1
+            try:
+                group = await self._generate_group(group_id, prompt, answer)
+            finally:
+                # In flight means "engines are working on it"; a finished group waiting for room in
+                # the queue does not hold up pause().
+                self._in_flight -= 1
+                async with self._idle:
+                    self._idle.notify_all()
+            if group is not None:
+                await self.queue.put(group)
+
+    async def _generate_group(self, group_id: str, prompt: str, answer: str) -> list[Sample] | None:
+        payload = {
+            "text": prompt,
+            "sampling_params": {
+                "max_new_tokens": self.sampling.max_new_tokens,
+                "temperature": self.sampling.temperature,
+                **({"stop_token_ids": list(self.sampling.stop_token_ids)} if self.sampling.stop_token_ids else {}),
+            },
+            "return_logprob": True,
+        }
+        prompt_ids = self.encode(prompt)
+        lost: BaseExceptionGroup | None = None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.client.generate(f"{group_id}-s{i}", payload))
+                         for i in range(self.samples_per_prompt)]
+        except* RolloutRequestFailed as failed:
+            lost = failed
+        if lost is not None:
+            # A group is normalised as a whole: a partial group is dropped (and counted).
+            self.failures.extend(lost.exceptions)  # type: ignore[arg-type]
+            self.stats.groups_failed += 1
+            log.warning("group %s lost: %s", group_id, lost.exceptions[0])
+            return None
+        samples = []
+        for task in tasks:
+            body = task.result()
+            reward = float(self.reward_fn(prompt, body.get("text", ""), answer))
+            samples.append(sample_from_generate(prompt_ids, body, group_id=group_id, reward=reward))
+            self.stats.generated_tokens += len(body.get("output_ids") or [])
+        self.stats.samples += len(samples)
+        self.stats.groups_done += 1
+        return samples
+
+
+def group_versions(group: Sequence[Sample]) -> set[str]:
+    return {s.weight_version for s in group}

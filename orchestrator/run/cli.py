@@ -1,0 +1,178 @@
+"""`rlfleet run FILE`: run a TrainingRun on this machine with local processes.
+
+`rlfleet run --kubernetes --namespace NS --training-run NAME` runs it inside the cluster instead: the
+operator's trainer pod runs this, driving the fleets the operator created (see orchestrator/run/kubernetes.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rlfleet.crds.loader import ManifestError, load_training_run, validate_object
+from rlfleet.orchestrator.run.progress import ProgressReporter
+from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
+from rlfleet.orchestrator.run.summary import RunSummary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlfleet run", description=__doc__.splitlines()[0])
+    p.add_argument("file", nargs="?", help="TrainingRun YAML (the same file `kubectl apply` takes)")
+    p.add_argument("--summary", type=Path, help="write the run summary (JSON) here")
+    p.add_argument("--run-dir", type=Path, help="logs and snapshots (default: runs/<name>-<time>)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port (default: the spec's metricsPort; 0: any free port)")
+    p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1; in a pod $POD_IP)")
+    p.add_argument("--steps", type=int, help="override spec.trainer.steps")
+    p.add_argument("--chaos", action="store_true", help="SIGKILL a random engine now and then, to watch recovery")
+    p.add_argument("--chaos-interval", type=float, default=20.0, help="mean seconds between chaos kills")
+    p.add_argument("-v", "--verbose", action="store_true")
+    k = p.add_argument_group("inside a cluster (the trainer pod)")
+    k.add_argument("--kubernetes", action="store_true",
+                   help="read the TrainingRun from the API server and drive the fleets the operator runs")
+    k.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE"), help="the run's namespace")
+    k.add_argument("--training-run", default=os.environ.get("RLFLEET_TRAINING_RUN"), help="the run's name")
+    k.add_argument("--kubeconfig", help="default: $KUBECONFIG, else the pod's service account")
+    k.add_argument("--snapshot-dir", type=Path, default=os.environ.get("RLFLEET_SNAPSHOT_DIR"),
+                   help="the run's shared snapshot volume (default: $RLFLEET_SNAPSHOT_DIR)")
+    return p
+
+
+def _usage_error(message: str) -> int:
+    print(f"rlfleet run: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.steps is not None and args.steps < 1:
+        return _usage_error("--steps must be >= 1")
+    if args.kubernetes:
+        if args.file:
+            return _usage_error("--kubernetes reads the TrainingRun from the API server; give no FILE")
+        missing = [flag for flag, value in (("--namespace", args.namespace), ("--training-run", args.training_run),
+                                            ("--snapshot-dir", args.snapshot_dir)) if not value]
+        if missing:
+            return _usage_error(f"--kubernetes needs {', '.join(missing)}")
+        return _finish(lambda: _run_in_cluster(args))
+    if not args.file:
+        return _usage_error("give a TrainingRun FILE (or --kubernetes inside a cluster)")
+    try:
+        run = load_training_run(args.file)
+    except ManifestError as exc:
+        print(f"rlfleet run: {args.file} is not a valid TrainingRun:\n{exc}", file=sys.stderr)
+        return 2
+    if args.steps is not None:
+        run.spec.trainer.steps = args.steps
+    from rlfleet.orchestrator.run.local import LocalRun
+
+    run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1", manifest_dir=Path(args.file).resolve().parent)
+    return _finish(lambda: LocalRun(run, options).execute())
+
+
+def _options(args, run_dir: Path, *, host: str, manifest_dir: Path | None, summary: Path | None = None) -> RunOptions:
+    return RunOptions(run_dir=run_dir, summary_path=args.summary or summary, chaos=args.chaos,
+                      chaos_interval_s=args.chaos_interval, metrics_host=host, metrics_port=args.metrics_port,
+                      progress=ProgressReporter(), manifest_dir=manifest_dir)
+
+
+async def _run_in_cluster(args) -> RunSummary:
+    """Read the run, execute it, and on failure write the reason on the run for the operator."""
+    from rlfleet.kube.client import ApiError, KubeClient
+    from rlfleet.orchestrator.fleet.k8s_backend import TRAININGRUNS, fail_run
+    from rlfleet.orchestrator.run.kubernetes import KubernetesRun
+
+    async with await KubeClient.load(args.kubeconfig) as kube:
+        try:
+            obj = await kube.get(TRAININGRUNS, args.training_run, args.namespace)
+        except ApiError as exc:
+            raise RunFailed("TrainingRunUnreadable", f"TrainingRun {args.namespace}/{args.training_run}: {exc}") from None
+        meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
+        run, errors = validate_object({"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
+                                       "spec": obj.get("spec")})
+        try:
+            if run is None:
+                raise RunFailed("InvalidSpec", "; ".join(str(e) for e in errors))
+            if args.steps is not None:
+                run.spec.trainer.steps = args.steps
+            name = run.metadata.name
+            run_dir = args.run_dir or Path(tempfile.gettempdir()) / "rlfleet" / name
+            options = _options(args, run_dir, host=args.metrics_host or os.environ.get("POD_IP") or "0.0.0.0",
+                               manifest_dir=None, summary=args.snapshot_dir / f"{name}-summary.json")
+            return await KubernetesRun(run, options, kube=kube, namespace=args.namespace,
+                                       snapshots=args.snapshot_dir).execute()
+        except RunFailed as exc:
+            try:
+                async with asyncio.timeout(30):
+                    await fail_run(kube, args.namespace, args.training_run, reason=exc.reason, message=exc.message)
+            except (ApiError, OSError, TimeoutError) as write_error:
+                print(f"rlfleet run: could not record the failure on the run: {write_error}", file=sys.stderr)
+            raise
+
+
+class Terminated(Exception):
+    """SIGTERM or SIGHUP arrived: the run was cancelled and cleaned up."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _until_signal(execute):
+    """Run `execute()`; the first SIGTERM/SIGHUP cancels it (engines, routers and scratch volumes are
+    cleaned up on the way out, as for Ctrl-C), later ones are ignored so cleanup is not cut short."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not received:
+            received.append(signum)
+            task.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await execute()
+    except asyncio.CancelledError:
+        if received:
+            raise Terminated(received[0]) from None
+        raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+
+def _finish(execute) -> int:
+    try:
+        summary = asyncio.run(_until_signal(execute))
+    except RunFailed as exc:
+        print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)
+        return 130
+    except Terminated as exc:
+        print(f"rlfleet run: stopped by {exc}; engines and router stopped", file=sys.stderr)
+        return 128 + exc.signum
+    data = summary.to_dict()
+    print(f"rlfleet run: {data['steps_completed']}/{data['steps_planned']} steps, reward "
+          f"{data['reward_mean_first']} -> {data['reward_mean_last']}, engines recreated "
+          f"{data['engines_recreated']}, {data['wall_seconds']:.0f} s", file=sys.stderr)
+    if data["eval"]:
+        scored = [p for p in data["eval"] if not p["skipped"]]
+        skipped = [f"{p['step']}:{p['skipped']}" for p in data["eval"] if p["skipped"]]
+        last = scored[-1] if scored else None
+        print(f"rlfleet run: eval {len(scored)}/{len(data['eval'])} points scored"
+              + (f", last @{last['step']} {last['scores']}" if last else "")
+              + (f", skipped {' '.join(skipped)}" if skipped else "")
+              + f", {data['eval_snapshots_left']} eval snapshot(s) left on the volume", file=sys.stderr)
+    return 0

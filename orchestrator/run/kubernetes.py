@@ -1,0 +1,141 @@
+"""`rlfleet run --kubernetes`: a TrainingRun's orchestrator and trainer, inside its trainer pod.
+
+The operator created the run's fleets, their routers and this pod; this drives them through the API
+server with the pod's own ServiceAccount (RBAC: the run's fleets, their pods, the run's status):
+
+- the rollout fleet is attached with the Kubernetes backend: a dead engine is marked on its pod
+  (`rlfleet.io/dead`) and the operator recreates it; the next weight sync waits for the replacement and
+  loads the current weights on it before it rejoins the router;
+- after each step's sync: `status.step`, `weightVersion`, `rewardMean` are written, and the fleet is
+  pinned to the new snapshot (`rlfleet.io/model-path`, `weight-version`) so replacements start from it;
+- eval posture fleet: the run's EvalFleet, pinned per point the same way; `status.lastEval` is written
+  after every settled point;
+- a failure (watchdog trip, fleet crash loop, ...) is written as `rlfleet.io/failed-reason` /
+  `failed-message` on the run, which the operator makes its Failed condition; exit status 0 means the
+  run Succeeded.
+
+Snapshots live on the run's shared claim, mounted at `$RLFLEET_SNAPSHOT_DIR` in this pod and in every
+engine pod, so paths written here are valid there.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.models import TrainingRun
+from rlfleet.crds import conventions
+from rlfleet.kube.client import ApiError, KubeClient
+from rlfleet.orchestrator.evaluation.policy import EvalPoint
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
+from rlfleet.orchestrator.run.loop import RunLoop, RunOptions
+
+log = logging.getLogger(__name__)
+
+
+class KubernetesRun(RunLoop):
+    def __init__(self, run: TrainingRun, options: RunOptions, *, kube: KubeClient, namespace: str, snapshots: Path):
+        super().__init__(run, options, snapshots=snapshots)
+        self.kube = kube
+        self.namespace = namespace
+        self.rollout_fleet = conventions.rollout_fleet_name(self.name)
+        self._status_writes: set[asyncio.Task] = set()
+        self._pending_retire: Path | None = None
+        self._eval_runtime: FleetRuntime | None = None
+        self._router_ports: dict[str, int] = {}
+
+    async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
+        spec = self.spec
+        self._phase("waiting for the rollout fleet")
+        backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
+                                               timeout=spec.rollout.health.startup_timeout_seconds)
+        self._router_ports[self.rollout_fleet] = FleetSpec.model_validate(obj["spec"]).router.port
+        self.progress.event(f"rollout fleet {self.rollout_fleet}: router {url}", self.state)
+        # Replacements start from the trainer's own copy of the launch weights from now on.
+        await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet,
+                                 model_path=str(self.current_snapshot), weight_version="0")
+        self._phase(f"waiting for {spec.rollout.replicas} engines")
+        self.backend = backend
+        self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
+                                  reference=self.current_snapshot)
+        stack.push_async_callback(self._flush_status_writes)
+        return url
+
+    def _eval_fleet_factory(self):
+        from rlfleet.orchestrator.evaluation.postures.fleet import EvalFleet
+
+        async def start(launch_model: Path):
+            name = conventions.eval_fleet_name(self.name)
+            backend, url, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
+                                                   timeout=self.spec.rollout.health.startup_timeout_seconds)
+            fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
+            self._router_ports[name] = fleet_spec.router.port
+            runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
+            await runtime.start()
+            self._eval_runtime = runtime
+            evaluator = EvalFleet(runtime, self.spec.eval,
+                                  wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
+            return evaluator, None
+
+        return start
+
+    def _background(self) -> list:
+        followed = [(self.fleet, self.rollout_fleet)]
+        if self._eval_runtime is not None:
+            followed.append((self._eval_runtime, conventions.eval_fleet_name(self.name)))
+        return [self._follow_router(runtime, fleet) for runtime, fleet in followed]
+
+    async def _follow_router(self, runtime: FleetRuntime, fleet: str) -> None:
+        """A replaced router pod has a new address: move the fleet's clients there (the Deployment
+        recreates the pod; the membership re-registers the engines)."""
+        interval = max(1.0, runtime.health_spec.interval_seconds)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                url = await router_url(self.kube, self.namespace, fleet, self._router_ports[fleet],
+                                       prefer=runtime.router_url)
+            except (ApiError, OSError, TimeoutError) as exc:
+                log.warning("looking up the router of %s: %s", fleet, exc)
+                continue
+            if url is not None and url != runtime.router_url:
+                self.progress.event(f"fleet {fleet}: router moved {runtime.router_url} -> {url}", self.state)
+                runtime.move_router(url)
+
+    async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
+        # Both are best effort: an API hiccup must not stop training. A stale pin only means a replacement
+        # starts from older weights, and the next sync loads the current ones before it serves.
+        try:
+            await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet, model_path=str(snapshot),
+                                     weight_version=str(step))
+        except (ApiError, OSError, TimeoutError) as exc:
+            log.warning("pinning %s to %s: %s", self.rollout_fleet, snapshot, exc)
+        await self._write_status(step=step, weightVersion=str(step), rewardMean=round(float(stats["reward_mean"]), 6))
+
+    def _retire_snapshot(self, path: Path | None) -> None:
+        # A replacement pod created just before the pin moved on may still be starting from the previous
+        # snapshot: keep it one step longer.
+        previous, self._pending_retire = self._pending_retire, path
+        super()._retire_snapshot(previous)
+
+    def _on_eval(self, point: EvalPoint) -> None:
+        super()._on_eval(point)
+        assert self.evaluation is not None
+        last = self.evaluation.last_eval_status()
+        if last is None:
+            return
+        fields = last.model_dump(by_alias=True, exclude_none=True, mode="json")
+        task = asyncio.get_running_loop().create_task(self._write_status(lastEval=fields))
+        self._status_writes.add(task)
+        task.add_done_callback(self._status_writes.discard)
+
+    async def _write_status(self, **fields) -> None:
+        try:
+            await report_run_progress(self.kube, self.namespace, self.name, **fields)
+        except (ApiError, OSError, TimeoutError) as exc:  # status is best effort; the run goes on
+            log.warning("writing status %s of %s: %s", sorted(fields), self.name, exc)
+
+    async def _flush_status_writes(self) -> None:
+        await asyncio.gather(*self._status_writes, return_exceptions=True)

@@ -1,0 +1,75 @@
+"""`rlfleet run FILE`: one TrainingRun on this machine, engines and routers as local processes.
+
+The training loop is `RunLoop`'s; this starts the router and the engines (one process group each, on
+its own 127.0.0.N), the eval fleet of posture fleet likewise, and, with `--chaos`, kills an engine now
+and then so recovery can be watched.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+from pathlib import Path
+
+from rlfleet.crds.derive import rollout_engine
+from rlfleet.crds.models import TrainingRun
+from rlfleet.orchestrator.fleet.backend import EngineState
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.fleet.local_backend import LocalBackend
+from rlfleet.orchestrator.fleet.local_router import LocalRouter
+from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
+from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
+
+__all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
+
+
+class LocalRun(RunLoop):
+    def __init__(self, run: TrainingRun, options: RunOptions):
+        local_path = run.spec.weight_sync.snapshot_volume.local_path
+        snapshots = Path(local_path or default_local_volume(options.run_dir))
+        # A volume chosen on tmpfs is scratch memory: removed when the run ends (set localPath to keep it).
+        super().__init__(run, options, snapshots=snapshots,
+                         scratch_volume=local_path is None and is_scratch_volume(snapshots))
+        self.backend: LocalBackend | None = None
+
+    async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
+        spec = self.spec
+        self._phase("starting the router")
+        router = LocalRouter(self.options.run_dir)
+        router_url = await router.start()
+        stack.push_async_callback(router.stop)
+
+        self._phase(f"starting {spec.rollout.replicas} engines")
+        engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
+        self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
+                                    run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
+                                    weight_version="0")
+        self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
+                                  weight_sync=spec.weight_sync, reference=self.current_snapshot)
+        return router_url
+
+    def _eval_fleet_factory(self):
+        from rlfleet.orchestrator.evaluation.postures.fleet import start_local_eval_fleet
+
+        async def start(launch_model: Path):
+            return await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
+                                                run_dir=self.options.run_dir, python=self.options.eval_engine_python)
+
+        return start
+
+    def _background(self) -> list:
+        return [self._chaos()] if self.options.chaos else []
+
+    async def _chaos(self) -> None:
+        rng = random.Random()
+        while True:
+            await asyncio.sleep(rng.uniform(0.5, 1.5) * self.options.chaos_interval_s)
+            alive = [e for e in self.backend.engines() if e.state is EngineState.ALIVE]
+            if not alive:
+                continue
+            victim = rng.choice(alive)
+            process = self.backend.process(victim.slot)
+            if process is not None:
+                self.progress.event(f"chaos: SIGKILL engine slot {victim.slot} ({victim.url})", self.state)
+                process.signal_group(signal.SIGKILL)

@@ -1,0 +1,414 @@
+"""The training loop of one TrainingRun, whichever platform runs its engines.
+
+`LocalRun` (orchestrator/run/local.py) runs the engines and routers as local processes;
+`KubernetesRun` (orchestrator/run/kubernetes.py) drives the fleets the operator runs as pods. Both run this
+loop, through the same models:
+
+    export step_0 -> fleet up (launch weights "0") -> admit engines after read-back
+    fully-async producer keeps the engines busy through the router
+    each step: take prompts_per_step fresh-enough groups -> train -> export step_N -> weight sync
+               (recover dead slots first, load, read back every engine's version, admit replacements)
+    the 503 watchdog, the health monitor and (spec.heatGuard.enabled) the heat guard run beside it;
+    steps that overlapped a heat pause are flagged in the summary; Ctrl-C stops everything cleanly.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from rlfleet.observability import metrics
+from rlfleet.crds.derive import parse_tiny_model
+from rlfleet.crds.models import TrainingRun
+from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
+from rlfleet.snapshot.format import SnapshotInvalid
+from rlfleet.orchestrator.evaluation.policy import EvalPoint
+from rlfleet.orchestrator.evaluation.run import EvalSetupError, RunEvaluation
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask
+from rlfleet.orchestrator.run.metrics_server import MetricsServer
+from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
+from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
+from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.util.procs import tail_file
+from rlfleet.util.binaries import CACHE_DIR
+from rlfleet.trainer import grpo
+from rlfleet.trainer.base import build_trainer
+
+log = logging.getLogger(__name__)
+
+
+# What ends a run with a reason rather than a traceback (the watchdog's trip, a crash-looping fleet, ...).
+FLEET_ERRORS = (RolloutEnginesUnavailable, FleetFailed, FleetNotReady, SnapshotInvalid, WeightSyncFailed)
+
+
+class RunFailed(RuntimeError):
+    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass
+class RunOptions:
+    run_dir: Path
+    summary_path: Path | None = None
+    chaos: bool = False
+    chaos_interval_s: float = 20.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: the spec's metricsPort; 0: any free port
+    progress: ProgressReporter = field(default_factory=ProgressReporter)
+    step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
+    manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
+    eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
+
+
+def resolve_model_dir(model_path: str) -> Path:
+    """A local model directory for modelPath: tiny:// models are generated into the cache."""
+    tiny = parse_tiny_model(model_path)
+    if tiny is not None:
+        from rlfleet.trainer.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(CACHE_DIR / "models" / tiny.cache_name, seed=tiny.seed, arch=tiny.arch)
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise RunFailed("ModelNotFound", f"modelPath {model_path!r} is not a Hugging Face model directory "
+                                         "(locally, use a directory or tiny://llama)")
+    return path
+
+
+def snapshot_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step}"
+
+
+class RunLoop:
+    """The platform-independent part of a run; subclasses start the fleets and report progress.
+
+    Hooks: `_start_rollout` (must set `backend`, `fleet`, return the router URL), `_eval_fleet_factory`
+    (posture fleet), `_after_step` (after each step's sync), `_engine_logs` (watchdog diagnostics),
+    `_background` (extra tasks beside the watchdog), `_retire_snapshot`.
+    """
+
+    def __init__(self, run: TrainingRun, options: RunOptions, *, snapshots: Path, scratch_volume: bool = False):
+        self.run = run
+        self.spec = run.spec
+        self.name = run.metadata.name
+        self.options = options
+        self.progress = options.progress
+        self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
+        self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
+        self.snapshots = Path(snapshots)
+        self._scratch_volume = scratch_volume  # removed when the run ends
+        self.current_snapshot: Path | None = None
+        self.backend: FleetBackend | None = None
+        self.fleet: FleetRuntime | None = None
+        self.evaluation: RunEvaluation | None = None
+        self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
+
+    # --- the run -----------------------------------------------------------------------------
+
+    async def execute(self) -> RunSummary:
+        started = time.monotonic()
+        try:
+            await self._execute()
+        except* RunFailed as group:
+            exc = group.exceptions[0]
+            self.summary.failure = f"{exc.reason}: {exc.message}"
+            raise exc from None
+        except* FLEET_ERRORS as group:
+            exc = group.exceptions[0]
+            reason = exc.reason if isinstance(exc, FleetFailed) else type(exc).__name__
+            self.summary.failure = f"{reason}: {exc}"
+            raise RunFailed(reason, str(exc)) from None
+        finally:
+            if self._scratch_volume:
+                await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
+            self.summary.wall_seconds = time.monotonic() - started
+            self._count_recoveries()
+            if self.options.summary_path is not None:
+                self.summary.write(self.options.summary_path)
+            self.progress.close()
+        return self.summary
+
+    async def _execute(self) -> None:
+        spec = self.spec
+        opts = self.options
+        opts.run_dir.mkdir(parents=True, exist_ok=True)
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        async with contextlib.AsyncExitStack() as stack:
+            server = MetricsServer(opts.metrics_host, spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
+            url = await server.start()
+            stack.push_async_callback(server.stop)
+            self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
+
+            self._phase("loading the trainer")
+            model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
+            try:
+                trainer = await asyncio.to_thread(
+                    build_trainer, spec.trainer.backend, model_dir, spec.trainer.learning_rate,
+                    seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
+                    max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
+                    loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
+                                         temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
+                )
+            except (ValueError, OSError) as exc:  # before any engine starts: a reason, not a traceback
+                raise RunFailed("TrainerSetupFailed", f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
+            self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
+
+            # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
+            if spec.eval is not None:
+                self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, manifest_dir=opts.manifest_dir,
+                                                start_eval_fleet=self._eval_fleet_factory(), on_point=self._on_eval)
+                stack.push_async_callback(self._close_evaluation)
+                try:
+                    await self.evaluation.launch(self.current_snapshot)
+                except EvalSetupError as exc:
+                    raise RunFailed("EvalInvalid", str(exc)) from None
+            # --- end eval ---
+            router_url = await self._start_rollout(stack)
+            assert self.backend is not None and self.fleet is not None
+            stack.push_async_callback(self.fleet.stop)
+            self.backend.subscribe(self._on_death)
+            await self.fleet.start()
+            await self.fleet.bring_up("0", timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
+            self._engines_changed()
+            self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)
+
+            session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
+                                    engine_logs=self._engine_logs)
+            fleet = self.fleet
+
+            async def to_router(payload, timeout_s: float) -> dict:  # follows the router if it moves
+                return await post_generate(session, fleet.router_url.rstrip("/") + "/generate", payload, timeout_s)
+
+            client = RolloutClient(
+                router_url, session, on_failure=watchdog.record_failure, transport=to_router,
+                policy=RetryPolicy(max_attempts=spec.rollout.max_retries + 1,
+                                   deadline_s=spec.rollout.request_timeout_seconds),
+                rng=random.Random(spec.trainer.seed),
+            )
+            producer = self._producer(client, trainer)
+            producer.start()
+            stack.push_async_callback(producer.stop)
+            if self.evaluation is not None:  # eval
+                self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
+                                       stop_token_ids=producer.sampling.stop_token_ids)
+            # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
+            if spec.heat_guard.enabled:
+                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                                  on_event=self._on_heat_event)
+
+            async with asyncio.TaskGroup() as tasks:
+                background = [tasks.create_task(watchdog.run(), name="watchdog")]
+                if self.heat is not None:  # cancelled with the others: it resumes what it paused
+                    background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
+                background += [tasks.create_task(coro) for coro in self._background()]
+                try:
+                    await self._train(trainer, producer)
+                finally:
+                    for task in background:
+                        task.cancel()
+            self._phase("done")
+            self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
+
+    def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
+        from rlfleet.trainer.tasks import load_reward_fn, load_task
+
+        t = self.spec.trainer
+        task = load_task(t.task)
+        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        problems = iter(task.problems(t.seed))
+
+        def prompts():
+            for p in problems:
+                yield p.prompt, p.answer
+
+        tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
+        eos = tokenizer.eos_token_id
+        return RolloutProducer(
+            client, prompts(), reward_fn,
+            lambda text: tokenizer.encode(text, add_special_tokens=False),
+            samples_per_prompt=t.samples_per_prompt,
+            sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
+                                      stop_token_ids=(eos,) if eos is not None else ()),
+            concurrency=max(1, min(self.spec.rollout.concurrency_per_engine * self.spec.rollout.replicas,
+                                   t.prompts_per_step)),
+            queue_groups=2 * t.prompts_per_step, run_id=self.name,
+        )
+
+    async def _train(self, trainer, producer: RolloutProducer) -> None:
+        t = self.spec.trainer
+        policy = grpo.StalenessPolicy(t.max_staleness)
+        if self.evaluation is not None:  # eval: the initial model (evalBeforeTrain)
+            await self.evaluation.after_step(0)
+        for step in range(1, t.steps + 1):
+            self._phase("rollout")
+            step_started = time.monotonic()
+            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
+            groups, stale = await self._collect_groups(producer, trainer.step, policy)
+            batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
+            self._phase("train")
+            stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
+            self._phase("export")
+            path = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, step), step)
+            self._phase("weight sync")
+            result = await self.fleet.sync_weights(path, step)
+            previous, self.current_snapshot = self.current_snapshot, path
+            await self._after_sync(step, path, stats)
+            self._retire_snapshot(previous)
+            if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
+                await self.evaluation.after_step(step)
+            seconds = time.monotonic() - step_started
+            heat_paused = (self.heat is not None and self.heat.mark_step(
+                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
+            versions = [s.weight_version for s in batch.samples]
+            self.summary.steps.append(StepRecord(
+                step, stats["reward_mean"], versions, seconds, len(batch.samples),
+                engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
+                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused,
+            ))
+            metrics.RUN_STEP.labels(run=self.name).set(step)
+            metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
+            self.state.step = step
+            self.state.reward = stats["reward_mean"]
+            self.state.weight_version = str(step)
+            self.state.samples_per_s = len(batch.samples) / max(seconds, 1e-9)
+            self._engines_changed()
+            self.progress.event(
+                f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
+                + (f"kl_ref {stats['kl_ref']:.4f} " if "kl_ref" in stats else "") +
+                f"versions {sorted(set(versions))} stale groups dropped {stale} "
+                f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
+                self.state,
+            )
+        if self.evaluation is not None:  # eval: every point settles before the run ends
+            self._phase("eval drain")
+            await self.evaluation.finish()
+
+    async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
+        wanted = self.spec.trainer.prompts_per_step
+        groups: list = []
+        stale = 0
+        deadline = asyncio.get_running_loop().time() + self.options.step_group_timeout_s
+        while len(groups) < wanted:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise RunFailed("RolloutTimeout", f"only {len(groups)} of {wanted} groups arrived within "
+                                                  f"{self.options.step_group_timeout_s:g} s")
+            try:
+                async with asyncio.timeout(remaining):
+                    group = await producer.next_group()
+            except TimeoutError:
+                continue  # the deadline check above fails the step
+            if all(policy.is_fresh(s, current_step) for s in group):
+                groups.append(group)
+            else:
+                stale += 1
+        return groups, stale
+
+    # --- recovery, watchdog and chaos ---------------------------------------------------------
+
+    async def _recover_for_watchdog(self) -> None:
+        assert self.fleet is not None and self.current_snapshot is not None
+        step = int(self.current_snapshot.name.removeprefix("step_"))
+        await self.fleet.sync_weights(self.current_snapshot, step)
+
+    async def _can_serve(self) -> bool:
+        return self._ready_engines() > 0
+
+    # --- platform hooks ------------------------------------------------------------------------
+
+    async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
+        """Start (or attach to) the rollout fleet and its router; set self.backend and self.fleet (not
+        started). Returns the router URL. Cleanup of what it started goes on `stack`."""
+        raise NotImplementedError
+
+    def _eval_fleet_factory(self):
+        """`async (launch_model) -> (EvalFleet, router or None)` for posture fleet."""
+        raise NotImplementedError
+
+    async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
+        """Every engine serves `snapshot` (version `step`) now."""
+
+    def _background(self) -> list:
+        """Extra coroutines to run beside the training loop (cancelled when it ends)."""
+        return []
+
+    def _engine_logs(self) -> dict[str, list[str]]:
+        """The engines' last log lines, for the watchdog's failure message."""
+        assert self.backend is not None
+        logs: dict[str, list[str]] = {}
+        for e in self.backend.engines():
+            if e.log_path:
+                logs[f"slot {e.slot}"] = tail_file(Path(e.log_path), 8)
+            elif e.last_failure:
+                logs[f"slot {e.slot}"] = e.last_failure.splitlines()[-8:]
+        return logs
+
+    def _on_heat_event(self, event: HeatEvent) -> None:
+        temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
+        self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
+
+    def _on_death(self, event: DeathEvent) -> None:
+        self.summary.engines_marked_dead += 1
+        self._engines_changed()
+        self.progress.event(f"engine slot {event.slot} marked dead ({event.cause}): {event.reason[:200]}", self.state)
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _ready_engines(self) -> int:
+        if self.backend is None:
+            return 0
+        return sum(1 for e in self.backend.engines() if e.state is EngineState.ALIVE)
+
+    def _engines_changed(self) -> None:
+        self.state.engines_ready = self._ready_engines()
+        self.progress.update(self.state)
+
+    def _phase(self, phase: str) -> None:
+        self.state.phase = phase
+        self.progress.update(self.state)
+
+    def _count_recoveries(self) -> None:
+        if self.backend is not None:
+            self.summary.engines_recreated = sum(e.restarts for e in self.backend.engines())
+
+    # --- eval ------------------------------------------------------------------------------------
+
+    def _on_eval(self, point: EvalPoint) -> None:
+        assert self.evaluation is not None
+        self.summary.eval = self.evaluation.summary_points()
+        what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
+                else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
+                f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")
+        self.progress.event(f"eval @{point.step} [{point.posture}] {what}", self.state)
+
+    async def _close_evaluation(self) -> None:
+        assert self.evaluation is not None
+        try:
+            await self.evaluation.close()
+        finally:
+            self.summary.eval = self.evaluation.summary_points()
+            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
+
+    def _retire_snapshot(self, path: Path | None) -> None:
+        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""
+        if path is not None and path.name != "step_0":
+            shutil.rmtree(path, ignore_errors=True)

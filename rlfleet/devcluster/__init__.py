@@ -1,0 +1,1 @@
+"""A Kubernetes cluster without Docker: control plane, PKI, pinned binaries and the node agent."""

@@ -1,0 +1,90 @@
+"""Reading an engine pod: why it cannot serve, and what a decision needs of it. Pure; shared by the
+operator (recreation decisions) and the orchestrator's Kubernetes backend (death detection)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlfleet.crds import conventions
+from rlfleet.kube.conditions import parse_time, reason_word
+
+# Waiting reasons that never resolve by waiting: the slot is dead.
+START_FAILURES = frozenset({"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
+                            "CreateContainerError", "ImageNotMapped", "RunContainerError"})
+FAILURE_MESSAGE_MAX = 4096
+
+
+@dataclass(frozen=True)
+class Failure:
+    reason: str
+    message: str
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What the decision needs of one engine pod."""
+
+    name: str
+    uid: str
+    slot: int | None
+    restarts: int
+    phase: str
+    ready: bool
+    terminating: bool
+    pod_ip: str | None
+    created: float | None
+    failure: Failure | None
+    weight_version: str | None
+
+
+def int_or(value, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def pod_failure(pod: dict) -> Failure | None:
+    """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can)."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    ann = meta.get("annotations") or {}
+    statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+    terminated = next((s["state"]["terminated"] for s in statuses
+                       if (s.get("state") or {}).get("terminated") and s["state"]["terminated"].get("exitCode", 0) != 0),
+                      None)
+    if terminated is None and status.get("phase") in ("Failed", "Succeeded"):
+        terminated = next((s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")),
+                          {"exitCode": None, "message": status.get("message", "")})
+    if conventions.ANN_DEAD in ann:
+        code = terminated.get("exitCode") if terminated else None
+        message = ann.get(conventions.ANN_DEAD_MESSAGE, "")
+        if terminated and terminated.get("message"):
+            message = f"{message}\n{terminated['message']}".strip()
+        return Failure(reason_word(ann[conventions.ANN_DEAD], "MarkedDead"), message, code)
+    if terminated is not None:
+        code = terminated.get("exitCode")
+        reason = "Exited" if code == 0 else "Crashed"
+        return Failure(reason, terminated.get("message") or terminated.get("reason") or "", code)
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return Failure("PodFailed", status.get("message") or status.get("reason") or "")
+    for s in statuses:
+        waiting = (s.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in START_FAILURES:
+            return Failure(waiting["reason"], waiting.get("message", ""))
+    return None
+
+
+def view_pod(pod: dict) -> PodView:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
+    slot_label = labels.get(conventions.LABEL_SLOT, "")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return PodView(
+        name=meta["name"], uid=meta.get("uid", ""),
+        slot=int(slot_label) if slot_label.isdigit() else None,
+        restarts=int_or(ann.get(conventions.ANN_RESTARTS)),
+        phase=status.get("phase", "Pending"), ready=ready and status.get("phase") == "Running",
+        terminating=bool(meta.get("deletionTimestamp")),
+        pod_ip=status.get("podIP"), created=parse_time(meta.get("creationTimestamp")),
+        failure=pod_failure(pod), weight_version=ann.get(conventions.ANN_WEIGHT_VERSION),
+    )

@@ -1,0 +1,1 @@
+"""Prometheus metrics (every name defined once), PromQL tooling and the dashboard/alert checks."""

@@ -1,0 +1,1 @@
+"""The SGLang layer: the one launch command builder and the HTTP clients of engines and routers."""

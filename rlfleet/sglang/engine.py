@@ -1,0 +1,151 @@
+"""Client of one SGLang engine's HTTP API (sglang 0.5.x): bounded calls, classified failures.
+
+Facts it relies on: control routes (pause/continue/abort) need a JSON body, a bodyless POST is a
+400; `/update_weights_from_disk` answers 400 with `success:false` for a refused load, and an
+`in_place` pause makes a successful load answer 400 "Weights were updated, but the cache was not
+flushed"; an aborted generation is an HTTP 200 whose `finish_reason.type` is "abort".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from rlfleet.sglang.errors import BadResponse, RequestAborted
+from rlfleet.sglang.http import Reply, call, expect_dict
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+
+# The marker SGLang puts in the 400 of an update that did swap the weights but could not flush.
+CACHE_NOT_FLUSHED_MARKER = "cache was not flushed"
+
+
+@dataclass(frozen=True)
+class EngineTimeouts:
+    """Bounds (seconds) on each kind of engine call."""
+
+    control: float = 10.0  # model_info, pause, continue, flush, abort, weights_checker
+    health: float = 5.0
+    generate: float = 120.0
+    load: float = 600.0  # update_weights_from_disk
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    weight_version: str
+    model_path: str
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+@dataclass(frozen=True)
+class UpdateWeightsResult:
+    """What `/update_weights_from_disk` said (200 or a 400 that carries `success`)."""
+
+    success: bool
+    message: str
+    status: int
+    elapsed_s: float
+
+    @property
+    def swapped_but_not_flushed(self) -> bool:
+        """The in_place-pause outcome: new weights are live but the prefix cache still holds old KV."""
+        return not self.success and CACHE_NOT_FLUSHED_MARKER in self.message
+
+
+def finish_reason_type(body: dict[str, Any]) -> str | None:
+    reason = (body.get("meta_info") or {}).get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else None
+
+
+class EngineClient:
+    """Calls one engine at `base_url` over a shared aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeouts: EngineTimeouts | None = None):
+        self.session = session
+        self.base_url = base_url.rstrip("/")
+        self.timeouts = timeouts or EngineTimeouts()
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.base_url})"
+
+    async def _call(self, method: str, path: str, timeout_s: float, **kwargs) -> Reply:
+        return await call(self.session, method, self.base_url + path, timeout_s=timeout_s, **kwargs)
+
+    async def health_generate(self, timeout_s: float | None = None) -> float:
+        """One-token generation health check; returns its latency. 503 / timeout raise."""
+        reply = await self._call("GET", "/health_generate", timeout_s or self.timeouts.health)
+        return reply.elapsed_s
+
+    async def generate(self, payload: dict[str, Any], timeout_s: float | None = None, *,
+                       raise_on_abort: bool = True) -> dict[str, Any]:
+        """POST /generate (non-streaming, single prompt). An abort-in-200 raises RequestAborted."""
+        reply = await self._call("POST", "/generate", timeout_s or self.timeouts.generate, json_body=payload)
+        body = expect_dict(reply, "generate")
+        if raise_on_abort and finish_reason_type(body) == "abort":
+            message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
+            raise RequestAborted(message, method="POST", url=self.base_url + "/generate", status=reply.status,
+                                 body=reply.text, elapsed_s=reply.elapsed_s)
+        return body
+
+    async def model_info(self, timeout_s: float | None = None) -> ModelInfo:
+        reply = await self._call("GET", "/model_info", timeout_s or self.timeouts.control)
+        body = expect_dict(reply, "model_info")
+        version = body.get("weight_version")
+        if not isinstance(version, str):
+            raise BadResponse(f"model_info has no weight_version: {reply.text[:300]!r}",
+                              url=self.base_url + "/model_info", status=reply.status)
+        return ModelInfo(weight_version=version, model_path=str(body.get("model_path", "")), raw=body)
+
+    async def weight_version(self, timeout_s: float | None = None) -> str:
+        return (await self.model_info(timeout_s)).weight_version
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str, *,
+                                       timeout_s: float | None = None, flush_cache: bool = True,
+                                       abort_all_requests: bool = False) -> UpdateWeightsResult:
+        """Load weights from a directory. A 400 with `success:false` is returned, not raised."""
+        payload = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        reply = await self._call("POST", "/update_weights_from_disk", timeout_s or self.timeouts.load,
+                                 json_body=payload, accept=(400,))
+        body = expect_dict(reply, "update_weights_from_disk")
+        if "success" not in body:
+            # A schema 400 has no `success`; that is our bug, not a load outcome.
+            raise BadResponse(f"update_weights_from_disk answered {reply.status}: {reply.text[:500]}",
+                              url=self.base_url + "/update_weights_from_disk", status=reply.status)
+        return UpdateWeightsResult(success=bool(body["success"]), message=str(body.get("message", "")),
+                                   status=reply.status, elapsed_s=reply.elapsed_s)
+
+    async def pause_generation(self, mode: PauseMode = "retract", timeout_s: float | None = None) -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call("POST", "/pause_generation", timeout_s or self.timeouts.control, json_body={"mode": mode})
+
+    async def continue_generation(self, *, torch_empty_cache: bool = False, timeout_s: float | None = None) -> None:
+        await self._call("POST", "/continue_generation", timeout_s or self.timeouts.control,
+                         json_body={"torch_empty_cache": torch_empty_cache})
+
+    async def flush_cache(self, timeout_s: float | None = None) -> str:
+        """Flush the prefix cache; a 400 (requests still running) raises ClientErrorStatus."""
+        reply = await self._call("POST", "/flush_cache", timeout_s or self.timeouts.control)
+        return reply.text
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False,
+                            timeout_s: float | None = None) -> None:
+        if rid is None and not abort_all:
+            raise ValueError("abort_request needs a rid or abort_all=True")
+        body: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            body["rid"] = rid
+        await self._call("POST", "/abort_request", timeout_s or self.timeouts.control, json_body=body)
+
+    async def weights_checker(self, action: str = "checksum", timeout_s: float | None = None) -> dict[str, Any]:
+        """Per-tensor checksums (action "checksum"): proves a load landed, independent of the label."""
+        reply = await self._call("POST", "/weights_checker", timeout_s or self.timeouts.control,
+                                 json_body={"action": action})
+        return expect_dict(reply, "weights_checker")

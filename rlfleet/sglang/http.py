@@ -1,0 +1,81 @@
+"""One bounded HTTP call with classified failures: the single place where aiohttp errors are mapped.
+
+Every call has a deadline that covers connect, send and the whole body. Transport failures and
+non-accepted statuses raise the CallError subclass for their kind (rlfleet.sglang.errors).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from rlfleet.sglang.errors import BadResponse, FailureKind, classify_exception, classify_status, error_for
+
+BODY_EXCERPT_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A completed HTTP exchange."""
+
+    status: int
+    text: str
+    elapsed_s: float
+    headers: dict[str, str]
+    method: str = ""
+    url: str = ""
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.text) if self.text else None
+        except ValueError as exc:
+            raise BadResponse(f"body is not JSON: {self.text[:BODY_EXCERPT_CHARS]!r}", method=self.method,
+                              url=self.url, status=self.status, body=self.text) from exc
+
+
+async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout_s: float,
+               json_body: Any = None, params: dict[str, str] | None = None,
+               accept: Collection[int] = ()) -> Reply:
+    """Send one request bounded by timeout_s and return the Reply.
+
+    A 2xx is returned; so is any status listed in `accept` (for APIs whose 400 carries a result the
+    caller must read). Anything else raises the classified CallError.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    started = time.monotonic()
+    context = {"method": method, "url": url}
+    try:
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s), "params": params}
+        if json_body is not None:
+            kwargs["json"] = json_body
+        async with session.request(method, url, **kwargs) as response:
+            text = await response.text(errors="replace")
+            reply = Reply(status=response.status, text=text, elapsed_s=time.monotonic() - started,
+                          headers=dict(response.headers), method=method, url=url)
+    except Exception as exc:  # noqa: BLE001 - every transport failure is classified below
+        kind = classify_exception(exc)
+        if kind is None:
+            raise
+        detail = str(exc) or type(exc).__name__
+        if kind is FailureKind.TIMEOUT:
+            detail = f"no complete answer within {timeout_s:g} s"
+        raise error_for(kind, detail, elapsed_s=time.monotonic() - started, **context) from exc
+    failure = classify_status(reply.status)
+    if failure is not None and reply.status not in accept:
+        raise error_for(failure, reply.text[:BODY_EXCERPT_CHARS] or "(empty body)", status=reply.status,
+                        body=reply.text, elapsed_s=reply.elapsed_s, **context)
+    return reply
+
+
+def expect_dict(reply: Reply, what: str) -> dict[str, Any]:
+    """The reply's JSON body, which must be an object."""
+    body = reply.json()
+    if not isinstance(body, dict):
+        raise BadResponse(f"{what}: expected a JSON object, got {reply.text[:BODY_EXCERPT_CHARS]!r}",
+                          method=reply.method, url=reply.url, status=reply.status, body=reply.text)
+    return body

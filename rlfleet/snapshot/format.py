@@ -1,0 +1,395 @@
+"""Weight snapshots on disk: the export contract and the check every snapshot passes before any
+engine is told to load it.
+
+Layout: `<root>/step_<N>/` holds the Hugging Face files (config.json, *.safetensors, tokenizer),
+then `rlfleet-manifest.json` (per-file sha256 and size, the tensor table, the step), then the
+`.complete` marker, written LAST. Both are written to a temporary name, fsynced and renamed, so a
+reader never sees a half-written manifest or a marker before the files it vouches for.
+
+Why validate: a real SGLang engine told to load a truncated, garbage or wrong-shape safetensors file
+dies (no HTTP answer) instead of refusing with a 400; so `validate_snapshot` checks the marker, the
+checksums written at export, every safetensors header (read from the file, no tensor is loaded) and
+the tensor names and shapes against the snapshot being served.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class SnapshotInvalid(ValueError):
+    """A weight snapshot failed validation; no engine was told to load it."""
+
+    def __init__(self, snapshot_dir: str, problem: str):
+        super().__init__(f"snapshot {snapshot_dir} is invalid: {problem}")
+        self.snapshot_dir = snapshot_dir
+        self.problem = problem
+
+
+MANIFEST_NAME = "rlfleet-manifest.json"
+MARKER_NAME = ".complete"
+MANIFEST_FORMAT = "rlfleet-snapshot/1"
+INDEX_NAME = "model.safetensors.index.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+HASH_CHUNK = 1 << 20
+
+# Bytes per element of each safetensors dtype.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}
+
+# config.json keys that fix the tensor shapes: a snapshot must agree with the served model on these.
+SHAPE_KEYS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "vocab_size", "head_dim", "tie_word_embeddings")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "file": self.file}
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    step: int
+    files: dict[str, FileInfo]
+    tensors: dict[str, TensorInfo]
+    config: dict[str, Any] = field(default_factory=dict)  # the shape keys of config.json
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "step": self.step,
+            "files": {name: {"size": f.size, "sha256": f.sha256} for name, f in sorted(self.files.items())},
+            "tensors": {name: t.to_json() for name, t in sorted(self.tensors.items())},
+            "config": self.config,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Manifest:
+        try:
+            if data.get("format") != MANIFEST_FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+            return cls(
+                step=int(data["step"]),
+                files={n: FileInfo(size=int(f["size"]), sha256=str(f["sha256"])) for n, f in data["files"].items()},
+                tensors={n: TensorInfo(dtype=str(t["dtype"]), shape=tuple(int(d) for d in t["shape"]),
+                                       file=str(t["file"])) for n, t in data["tensors"].items()},
+                config=dict(data.get("config") or {}),
+            )
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise SnapshotInvalid(where, f"{MANIFEST_NAME} is malformed: {exc}") from exc
+
+
+# --- safetensors headers ------------------------------------------------------------------------------
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors file's header against the file's size. Loads no tensor data.
+
+    Raises ValueError saying what is wrong (truncated, garbage, inconsistent offsets).
+    """
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"{size} bytes, too short for a safetensors header")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"header length {header_len} is larger than the format allows (garbage file?)")
+        if 8 + header_len > size:
+            raise ValueError(f"header claims {header_len} bytes but the file has {size} (truncated?)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"header is not valid JSON ({exc}); garbage file?") from exc
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data_len = size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = entry["dtype"]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ValueError(f"tensor {name!r}: malformed header entry ({exc})") from exc
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise ValueError(f"tensor {name!r}: bad shape {list(shape)} or offsets [{begin}, {end}]")
+        expected = math.prod(shape) * DTYPE_BYTES[dtype]
+        if end - begin != expected:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes of data for shape {list(shape)} {dtype} "
+                             f"(needs {expected})")
+        tensors[name] = TensorInfo(dtype=dtype, shape=shape, file=path.name)
+        spans.append((begin, end, name))
+    spans.sort()
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, expected {position} (overlap or gap)")
+        position = end
+    if position != data_len:
+        if position > data_len:
+            raise ValueError(f"tensors need {position} bytes of data but the file holds {data_len} "
+                             f"(truncated: {size} bytes)")
+        raise ValueError(f"{data_len - position} bytes after the last tensor (file not fully covered)")
+    return tensors
+
+
+def weight_files(snapshot_dir: Path) -> list[Path]:
+    return sorted(p for p in snapshot_dir.iterdir() if p.is_file() and p.suffix == ".safetensors")
+
+
+def tensor_table(snapshot_dir: Path) -> dict[str, TensorInfo]:
+    """All tensors of a model directory, from its safetensors headers."""
+    where = str(snapshot_dir)
+    files = weight_files(snapshot_dir)
+    if not files:
+        raise SnapshotInvalid(where, "no *.safetensors file")
+    table: dict[str, TensorInfo] = {}
+    for path in files:
+        try:
+            header = read_safetensors_header(path)
+        except ValueError as exc:
+            raise SnapshotInvalid(where, f"{path.name}: {exc}") from exc
+        for name, info in header.items():
+            if name in table:
+                raise SnapshotInvalid(where, f"tensor {name!r} is in both {table[name].file} and {path.name}")
+            table[name] = info
+    return table
+
+
+def shape_config(snapshot_dir: Path) -> dict[str, Any]:
+    """The shape-defining keys of config.json ({} when there is none)."""
+    path = snapshot_dir / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise SnapshotInvalid(str(snapshot_dir), f"config.json is not valid JSON: {exc}") from exc
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return {k: config.get(k, text_config.get(k)) for k in SHAPE_KEYS if k in config or k in text_config}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- export side --------------------------------------------------------------------------------------
+
+def snapshot_dir_for(root: str | os.PathLike, step: int) -> Path:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return Path(root) / f"step_{step}"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def finalize_snapshot(snapshot_dir: str | os.PathLike, step: int) -> Manifest:
+    """Seal an exported snapshot: write the manifest, then the `.complete` marker last.
+
+    Call after `save_pretrained` (and the tokenizer) finished writing into snapshot_dir. Raises
+    SnapshotInvalid if what was written is already unreadable (an export bug, caught at the source).
+    """
+    root = Path(snapshot_dir)
+    if not root.is_dir():
+        raise SnapshotInvalid(str(root), "not a directory")
+    (root / MARKER_NAME).unlink(missing_ok=True)  # re-sealing: the old marker must not vouch for new files
+    files: dict[str, FileInfo] = {}
+    for path in sorted(root.rglob("*")):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel in (MANIFEST_NAME, MARKER_NAME) or rel.endswith(".tmp"):
+            continue
+        files[rel] = FileInfo(size=path.stat().st_size, sha256=sha256_of(path))
+    manifest = Manifest(step=step, files=files, tensors=tensor_table(root), config=shape_config(root))
+    manifest_bytes = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
+    for path in root.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _write_atomically(root / MANIFEST_NAME, manifest_bytes)
+    marker = {"step": step, "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
+    _write_atomically(root / MARKER_NAME, (json.dumps(marker) + "\n").encode())
+    _fsync_dir(root)
+    return manifest
+
+
+# --- load side ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SnapshotReference:
+    """What a new snapshot must match: the tensor table and shape config of the served model."""
+
+    tensors: Mapping[str, TensorInfo]
+    config: Mapping[str, Any]
+    source: str
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> SnapshotReference:
+        """From a sealed snapshot's manifest, or else from a model directory's headers and config."""
+        root = Path(model_dir)
+        manifest_path = root / MANIFEST_NAME
+        if manifest_path.exists():
+            try:
+                data = json.loads(manifest_path.read_text())
+            except ValueError as exc:
+                raise SnapshotInvalid(str(root), f"{MANIFEST_NAME} is not valid JSON: {exc}") from exc
+            manifest = Manifest.from_json(data, str(root))
+            return cls(tensors=manifest.tensors, config=manifest.config or shape_config(root), source=str(root))
+        return cls(tensors=tensor_table(root), config=shape_config(root), source=str(root))
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, source: str = "manifest") -> SnapshotReference:
+        return cls(tensors=manifest.tensors, config=manifest.config, source=source)
+
+
+def _names(items: Iterable[str], limit: int = 5) -> str:
+    items = sorted(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def compare_with_reference(tensors: Mapping[str, TensorInfo], config: Mapping[str, Any],
+                           reference: SnapshotReference) -> str | None:
+    """Pure: why a tensor table / config does not fit the reference, or None when it fits."""
+    missing = set(reference.tensors) - set(tensors)
+    extra = set(tensors) - set(reference.tensors)
+    if missing:
+        return f"tensors missing compared with {reference.source}: {_names(missing)}"
+    if extra:
+        return f"tensors not in {reference.source}: {_names(extra)}"
+    wrong = [f"{name} {list(tensors[name].shape)} (served: {list(ref.shape)})"
+             for name, ref in sorted(reference.tensors.items()) if tensors[name].shape != ref.shape]
+    if wrong:
+        return f"tensor shapes differ from {reference.source}: " + "; ".join(wrong[:5]) + (
+            f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+    differing = [f"{k}={config.get(k)!r} (served: {reference.config.get(k)!r})"
+                 for k in SHAPE_KEYS if k in reference.config and k in config and config[k] != reference.config[k]]
+    if differing:
+        return "config.json differs from the served model: " + ", ".join(differing)
+    return None
+
+
+def validate_snapshot(snapshot_dir: str | os.PathLike,
+                      reference: SnapshotReference | str | os.PathLike | None = None, *,
+                      expected_step: int | None = None, verify_checksums: bool = True) -> Manifest:
+    """Check a snapshot is complete, intact and fits the served model; return its manifest.
+
+    Raises SnapshotInvalid with the precise problem. Reads headers and hashes files; loads no tensor.
+    """
+    root = Path(snapshot_dir)
+    where = str(root)
+    if not root.is_dir():
+        raise SnapshotInvalid(where, "no such directory")
+    marker_path = root / MARKER_NAME
+    manifest_path = root / MANIFEST_NAME
+    if not marker_path.exists():
+        raise SnapshotInvalid(where, f"no {MARKER_NAME} marker: the export did not finish")
+    if not manifest_path.exists():
+        raise SnapshotInvalid(where, f"{MARKER_NAME} present but {MANIFEST_NAME} is missing")
+    manifest_bytes = manifest_path.read_bytes()
+    try:
+        marker = json.loads(marker_path.read_text())
+        data = json.loads(manifest_bytes)
+    except ValueError as exc:
+        raise SnapshotInvalid(where, f"marker or manifest is not valid JSON: {exc}") from exc
+    if not isinstance(marker, dict) or marker.get("manifest_sha256") != hashlib.sha256(manifest_bytes).hexdigest():
+        raise SnapshotInvalid(where, f"{MANIFEST_NAME} does not match the checksum in {MARKER_NAME} "
+                                     "(rewritten after sealing?)")
+    manifest = Manifest.from_json(data, where)
+    if marker.get("step") != manifest.step:
+        raise SnapshotInvalid(where, f"marker step {marker.get('step')} != manifest step {manifest.step}")
+    if expected_step is not None and manifest.step != expected_step:
+        raise SnapshotInvalid(where, f"holds step {manifest.step}, expected step {expected_step}")
+    dir_match = STEP_DIR.match(root.name)
+    if dir_match and int(dir_match.group(1)) != manifest.step:
+        raise SnapshotInvalid(where, f"directory is {root.name} but the manifest says step {manifest.step}")
+
+    # Sizes first: cheap, and the clearest message for a truncated or replaced file.
+    for rel, info in sorted(manifest.files.items()):
+        path = root / rel
+        if not path.is_file():
+            raise SnapshotInvalid(where, f"{rel} is missing (listed in {MANIFEST_NAME})")
+        size = path.stat().st_size
+        if size != info.size:
+            hint = "truncated" if size < info.size else "grown"
+            raise SnapshotInvalid(where, f"{rel} is {size} bytes but the export wrote {info.size} ({hint} since export)")
+    unlisted = [p.name for p in weight_files(root) if p.name not in manifest.files]
+    if unlisted:
+        raise SnapshotInvalid(where, f"weight files not in {MANIFEST_NAME}: {_names(unlisted)}")
+
+    tensors = tensor_table(root)  # every header parses and covers its file exactly
+    if {n: t for n, t in tensors.items()} != dict(manifest.tensors):
+        raise SnapshotInvalid(where, f"safetensors headers differ from the tensor table in {MANIFEST_NAME}")
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SnapshotInvalid(where, f"{INDEX_NAME} is malformed: {exc}") from exc
+        misplaced = [n for n, f in weight_map.items() if n not in tensors or tensors[n].file != f]
+        if misplaced or set(weight_map) != set(tensors):
+            raise SnapshotInvalid(where, f"{INDEX_NAME} does not match the weight files "
+                                         f"(e.g. {_names(misplaced or set(weight_map) ^ set(tensors), 3)})")
+
+    if verify_checksums:
+        for rel, info in sorted(manifest.files.items()):
+            if sha256_of(root / rel) != info.sha256:
+                raise SnapshotInvalid(where, f"{rel} does not match its export-time sha256 (corrupted since export)")
+
+    if reference is not None:
+        if not isinstance(reference, SnapshotReference):
+            reference = SnapshotReference.from_dir(reference)
+        problem = compare_with_reference(tensors, shape_config(root) or manifest.config, reference)
+        if problem:
+            raise SnapshotInvalid(where, problem)
+    return manifest

@@ -1,0 +1,1 @@
+"""Small shared helpers: process groups and /proc scans, ports, pinned binaries."""

@@ -1,0 +1,292 @@
+"""Child processes in their own session, stopped by process group, with captured logs.
+
+SGLang leaves children behind and can ignore SIGTERM for minutes (a taken port), so every process
+runs under setsid and is stopped with SIGTERM to the group, then SIGKILL after a grace period.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL when the parent dies (even by SIGKILL), so a killed test
+    run or supervisor cannot leave its process groups behind (they run in sessions of their own)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _ProcessGroup:
+    """What both process kinds share: the child's set-up, its group's signals, the stop rule, its log.
+
+    A subclass supplies only the parts that block or await: start, returncode and stop's two waits.
+    """
+
+    die_with_parent_default = False
+
+    def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
+                 cwd: str | None = None, die_with_parent: bool | None = None):
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = env
+        self.cwd = cwd
+        self.die_with_parent = self.die_with_parent_default if die_with_parent is None else die_with_parent
+        self.proc: asyncio.subprocess.Process | subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _spawn_options(self) -> Iterator[dict]:
+        """Keyword arguments for Popen and create_subprocess_exec alike: a session of its own, no stdin,
+        stdout and stderr appended to the log file (open only while the child is spawned)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            yield {
+                "stdin": subprocess.DEVNULL,
+                "stdout": log,
+                "stderr": subprocess.STDOUT,
+                "env": {**os.environ, **(self.env or {})},
+                "cwd": self.cwd,
+                "start_new_session": True,
+                "preexec_fn": _die_with_parent if self.die_with_parent else None,
+            }
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def _terminate(self) -> bool:
+        """Stop's first step: SIGTERM the group while the leader runs; True when there is an exit to wait for."""
+        if self.returncode is not None:
+            return False
+        self.signal_group(signal.SIGTERM)
+        return True
+
+    def _kill(self) -> None:
+        """Stop's last step, always taken: the leader may be gone while children (scheduler, detokenizer)
+        linger, or the group may be stopped (SIGSTOP), so continue it and SIGKILL it."""
+        self.signal_group(signal.SIGCONT)
+        self.signal_group(signal.SIGKILL)
+
+    def tail(self, lines: int = 20) -> list[str]:
+        return tail_file(self.log_path, lines)
+
+
+class ManagedProcess(_ProcessGroup):
+    """One child process group with its output appended to a log file."""
+
+    proc: asyncio.subprocess.Process | None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc else None
+
+    async def start(self) -> None:
+        with self._spawn_options() as options:
+            self.proc = await asyncio.create_subprocess_exec(*self.argv, **options)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    async def stop(self, grace_s: float = 8.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        if self.proc is None:
+            return None
+        try:
+            if self._terminate():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(grace_s):
+                        await self.proc.wait()
+        finally:
+            self._kill()
+            with contextlib.suppress(ProcessLookupError):
+                await asyncio.shield(self.proc.wait())
+        return self.proc.returncode
+
+
+def tail_file(path: Path, lines: int = 20) -> list[str]:
+    """The last non-empty lines of a log file ([] when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    kept: deque[str] = deque(maxlen=lines)
+    for line in text.splitlines():
+        if line.strip():
+            kept.append(line.rstrip())
+    return list(kept)
+
+
+def groups_writing_under(directory: Path) -> set[int]:
+    """Process groups with a live process whose stdout is a file under `directory` (our children log
+    there), found from /proc even after whoever started them is gone."""
+    prefix = str(Path(directory).resolve()) + "/"
+    groups = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/fd/1").startswith(prefix):
+                    groups.add(os.getpgid(int(entry)))
+    return groups
+
+
+def pod_process_groups(data_dir: Path) -> set[int]:
+    """Process groups of the node agent's pods that are still running.
+
+    The node agent (rlfleet.devcluster.node_agent.agent) sends each container's output to a file under
+    `<data_dir>/logs/`; pods run in sessions of their own, so this finds them even after the agent
+    itself is gone.
+    """
+    return groups_writing_under(Path(data_dir) / "logs")
+
+
+def kill_pod_process_groups(data_dir: Path) -> int:
+    """SIGKILL every pod process group of the node agent with data_dir still running; returns how many."""
+    left = pod_process_groups(data_dir)
+    for pgid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    return len(left)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any process of the group exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class GroupProcess(_ProcessGroup):
+    """The blocking twin of ManagedProcess, for code without an event loop (the local control plane).
+
+    Same rules: own session, output appended to a log file, stop = SIGTERM the group then SIGKILL.
+    """
+
+    die_with_parent_default = True
+    proc: subprocess.Popen | None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def start(self) -> None:
+        with self._spawn_options() as options:
+            self.proc = subprocess.Popen(self.argv, **options)
+
+    def stop(self, grace_s: float = 8.0) -> int | None:
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        if self.proc is None:
+            return None
+        try:
+            if self._terminate():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(grace_s)
+        finally:
+            self._kill()
+            self.proc.wait()
+        return self.proc.returncode
+
+
+# --- /proc scans ------------------------------------------------------------------------------------
+
+SHM_DIR = Path("/dev/shm")
+# SGLang's load-snapshot files (mapped by the scheduler while it runs) and multiprocessing semaphores
+# (left behind because SGLang SIGKILLs its own resource tracker on shutdown).
+LOADS_PREFIX = "sglang_loads_"
+SEMAPHORE_PREFIX = "sem.mp-"
+
+
+def shm_files_of_group(pgid: int, prefixes: tuple[str, ...] = (LOADS_PREFIX, SEMAPHORE_PREFIX)) -> set[Path]:
+    """The /dev/shm files named with one of `prefixes` that any process of the group maps or holds open."""
+    found = set()
+    for pid in group_pids(pgid):
+        found |= {p for p in _shm_paths_of(pid) if p.name.startswith(prefixes)}
+    return found
+
+
+def mapped_shm_files(pgid: int) -> set[Path]:
+    """SGLang load-snapshot files that any process of the group has open or mapped."""
+    return shm_files_of_group(pgid, (LOADS_PREFIX,))
+
+
+def orphaned_semaphores(since: frozenset[str]) -> set[Path]:
+    """Multiprocessing semaphores created after `since` was listed that no live process maps any more.
+
+    A semaphore in use is mapped by every process holding it, so an unmapped one is garbage.
+    """
+    new = {SHM_DIR / name for name in list_shm() - since if name.startswith(SEMAPHORE_PREFIX)}
+    if not new:
+        return set()
+    in_use: set[Path] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            in_use |= _shm_paths_of(int(entry))
+    return new - in_use
+
+
+def list_shm() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def _shm_paths_of(pid: int) -> set[Path]:
+    """The /dev/shm files a process maps or holds open."""
+    found: set[Path] = set()
+    prefix = str(SHM_DIR) + "/"
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                found.add(Path(parts[5].removesuffix(" (deleted)")))
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    found.add(Path(target.removesuffix(" (deleted)")))
+    return found
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live (not zombie) processes whose process group is pgid, read from /proc."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            # Fields after the parenthesised command: state ppid pgrp ...
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids

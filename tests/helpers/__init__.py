@@ -1,0 +1,1 @@
+"""Test helpers (not shipped): real engines, routers and clusters for the test suite."""

@@ -1,0 +1,191 @@
+"""Helpers of the end-to-end tests: the chart, the node agent and the operator as local processes.
+
+Everything real: the Helm chart installed with the pinned helm into the test control plane, the node
+agent running pods as local process groups, the operator running with its own ServiceAccount token.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlfleet.devcluster.node import node_agent_argv, node_is_ready
+from rlfleet.util.ports import free_port
+from rlfleet.util.procs import group_alive, kill_pod_process_groups, tail_file
+from rlfleet.util.binaries import tool_path
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "rlfleet"
+SYSTEM_NS = "rlfleet-system"
+OPERATOR_SA = "rlfleet-operator"
+
+
+def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 2.0, what: str = "condition",
+             context: Callable[[], str] | None = None) -> Any:
+    """Poll check() until it returns something truthy; fail with what was last seen."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval)
+    extra = f"\n{context()}" if context else ""
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last seen: {last!r}{extra}")
+
+
+def get_json(cp, *args: str, namespace: str | None = None) -> dict | None:
+    ns = ["-n", namespace] if namespace else []
+    result = cp.kubectl("get", *args, *ns, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def apply(cp, obj: dict | list[dict]) -> None:
+    docs = obj if isinstance(obj, list) else [obj]
+    cp.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+
+
+def helm(cp, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    argv = [str(tool_path("helm")), f"--kubeconfig={cp.kubeconfig}", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True)
+
+
+@contextlib.contextmanager
+def chart_installed(cp, namespace: str):
+    """The chart installed for one watched namespace, its operator Deployment at zero replicas (tests run
+    the operator as a local process with the chart's ServiceAccount token); uninstalled afterwards."""
+    cp.kubectl("create", "namespace", namespace, check=False)
+    helm(cp, "upgrade", "--install", "rlfleet", str(CHART), "-n", SYSTEM_NS, "--create-namespace",
+         "--set", f"watchNamespaces={{{namespace}}}", "--set", "operator.replicas=0")
+    try:
+        yield
+    finally:
+        helm(cp, "uninstall", "rlfleet", "-n", SYSTEM_NS)
+
+
+class LocalProcess:
+    """A child process in its own process group with its output in a file; stop = SIGTERM then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LocalProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, **(self.env or {})})
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.returncode is not None:  # never started, or already stopped
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(tail_file(self.log_path, lines))
+
+
+def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> LocalProcess:
+    argv = node_agent_argv(python=sys.executable, kubeconfig=cp.kubeconfig, node="local-node", data_dir=data_dir,
+                           first_host=first_host)
+    agent = LocalProcess("node-agent", argv, data_dir / "node-agent.log").start()
+    wait_for(lambda: _node_ready(cp), timeout=60, what="the node to be Ready", context=agent.tail)
+    return agent
+
+
+def stop_node_agent(agent: LocalProcess, data_dir: Path) -> int:
+    """Stop the agent (it stops its pods); kill any pod process group it left. Returns how many it left."""
+    agent.stop()
+    return kill_pod_process_groups(data_dir)
+
+
+def _node_ready(cp) -> bool:
+    return node_is_ready(get_json(cp, "node", "local-node"))
+
+
+class OperatorProcess:
+    """`python -m rlfleet.operator` with the chart's ServiceAccount token, restartable."""
+
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, extra_args: tuple[str, ...] = ()):
+        self.kubeconfig, self.namespace, self.log_dir = kubeconfig, namespace, log_dir
+        self.extra_args = tuple(extra_args)
+        self.liveness_port = free_port()
+        self.metrics_port = free_port()
+        self.process: LocalProcess | None = None
+        self.starts = 0
+
+    def start(self, *peering: str) -> None:
+        """Start (stopping a running one first); `peering` replaces --standalone, e.g. ("--peering", "rlfleet")."""
+        self.stop()
+        self.starts += 1
+        self.process = LocalProcess("operator", [
+            sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
+            "--namespace", self.namespace, *(peering or ("--standalone",)),
+            "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args,
+        ], self.log_dir / f"operator-{self.starts}.log").start()
+        wait_for(self.alive, timeout=60, interval=0.5, what="the operator's liveness endpoint", context=self.tail)
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()
+
+    def alive(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def tail(self) -> str:
+        return self.process.tail() if self.process else ""
+
+
+def engine_pgid(pod_ip: str) -> int | None:
+    """The process group of the SGLang engine bound to pod_ip (found in /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        words = [w.decode(errors="replace") for w in argv]
+        if "sglang.launch_server" in words and pod_ip in words:
+            with contextlib.suppress(ProcessLookupError):
+                return os.getpgid(int(entry))
+    return None
+
+
+def http_json(url: str, timeout: float = 30) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
