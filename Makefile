@@ -9,7 +9,14 @@ setup:
 	scripts/setup.sh
 
 test: setup
+	$(MAKE) --no-print-directory lint
 	$(PYTEST) tests --durations=30
+
+# ruff, mypy and the layer contract (scripts/check_layers.py); `make test` runs them first.
+lint:
+	.venv/bin/ruff check .
+	$(PY) -m mypy
+	$(PY) -P scripts/check_layers.py
 
 test-unit: setup
 	$(PYTEST) tests/unit

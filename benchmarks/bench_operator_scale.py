@@ -82,8 +82,9 @@ def converged(cp: ControlPlane, fleets: int, slots: int) -> int:
 
 def naive_resync_pass(cp: ControlPlane, fleets: int) -> tuple[float, int]:
     """A list-per-reconcile controller's resync: LIST each fleet's pods, PATCH its status. (seconds, requests)"""
-    from rlfleet.kube.client import KubeClient, PODS, Resource
     import asyncio
+
+    from rlfleet.kube.client import PODS, KubeClient, Resource
 
     async def run() -> tuple[float, int]:
         async with await KubeClient.load(cp.kubeconfig) as kube:

@@ -5,8 +5,9 @@ the sampling temperature, weight version = the trainer's step) from inside the t
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from rlfleet.trainer import grpo
 from rlfleet.trainer.tasks import Problem, RewardFn

@@ -19,11 +19,11 @@ from pathlib import Path
 
 def run_one(args: argparse.Namespace, *, lr: float, group_size: int, prompts: int, seed: int, model_root: Path) -> dict:
     import torch
+    from local_rollout import SamplingSettings, greedy_scores, rollout_groups
     from transformers import AutoTokenizer
 
     from rlfleet.trainer import grpo
     from rlfleet.trainer.base import build_trainer
-    from local_rollout import SamplingSettings, greedy_scores, rollout_groups
     from rlfleet.trainer.tasks import ProblemStream, TaskSpec, eval_problems, load_reward_fn
     from rlfleet.trainer.tiny import ensure_tiny_model
 

@@ -24,7 +24,7 @@ DOCS_PATH = REPO_ROOT / "docs" / "api-reference.md"
 class _Dumper(yaml.SafeDumper):
     """Block style; long strings folded by yaml itself; no anchors."""
 
-    def ignore_aliases(self, data):  # noqa: D401 - yaml hook
+    def ignore_aliases(self, data):
         return True
 
 

@@ -6,7 +6,7 @@ derived from the counted fields when not given.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
@@ -38,7 +38,7 @@ Timestamp = Annotated[
 
 def now_rfc3339(clock: datetime | None = None) -> str:
     """A Kubernetes-style timestamp (UTC, seconds, Z)."""
-    return (clock or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (clock or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Condition(ApiModel):

@@ -27,10 +27,10 @@ import aiohttp
 
 from rlfleet.crds.specs import EngineSpec, RecoverySpec
 from rlfleet.orchestrator.evaluation.api import CheckpointEvalFn, EvalOutcome, EvalRequest, EvalSkip
+from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts
 from rlfleet.sglang.errors import CallError
-from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
-from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
 
 URL_ENV = "RLFLEET_EXTERNAL_EVAL_URL"
 

@@ -13,12 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec
-from rlfleet.crds.specs import EngineSpec
-from rlfleet.sglang.launch import build_engine_launch, build_router_args
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
-    API_VERSION,
-    GROUP,
     ANN_DEAD,
     ANN_DEAD_MESSAGE,
     ANN_FAILED_MESSAGE,
@@ -26,8 +21,10 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     ANN_MODEL_PATH,
     ANN_RESTARTS,
     ANN_WEIGHT_VERSION,
+    API_VERSION,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
+    GROUP,
     LABEL_CLIENT,
     LABEL_COMPONENT,
     LABEL_FLEET,
@@ -49,6 +46,9 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     router_name,
     trainer_pod_name,
 )
+from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec
+from rlfleet.crds.specs import EngineSpec
+from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
 TINY_MODEL = re.compile(r"^tiny://(?P<arch>llama|qwen2)(\?seed=(?P<seed>[0-9]{1,9}))?$")
 

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.kube.conditions import clip, condition, find, iso, parse_time
+from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, view_pod
 from rlfleet.operator import builders as b
-from rlfleet.kube.conditions import clip, condition, find, iso, parse_time, reason_word
-from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, pod_failure, view_pod
+
 
 @dataclass(frozen=True)
 class Event:

@@ -23,9 +23,9 @@ import time
 import kopf
 from pydantic import ValidationError
 
+from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
-from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.operator.reconcile import (
     Settings,
     compact_pod,
@@ -190,7 +190,7 @@ async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, 
                 requeue = await once()
                 errors = 0
                 metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="ok").inc()
-            except Exception as e:  # noqa: BLE001 - a level-based loop must outlive any one bad pass
+            except Exception as e:
                 requeue = ERROR_BACKOFF_S[min(errors, len(ERROR_BACKOFF_S) - 1)]
                 errors += 1
                 reason = f"api_{e.status}" if isinstance(e, ApiError) else type(e).__name__

@@ -13,15 +13,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.observability import metrics
-from rlfleet.operator import builders as b
-from rlfleet.operator.fleet_decide import (
-    Event,
-    FleetPlan,
-    decide_fleet_actions,
-    decide_network_policy,
-    decide_router_deployment,
-)
 from rlfleet.kube.client import (
     DEPLOYMENTS,
     EVENTS,
@@ -32,6 +23,15 @@ from rlfleet.kube.client import (
     ApiError,
     KubeClient,
     Resource,
+)
+from rlfleet.observability import metrics
+from rlfleet.operator import builders as b
+from rlfleet.operator.fleet_decide import (
+    Event,
+    FleetPlan,
+    decide_fleet_actions,
+    decide_network_policy,
+    decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
 from rlfleet.operator import builders as b
-from rlfleet.kube.conditions import condition, find, iso, is_true, reason_word
 from rlfleet.operator.fleet_decide import Event
 
 TERMINAL = ("Succeeded", "Failed")

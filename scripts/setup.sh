@@ -40,6 +40,22 @@ if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.heavy 2>/dev/null)" != "$heavy" 
   echo "import site; site.addsitedir('$heavysite')" > "$site/rlfleet-deps.pth"
   echo "$heavy" > .venv/.heavy
 fi
+# Linters and the type checker: small, pinned in requirements-dev.lock, cached apart from the heavy
+# environment so that changing one does not rebuild the other; layered into .venv like it.
+devhash=$( (cat requirements-dev.lock; echo "$pyver") | sha256sum | cut -c1-12)
+devtools="$CACHE/devtools-py$pyver-$devhash"
+if [ ! -f "$devtools/.complete" ]; then
+  step "building the lint environment in $devtools"
+  rm -rf "$devtools"
+  $PYTHON -m venv "$devtools"
+  "$devtools/bin/python" -m pip install --quiet --progress-bar off --no-deps -r requirements-dev.lock
+  touch "$devtools/.complete"
+fi
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+devsite=$("$devtools/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import site; site.addsitedir('$devsite')" > "$site/rlfleet-devtools.pth"
+ln -sf "$devtools/bin/ruff" .venv/bin/ruff
+
 step "installing rlfleet (editable) into .venv"
 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | grep -v '^$' || true
 

@@ -108,7 +108,7 @@ async def sglang_router(process_logs: Path, request: pytest.FixtureRequest) -> A
 
 
 @pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator["ControlPlane"]:  # noqa: F821
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:  # noqa: F821
     """A real etcd + kube-apiserver (RBAC) + kube-controller-manager on loopback, for the session.
 
     `control_plane.kubectl(...)`, `.kubeconfig` (admin), `.service_account_kubeconfig(ns, name)`.

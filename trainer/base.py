@@ -17,13 +17,14 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.trainer.hf_export import hf_state_for_save
-from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
 
 BACKENDS = ("torch", "megatron")
 

@@ -7,8 +7,9 @@ apart. Norms are separate modules in the local spec (`input_layernorm`, `pre_mlp
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -36,7 +37,7 @@ class Architecture:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> "Architecture":
+    def from_hf_config(cls, config: Mapping[str, Any]) -> Architecture:
         """Read a config.json dict; reject what the megatron local spec cannot express."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:

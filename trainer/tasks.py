@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 RewardFn = Callable[[str, str, str], float]
 DEFAULT_REWARD = "rlfleet.trainer.tasks:positional_match"
@@ -150,7 +150,7 @@ def load_task(task: str) -> Task:
     return Task(name=task, problems=lambda seed: (_as_problem(p, task) for p in factory(seed)), reward=reward)
 
 
-def _endless(stream: "ProblemStream") -> Iterator[Problem]:
+def _endless(stream: ProblemStream) -> Iterator[Problem]:
     while True:
         yield stream.next_problem()
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import random
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 HEALTHY_SEED = 2
 DEAD_SEED = 3
-HEALTHY_START = datetime(2026, 10, 22, 7, 16, 29, tzinfo=timezone.utc).timestamp()
-DEAD_START = datetime(2026, 10, 17, 21, 3, 30, 637000, tzinfo=timezone.utc).timestamp()
+HEALTHY_START = datetime(2026, 10, 22, 7, 16, 29, tzinfo=UTC).timestamp()
+DEAD_START = datetime(2026, 10, 17, 21, 3, 30, 637000, tzinfo=UTC).timestamp()
 
 
 def poisson_times(rng: random.Random, start: float, duration: float, rate: float) -> list[float]:
@@ -59,7 +59,7 @@ def dead_engine(rng: random.Random) -> list[float]:
 
 
 def iso(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def write(path: Path, lines: list[str]) -> None:

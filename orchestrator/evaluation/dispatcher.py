@@ -30,7 +30,6 @@ from typing import Protocol
 
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalRequest, EvalSkip
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.orchestrator.evaluation.policy import (
     UNUSABLE_SNAPSHOT_REASONS,
     Admission,
@@ -39,6 +38,7 @@ from rlfleet.orchestrator.evaluation.policy import (
     admit,
     is_eval_step,
 )
+from rlfleet.snapshot.format import SnapshotInvalid
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class EvalDispatcher:
             self.ledger.take(step, str(directory))
             try:
                 blocked, write = await self.exporter.start(step, directory)
-            except Exception as exc:  # noqa: BLE001 - a failed capture skips the point, never stops training
+            except Exception as exc:
                 log.exception("run %s: taking the weights of step %d for eval failed", self.run, step)
                 await self._retire(step, usable=False)
                 await self._record(EvalPoint(step=step, posture=self.evaluator.posture, skipped="export_failed",
@@ -222,7 +222,7 @@ class EvalDispatcher:
                     point.export_seconds = await asyncio.shield(write)
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     raise EvalSkip("export_failed", f"{type(exc).__name__}: {exc}") from exc
                 metrics.EVAL_EXPORT_DURATION.labels(run=self.run).observe(point.export_seconds)
             if directory is not None:
@@ -246,7 +246,7 @@ class EvalDispatcher:
         except asyncio.CancelledError:
             point.skipped, point.detail = "cancelled", "the run stopped before the point settled"
             raise
-        except Exception as exc:  # noqa: BLE001 - an evaluator's crash is a skip, never a training failure
+        except Exception as exc:
             log.exception("run %s: eval point %d crashed", self.run, step)
             point.skipped, point.detail = "crashed", f"{type(exc).__name__}: {exc}"
         finally:
@@ -308,7 +308,7 @@ class EvalDispatcher:
         if self._on_settled is not None:
             try:
                 self._on_settled(point)
-            except Exception:  # noqa: BLE001 - reporting must not break evaluation
+            except Exception:
                 log.exception("run %s: eval settle callback failed", self.run)
 
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import aiohttp
 
 from rlfleet.orchestrator.evaluation.api import EvalSkip
-from rlfleet.sglang.errors import CallError, ClientErrorStatus
 from rlfleet.orchestrator.evaluation.datasets import EvalDataset
 from rlfleet.orchestrator.evaluation.policy import DatasetScore, SampleOutcome, score_dataset
+from rlfleet.sglang.errors import CallError, ClientErrorStatus
 from rlfleet.sglang.http import call, expect_dict
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _outcome(dataset: EvalDataset, prompt: str, answer: str, body: dict) -> Samp
     text = body.get("text", "")
     try:
         reward: float | None = float(dataset.reward_fn(prompt, text, answer))
-    except Exception as exc:  # noqa: BLE001 - a failing reward scores 0 and is counted, like Miles' None reward
+    except Exception as exc:
         log.warning("dataset %s: reward function failed on %r: %s", dataset.name, prompt[:80], exc)
         reward = None
     tokens = meta.get("completion_tokens")

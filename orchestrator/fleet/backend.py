@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import RecoverySpec
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.policy.recovery import SlotView, crash_loop_message, plan_recovery
 
@@ -110,7 +110,7 @@ class DeathListeners:
         for listener in list(self._listeners):
             try:
                 result = listener(event)
-            except Exception:  # noqa: BLE001 - one bad listener must not block the others
+            except Exception:
                 log.exception("death listener failed for slot %d", event.slot)
                 continue
             if inspect.isawaitable(result):
@@ -365,7 +365,7 @@ class SlotFleetBackend(FleetBackend):
         self._set_state(rec, EngineState.STARTING)
         try:
             await self._launch(rec)
-        except Exception as exc:  # noqa: BLE001 - a failed launch is a failed start
+        except Exception as exc:
             await self.mark_dead(rec.slot, f"launch failed: {exc}", cause=DeathCause.STARTUP_FAILED,
                                  incarnation=rec.incarnation)
 

@@ -39,7 +39,6 @@ from typing import NamedTuple
 
 from rlfleet.crds.specs import HealthSpec
 
-
 # A loop stall of this many seconds or more is "the loop lagged"; past max(this, timeout) a timeout is void.
 LOOP_LAG_FLOOR_S = 1.0
 # Below this many probed engines, many timeouts at once are not taken for the prober's fault.

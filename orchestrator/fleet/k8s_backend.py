@@ -27,12 +27,12 @@ import logging
 import time
 from collections.abc import Callable
 
+from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.specs import RecoverySpec
-from rlfleet.crds import conventions
+from rlfleet.kube.client import PODS, ApiError, KubeClient, Resource, list_and_watch
 from rlfleet.kube.conditions import find
 from rlfleet.kube.pods import pod_failure, view_pod
-from rlfleet.kube.client import PODS, ApiError, KubeClient, Resource, list_and_watch
 from rlfleet.orchestrator.fleet.backend import (
     DeathCause,
     DeathEvent,

@@ -22,13 +22,13 @@ import aiohttp
 
 from rlfleet.crds.specs import EngineSpec, RecoverySpec
 from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState, SlotFleetBackend, SlotRecord
+from rlfleet.policy.recovery import engine_error_line
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
-from rlfleet.policy.recovery import engine_error_line
 from rlfleet.sglang.launch import build_engine_launch
+from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint
 from rlfleet.util.procs import ManagedProcess, shm_files_of_group
-from rlfleet.util.binaries import python_executable
 
 log = logging.getLogger(__name__)
 

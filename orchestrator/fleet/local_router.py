@@ -12,9 +12,9 @@ import aiohttp
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import call
 from rlfleet.sglang.launch import build_router_args
+from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint, free_port
 from rlfleet.util.procs import ManagedProcess
-from rlfleet.util.binaries import python_executable
 
 
 class RouterStartFailed(RuntimeError):

@@ -28,9 +28,8 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.sglang.errors import CallError, FailureKind
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.health import (
     LOOP_LAG_FLOOR_S,
     EngineHealth,
@@ -41,6 +40,7 @@ from rlfleet.orchestrator.fleet.health import (
     next_round,
     probe_loop_lag,
 )
+from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.probe import HealthProbeClient
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class HealthMonitor:
                 self._targets_due = next_round(self._origin, self.spec.interval_seconds, loop.time())
                 try:
                     self._sync_targets()
-                except Exception:  # noqa: BLE001 - keep probing the engines already known
+                except Exception:
                     log.exception("fleet %s: reading the engine list failed", self.fleet)
             now = loop.time()
             wake_at = self._targets_due
@@ -322,7 +322,7 @@ class HealthMonitor:
             try:
                 # The client bounds the probe by the timeout itself, with no task per probe.
                 probe = self.client.submit(target.url, self.spec.timeout_seconds)
-            except Exception as exc:  # noqa: BLE001 - e.g. a URL the client cannot probe: a failed probe
+            except Exception as exc:
                 probe = asyncio.get_running_loop().create_future()
                 probe.set_exception(exc)
         else:
@@ -439,5 +439,5 @@ class HealthMonitor:
     async def _report_dead(self, target: ProbeTarget, reason: str) -> None:
         try:
             await self._on_dead(target, reason)
-        except Exception:  # noqa: BLE001 - a failing callback must not stop monitoring
+        except Exception:
             log.exception("fleet %s: on_dead for slot %d failed", self.fleet, target.slot)

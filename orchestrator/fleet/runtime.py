@@ -18,14 +18,14 @@ import aiohttp
 
 from rlfleet.crds.specs import HealthSpec, HeatGuardSpec, WeightSyncSpec
 from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend
-from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
-from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, post_engine_action
-from rlfleet.orchestrator.guards.heat_sources import build_source
 from rlfleet.orchestrator.fleet.membership import RouterMembership
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
+from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
+from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, post_engine_action
+from rlfleet.orchestrator.guards.heat_sources import build_source
+from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
 from rlfleet.sglang.router import RouterClient, normalize_url
 from rlfleet.snapshot.format import SnapshotReference
-from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
 
 log = logging.getLogger(__name__)
 

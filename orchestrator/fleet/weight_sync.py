@@ -23,16 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import WeightSyncSpec
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, FleetBackend
-from rlfleet.sglang.engine import EngineClient, PauseMode
-from rlfleet.sglang.errors import CallError
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
 from rlfleet.orchestrator.fleet.membership import RouterMembership, VersionNotPinned
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor
-from rlfleet.snapshot.format import Manifest, SnapshotReference, validate_snapshot
+from rlfleet.sglang.engine import EngineClient, PauseMode
+from rlfleet.sglang.errors import CallError
+from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import HeatGuardSpec
-from rlfleet.sglang.engine import EngineClient
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.guards.heat_sources import TemperatureSource
+from rlfleet.sglang.engine import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class HeatGuardTask:
         loop = asyncio.get_running_loop()
         try:
             temps = await self.source.read()
-        except Exception as exc:  # noqa: BLE001 - a failed read is a round without readings
+        except Exception as exc:
             metrics.HEAT_GUARD_READ_ERRORS.labels(fleet=self.fleet, source=self.source.name).inc()
             log.warning("heat guard: cannot read temperatures from %s: %s", self.source.name, exc)
             temps = {}
@@ -226,7 +226,7 @@ class HeatGuardTask:
             self._on_pause(slot)
         try:
             await self._call_engine(url, decision.action)
-        except Exception as exc:  # noqa: BLE001 - retried on the next poll
+        except Exception as exc:
             if pausing and self._on_resume:
                 self._on_resume(slot)  # not paused after all
             metrics.HEAT_GUARD_ACTION_ERRORS.labels(fleet=self.fleet, slot=slot, action=decision.action.value).inc()

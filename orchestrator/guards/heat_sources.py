@@ -118,7 +118,7 @@ class NvmlSource:
 
     def __init__(self, slot_by_index: Mapping[int, str]):
         try:
-            import pynvml  # noqa: PLC0415 - optional: only nodes with an NVIDIA driver have it
+            import pynvml
         except ImportError as exc:
             raise TemperatureReadError("heat guard source nvml needs pynvml (nvidia-ml-py)") from exc
         self._nvml = pynvml

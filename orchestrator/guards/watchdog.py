@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import WatchdogSpec
+from rlfleet.observability import metrics
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,12 @@ class WatchdogTask:
         try:
             async with asyncio.timeout(self._recovery_timeout_s):
                 await self._recover()
-        except Exception as exc:  # noqa: BLE001 - a failed recovery is judged by can_serve below
+        except Exception as exc:
             log.error("watchdog recovery failed: %s", exc)
         try:
             async with asyncio.timeout(self._recovery_timeout_s):
                 serving = await self._can_serve()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.error("watchdog serve check failed: %s", exc)
             serving = False
         if serving:

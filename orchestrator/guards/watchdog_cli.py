@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from pydantic import ValidationError
 
@@ -70,7 +70,7 @@ def _fmt_stop(row: ReplayRow) -> str:
 
 
 def format_table(rows: list[ReplayRow], *, errors: int, first: float, last: float, spec: WatchdogSpec) -> str:
-    start = datetime.fromtimestamp(first, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    start = datetime.fromtimestamp(first, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     lines = [
         f"{errors} errors from {start} over {last - first:.0f} s; checks every {spec.check_interval_seconds} s "
         f"over the last {spec.window_seconds} s, limit {spec.limit}",

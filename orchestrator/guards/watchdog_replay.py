@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from rlfleet.crds.specs import WatchdogSpec
 from rlfleet.orchestrator.guards.watchdog import WatchdogRule
@@ -29,7 +29,7 @@ def parse_time(text: str) -> float:
     except ValueError:
         raise TraceError(f"not epoch seconds or an ISO-8601 time: {text!r}") from None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     return when.timestamp()
 
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from rlfleet.crds.loader import ManifestError, load_training_run, validate_object
-from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
 
 

@@ -24,13 +24,13 @@ import contextlib
 import logging
 from pathlib import Path
 
+from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRun
-from rlfleet.crds import conventions
 from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
-from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunLoop, RunOptions
 
 log = logging.getLogger(__name__)

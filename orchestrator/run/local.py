@@ -15,11 +15,11 @@ from pathlib import Path
 from rlfleet.crds.derive import rollout_engine
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.fleet.backend import EngineState
-from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter
-from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
+from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
 
 __all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
 

@@ -24,26 +24,26 @@ from pathlib import Path
 
 import aiohttp
 
-from rlfleet.observability import metrics
 from rlfleet.crds.derive import parse_tiny_model
 from rlfleet.crds.models import TrainingRun
-from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
-from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
-from rlfleet.snapshot.format import SnapshotInvalid
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.evaluation.run import EvalSetupError, RunEvaluation
+from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask
-from rlfleet.orchestrator.run.metrics_server import MetricsServer
-from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
-from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
-from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
-from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.util.procs import tail_file
-from rlfleet.util.binaries import CACHE_DIR
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
+from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
+from rlfleet.orchestrator.run.metrics_server import MetricsServer
+from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
+from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
+from rlfleet.util.binaries import CACHE_DIR
+from rlfleet.util.procs import tail_file
 
 log = logging.getLogger(__name__)
 

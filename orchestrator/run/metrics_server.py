@@ -28,7 +28,7 @@ class MetricsServer:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         # Port 0 asks the kernel for a free one: report what we got.
-        server = site._server  # noqa: SLF001 - aiohttp exposes the bound socket only here
+        server = site._server
         if server is not None and server.sockets:
             self.port = server.sockets[0].getsockname()[1]
         return f"http://{self.host}:{self.port}/metrics"

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from rlfleet.devcluster.node import DEFAULT_NODE, node_name_error
-from rlfleet.util.procs import group_pids, pod_process_groups, tail_file
 from rlfleet.util.binaries import CACHE_DIR, MissingTool, tool_path
+from rlfleet.util.procs import group_pids, pod_process_groups, tail_file
 
 DEFAULT_NAME = "dev"
 STATE_FILE = "state.json"

@@ -31,9 +31,9 @@ from pathlib import Path
 import yaml
 
 from rlfleet.devcluster.pki import ControlPlanePki, write_control_plane_pki
+from rlfleet.util.binaries import tool_path
 from rlfleet.util.ports import free_port
 from rlfleet.util.procs import GroupProcess
-from rlfleet.util.binaries import tool_path
 
 CONTROLLERS = (
     "garbage-collector-controller",

@@ -82,7 +82,7 @@ def write_control_plane_pki(directory: Path, admin_user: str = "rlfleet-admin") 
     """Generate every key and certificate into directory (mode 0700) and return their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     ca_key = _new_key()
     ca_name = _name("rlfleet-dev-cluster-ca")
@@ -137,7 +137,7 @@ def write_self_signed_serving(directory: Path, common_name: str, ips: tuple[str,
     """
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     key = _new_key()
     name = _name(common_name)
     san = x509.SubjectAlternativeName(

@@ -211,6 +211,6 @@ def exported_series(registry: CollectorRegistry) -> dict[str, frozenset[str]]:
 
 def _collectors(registry: CollectorRegistry) -> Iterator[object]:
     # The registry keeps its collectors in a private map; it has no public list of them.
-    with registry._lock:  # noqa: SLF001
-        collectors = list(registry._collector_to_names)  # noqa: SLF001
+    with registry._lock:
+        collectors = list(registry._collector_to_names)
     yield from collectors

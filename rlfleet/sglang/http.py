@@ -57,7 +57,7 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout
             text = await response.text(errors="replace")
             reply = Reply(status=response.status, text=text, elapsed_s=time.monotonic() - started,
                           headers=dict(response.headers), method=method, url=url)
-    except Exception as exc:  # noqa: BLE001 - every transport failure is classified below
+    except Exception as exc:
         kind = classify_exception(exc)
         if kind is None:
             raise

@@ -11,9 +11,10 @@ import fnmatch
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from rlfleet.snapshot.format import MARKER_NAME, finalize_snapshot
 

@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
-
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 

@@ -11,7 +11,6 @@ import json
 
 import pytest
 
-from rlfleet.operator import builders as b
 from helpers.cluster import (
     OPERATOR_SA,
     SYSTEM_NS,
@@ -21,6 +20,7 @@ from helpers.cluster import (
     get_json,
     wait_for,
 )
+from rlfleet.operator import builders as b
 
 pytestmark = [pytest.mark.cluster]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.devcluster.control_plane import ControlPlane
-from rlfleet.util.procs import pod_process_groups
 from helpers.cluster import get_json, start_node_agent, stop_node_agent, wait_for
+from rlfleet.devcluster.control_plane import ControlPlane
 from rlfleet.util.binaries import tool_path
+from rlfleet.util.procs import pod_process_groups
 
 pytestmark = pytest.mark.cluster
 

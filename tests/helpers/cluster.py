@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.devcluster.node import node_agent_argv, node_is_ready
+from rlfleet.util.binaries import tool_path
 from rlfleet.util.ports import free_port
 from rlfleet.util.procs import group_alive, kill_pod_process_groups, tail_file
-from rlfleet.util.binaries import tool_path
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "rlfleet"

@@ -46,7 +46,7 @@ async def test_engine_dying_at_startup_fails_the_run_after_the_budget(tmp_path):
     assert [event.incarnation for event in deaths] == [1, 2, 3]
     # The engine's own error line, its exit code and log lines are in the reason.
     assert error.exit_code == 1
-    assert f"engine error: OSError: Repo id must be in the form" in str(error) and str(missing) in str(error)
+    assert "engine error: OSError: Repo id must be in the form" in str(error) and str(missing) in str(error)
     assert "incarnation-3.log" in str(error)
     # Nothing beyond the engines' own lives and the backoff schedule (plus process bookkeeping).
     assert 0 <= overhead < 3.0

@@ -25,13 +25,12 @@ from safetensors.numpy import load_file, save_file
 
 from rlfleet.crds.specs import EngineSpec, HealthSpec, HeatGuardSpec, RecoverySpec, WeightSyncSpec
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState
-from rlfleet.sglang.errors import CallError
-from rlfleet.snapshot.format import SnapshotInvalid
-from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.health import hang_detection_bound
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter
-from rlfleet.snapshot.format import finalize_snapshot, snapshot_dir_for
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.sglang.errors import CallError
+from rlfleet.snapshot.format import SnapshotInvalid, finalize_snapshot, snapshot_dir_for
 from rlfleet.util.procs import group_alive
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]

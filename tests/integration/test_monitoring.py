@@ -15,16 +15,16 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
-from rlfleet.observability import monitoring
 from rlfleet.crds.specs import HealthSpec, WatchdogSpec
-from rlfleet.sglang.engine import EngineClient
-from rlfleet.orchestrator.run.metrics_server import MetricsServer
+from rlfleet.observability import monitoring
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
-from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
+from rlfleet.orchestrator.run.metrics_server import MetricsServer
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.util.binaries import tool_path
 from rlfleet.util.ports import allocate_endpoint, free_port
 from rlfleet.util.procs import ManagedProcess
-from rlfleet.util.binaries import tool_path
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
@@ -228,7 +228,7 @@ async def _nothing_to_recreate() -> None:
 async def _serves(engine: EngineClient) -> bool:
     try:
         await engine.health_generate(2)
-    except Exception:  # noqa: BLE001 - any failure means it does not serve
+    except Exception:
         return False
     return True
 

@@ -6,12 +6,12 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
+from helpers.engines import LocalEngine
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.sglang.errors import ConnectionRefused
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
+from rlfleet.sglang.errors import ConnectionRefused
 from rlfleet.sglang.probe import HealthProbeClient
 from rlfleet.util.ports import allocate_endpoint
-from helpers.engines import LocalEngine
 
 pytestmark = pytest.mark.engines
 

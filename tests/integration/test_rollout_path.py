@@ -12,11 +12,11 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.crds.specs import WatchdogSpec
-from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
-from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.util.procs import tail_file
 from helpers.engines import StartupFailed, start_engine
+from rlfleet.crds.specs import WatchdogSpec
+from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
+from rlfleet.util.procs import tail_file
 
 pytestmark = pytest.mark.engines
 

@@ -17,15 +17,13 @@ PROMPT = {"text": "Hello", "sampling_params": {"max_new_tokens": 16, "temperatur
 
 
 async def _post(url: str, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
-        async with session.post(url, json=body) as response:
-            return response.status, await response.json(content_type=None)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session, session.post(url, json=body) as response:
+        return response.status, await response.json(content_type=None)
 
 
 async def _get(url: str) -> tuple[int, dict]:
-    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session:
-        async with session.get(url) as response:
-            return response.status, await response.json(content_type=None)
+    async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as session, session.get(url) as response:
+        return response.status, await response.json(content_type=None)
 
 
 async def _greedy(url: str) -> dict:

@@ -2,9 +2,9 @@
 import pytest
 from pydantic import ValidationError
 
+from rlfleet.crds.specs import EngineSpec
 from rlfleet.operator import builders as b
 from rlfleet.sglang.launch import build_engine_launch
-from rlfleet.crds.specs import EngineSpec
 
 
 def fleet(**spec):

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from rlfleet.orchestrator.fleet.membership import plan_membership
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import (
     CallTimeout,
@@ -26,7 +27,6 @@ from rlfleet.sglang.errors import (
     classify_status,
 )
 from rlfleet.sglang.http import call
-from rlfleet.orchestrator.fleet.membership import plan_membership
 from rlfleet.sglang.router import RouterWorker, parse_workers
 
 
@@ -43,7 +43,7 @@ async def http_server():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         runners.append(runner)
-        port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - the bound port
+        port = site._server.sockets[0].getsockname()[1]
         return f"http://127.0.0.1:{port}"
 
     yield start

@@ -1,7 +1,7 @@
 """Status models: the short text the kubectl columns show, and timestamps."""
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from pydantic import ValidationError
@@ -32,5 +32,5 @@ def test_condition_times_and_reasons_are_checked():
 
 
 def test_now_is_a_kubernetes_timestamp():
-    assert now_rfc3339(datetime(2026, 1, 2, 3, 4, 5, 999, tzinfo=timezone.utc)) == "2026-01-02T03:04:05Z"
+    assert now_rfc3339(datetime(2026, 1, 2, 3, 4, 5, 999, tzinfo=UTC)) == "2026-01-02T03:04:05Z"
     assert now_rfc3339().endswith("Z")

@@ -75,7 +75,7 @@ def test_dashboard_is_importable_by_the_grafana_sidecar(path):
     assert "id" not in board or board["id"] is None, "a fixed dashboard id clashes on import"
     variables = {v["name"]: v for v in board["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    panels = list(monitoring._panels(board["panels"]))  # noqa: SLF001
+    panels = list(monitoring._panels(board["panels"]))
     assert len({p["id"] for p in panels}) == len(panels), "panel ids must be unique"
     for panel in panels:
         if panel["type"] == "row":
@@ -84,7 +84,7 @@ def test_dashboard_is_importable_by_the_grafana_sidecar(path):
         assert panel.get("description"), f"{panel['title']}: say what the panel shows"
         assert panel["targets"] and all(t["refId"] for t in panel["targets"]), panel["title"]
         grid = panel["gridPos"]
-        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
 
 
 # --- the lexer ----------------------------------------------------------------------------------------

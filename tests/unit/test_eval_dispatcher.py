@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalSkip
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.orchestrator.evaluation.dispatcher import EvalDispatcher
 from rlfleet.orchestrator.evaluation.policy import DatasetScore
+from rlfleet.snapshot.format import SnapshotInvalid
 
 pytestmark = pytest.mark.looptime
 

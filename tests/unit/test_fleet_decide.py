@@ -6,8 +6,8 @@ replayed here by feeding each plan's status into the next call, as the operator 
 import pytest
 
 from rlfleet.crds.fleet_specs import FleetSpec
-from rlfleet.operator import builders as b
 from rlfleet.kube.conditions import find, iso
+from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import backoff_s, decide_fleet_actions
 
 T0 = 1_700_000_000.0

@@ -14,7 +14,7 @@ def test_names_follow_the_rules():
     found = defined_metrics()
     assert found, "rlfleet.observability.metrics defines no metric"
     for attribute, metric in found.items():
-        name = metric._name  # noqa: SLF001 - prometheus_client keeps the base name here
+        name = metric._name
         assert name.startswith("rlfleet_"), attribute
         if isinstance(metric, Counter):
             # prometheus_client strips _total from the base name and adds it back on export.

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from rlfleet.observability import metrics
 from rlfleet.crds.specs import HealthSpec
-from rlfleet.sglang.errors import ConnectionRefused, ServiceUnavailable
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.health import hang_detection_bound
 from rlfleet.orchestrator.fleet.monitor import REFUSAL_GRACE_S, HealthMonitor, ProbeTarget
+from rlfleet.sglang.errors import ConnectionRefused, ServiceUnavailable
 
 pytestmark = pytest.mark.looptime
 

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from rlfleet.sglang.errors import CallError, FailureKind, error_for
 from rlfleet.orchestrator.rollout.client import (
     DuplicateDelivery,
     GiveUp,
@@ -20,6 +19,7 @@ from rlfleet.orchestrator.rollout.client import (
     is_retryable,
     next_step,
 )
+from rlfleet.sglang.errors import CallError, FailureKind, error_for
 
 K = FailureKind
 ANSWER = {"text": "hi", "meta_info": {"id": "s", "finish_reason": {"type": "length", "length": 2}}}
@@ -53,7 +53,7 @@ def test_backoff_is_exponential_with_full_jitter_and_capped():
     rng = random.Random(0)
     for attempt, cap in [(1, 0.5), (2, 1), (3, 2), (4, 4), (5, 4), (9, 4)]:
         delays = [next_step(policy, attempt, err(K.UNAVAILABLE, 503), 0, rng).delay_s for _ in range(200)]
-        assert 0 <= min(delays) and max(delays) <= cap
+        assert min(delays) >= 0 and max(delays) <= cap
         assert max(delays) > 0.8 * cap  # jitter covers the range, not a fixed sleep
         assert len(set(delays)) > 150
 

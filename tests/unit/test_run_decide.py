@@ -1,6 +1,6 @@
 """The TrainingRun decision: children to create, fleet spec sync, phase and conditions from the children."""
-from rlfleet.operator import builders as b
 from rlfleet.kube.conditions import find
+from rlfleet.operator import builders as b
 from rlfleet.operator.run_decide import RunChildren, decide_run
 
 T0 = 1_700_000_000.0

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.snapshot.format import (
     MANIFEST_NAME,
     MARKER_NAME,
+    SnapshotInvalid,
     SnapshotReference,
     finalize_snapshot,
     read_safetensors_header,

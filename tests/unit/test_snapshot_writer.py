@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from rlfleet.snapshot.format import MANIFEST_NAME, MARKER_NAME, validate_snapshot
-from rlfleet.trainer.base import TrainerOptions, build_trainer
 from rlfleet.snapshot.writer import (
     WEIGHTS_INDEX_NAME,
     ExportState,
@@ -17,6 +16,7 @@ from rlfleet.snapshot.writer import (
     shard_plan,
     write_hf_snapshot,
 )
+from rlfleet.trainer.base import TrainerOptions, build_trainer
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4, "vocab_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "intermediate_size": 8}

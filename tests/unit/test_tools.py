@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.util import binaries as tools
 from rlfleet.devcluster.control_plane import ControlPlane
+from rlfleet.util import binaries as tools
 from rlfleet.util.binaries import MissingTool, tool_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlfleet.trainer import grpo
 from helpers.engines import on_policy_batch
+from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 
 PROMPT = list(b"abc=")

@@ -41,5 +41,5 @@ class ExternalEvaluator:
             result = self.fn.dispose()
             if inspect.isawaitable(result):
                 await result
-        except Exception:  # noqa: BLE001 - a failing dispose must not hide the run's own outcome
+        except Exception:
             log.exception("%s.dispose() failed", type(self.fn).__name__)

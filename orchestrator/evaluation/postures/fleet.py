@@ -27,14 +27,14 @@ from pathlib import Path
 import aiohttp
 
 from rlfleet.crds.eval_specs import EvalSpec
-from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineState
 from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalRequest, EvalSkip
-from rlfleet.sglang.errors import CallError
-from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
-from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.sglang.http import call, expect_dict
+from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineState
+from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.orchestrator.fleet.membership import VersionNotPinned
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.sglang.errors import CallError
+from rlfleet.sglang.http import call, expect_dict
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from typing import Protocol
 
 import aiohttp
 
-from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalRequest, EvalSkip
-from rlfleet.sglang.errors import CallError
 from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
+from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.sglang.errors import CallError
 
 log = logging.getLogger(__name__)
 

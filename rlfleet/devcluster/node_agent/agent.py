@@ -36,6 +36,8 @@ import yaml
 
 from rlfleet.devcluster.node_agent import plan
 from rlfleet.devcluster.node_agent.container_logs import LogRequestError, log_dir_name
+from rlfleet.devcluster.node_agent.log_server import ContainerLogSource, LogServer, server_ssl_context
+from rlfleet.devcluster.pki import write_self_signed_serving
 from rlfleet.kube.client import (
     CONFIGMAPS,
     NODES,
@@ -46,10 +48,7 @@ from rlfleet.kube.client import (
     KubeClient,
     list_and_watch,
 )
-from rlfleet.devcluster.node_agent.log_server import ContainerLogSource, LogServer, server_ssl_context
-from rlfleet.devcluster.pki import write_self_signed_serving
-from rlfleet.util.procs import ManagedProcess, tail_file
-from rlfleet.util.procs import mapped_shm_files
+from rlfleet.util.procs import ManagedProcess, mapped_shm_files, tail_file
 
 log = logging.getLogger("rlfleet.node_agent")
 
@@ -124,7 +123,7 @@ class PodWorker:
                     # always release a deleted pod object, even when stopping went wrong.
                     try:
                         await asyncio.shield(self._stop_all())
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         log.exception("stopping pod %s/%s", self.namespace, self.name)
                     if self.deleting.is_set():
                         await self._finish_deletion()
