@@ -81,7 +81,10 @@ def imports_of(module: str, path: Path, is_package: bool) -> list[Import]:
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or isinstance(child, ast.If) and _type_checking(child):
+            # Imports inside functions or `if TYPE_CHECKING:` still count for the layers, not for cycles.
+            deferred = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+                isinstance(child, ast.If) and _type_checking(child))
+            if deferred:
                 visit(child, False)
             elif isinstance(child, ast.Import):
                 found.extend(Import(module, a.name, child.lineno, top) for a in child.names)
@@ -162,6 +165,13 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return result
 
 
+def _shown(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
 def check(root: Path, layers: list[str] = LAYERS, forbidden: list[tuple[str, str]] = FORBIDDEN) -> list[str]:
     """Every broken rule, as one line each naming the file and line; empty when the contract is kept."""
     rank: dict[str, int] = {}
@@ -171,16 +181,24 @@ def check(root: Path, layers: list[str] = LAYERS, forbidden: list[tuple[str, str
     components = list(rank)
     modules = modules_under(root)
     problems: list[str] = []
+    seen: set[str] = set()
+
+    def report(problem: str) -> None:
+        if problem not in seen:
+            seen.add(problem)
+            problems.append(problem)
+
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
         src = component_of(module, components)
         if src is None and module not in UNLAYERED:
-            problems.append(f"{module}: belongs to no layer (add its package to LAYERS)")
+            report(f"{module}: belongs to no layer (add its package to LAYERS)")
+        where = _shown(path, root)
         for imp in imports_of(module, path, path.name == "__init__.py"):
             for bad_src, bad_dst in forbidden:
                 if (module == bad_src or module.startswith(bad_src + ".")) and (
                         imp.imported == bad_dst or imp.imported.startswith(bad_dst + ".")):
-                    problems.append(f"{path}:{imp.line}: {module} must not import {imp.imported}")
+                    report(f"{where}:{imp.line}: {module} must not import {imp.imported}")
             target = resolve(imp.imported, modules) if imp.imported.startswith("rlfleet") else None
             if target is None or target == module:
                 continue
@@ -190,13 +208,11 @@ def check(root: Path, layers: list[str] = LAYERS, forbidden: list[tuple[str, str
             if src is None or dst is None or src == dst:
                 continue
             if rank[dst] > rank[src]:
-                problems.append(f"{path}:{imp.line}: {module} (layer {src}) imports {target} from the higher "
-                                f"layer {dst}")
+                report(f"{where}:{imp.line}: {module} (layer {src}) imports {target} from the higher layer {dst}")
             elif rank[dst] == rank[src]:
-                problems.append(f"{path}:{imp.line}: {module} imports {target}, but {src} and {dst} are "
-                                f"independent")
+                report(f"{where}:{imp.line}: {module} imports {target}, but {src} and {dst} are independent")
     for cycle in _cycles(edges):
-        problems.append("import cycle: " + " -> ".join(cycle + cycle[:1]))
+        report("import cycle: " + " -> ".join(cycle + cycle[:1]))
     return problems
 
 
