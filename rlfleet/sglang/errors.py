@@ -1,4 +1,4 @@
-"""Classified failures of calls to engines and the router, and the orchestrator's own errors.
+"""Classified failures of calls to engines and the router (one kind per way a call can fail).
 
 Callers decide what a failure means from its kind (an engine that refuses connections is gone; a
 503 is a busy or paused engine; a 400 is our bug or bad input), so every client raises a CallError
