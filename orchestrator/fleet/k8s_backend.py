@@ -30,7 +30,7 @@ from collections.abc import Callable
 from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.specs import RecoverySpec
-from rlfleet.kube.client import PODS, ApiError, KubeClient, Resource, list_and_watch
+from rlfleet.kube.client import PODS, ApiError, KubeClient, list_and_watch, rlfleet_resource
 from rlfleet.kube.conditions import find
 from rlfleet.kube.pods import pod_failure, view_pod
 from rlfleet.orchestrator.fleet.backend import (
@@ -47,7 +47,6 @@ from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 
 log = logging.getLogger(__name__)
 
-PLURALS = {"RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
 WATCH_READY_TIMEOUT_S = 30.0
 
 
@@ -119,7 +118,7 @@ class KubernetesBackend(FleetBackend):
         self.min_ready = min_ready
         self.recovery = recovery
         self.port = port
-        self._fleet_res = Resource(conventions.GROUP, "v1alpha1", PLURALS[kind])
+        self._fleet_res = rlfleet_resource(kind)
         self._pods: dict[int, dict] = {}
         self._status: dict = {}
         self._marked: dict[int, int] = {}  # slot -> incarnation marked dead here
@@ -138,7 +137,7 @@ class KubernetesBackend(FleetBackend):
     async def connect(cls, kube: KubeClient, *, namespace: str, fleet: str, kind: str = "RolloutFleet"
                       ) -> KubernetesBackend:
         """A backend for an existing fleet, its settings read from the fleet object."""
-        obj = await kube.get(Resource(conventions.GROUP, "v1alpha1", PLURALS[kind]), fleet, namespace)
+        obj = await kube.get(rlfleet_resource(kind), fleet, namespace)
         spec = FleetSpec.model_validate(obj["spec"])
         return cls(kube, namespace=namespace, fleet=fleet, kind=kind, replicas=spec.replicas,
                    min_ready=spec.min_ready_engines, recovery=spec.recovery, port=spec.engine.port)
@@ -352,7 +351,7 @@ def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -
     return ready[0] if ready else None
 
 
-TRAININGRUNS = Resource(conventions.GROUP, "v1alpha1", "trainingruns")
+TRAININGRUNS = rlfleet_resource("TrainingRun")
 # The TrainingRun status fields the orchestrator owns; the operator writes the others.
 ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval")
 
@@ -383,7 +382,7 @@ async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, mo
                              kind: str = "RolloutFleet") -> None:
     """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
     patch = {"metadata": {"annotations": {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}}}
-    await kube.merge_patch(Resource(conventions.GROUP, "v1alpha1", PLURALS[kind]), fleet, patch, namespace)
+    await kube.merge_patch(rlfleet_resource(kind), fleet, patch, namespace)
 
 
 FLEET_POLL_S = 2.0
@@ -396,7 +395,7 @@ async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: st
     Returns the backend (not started), the router URL and the fleet object. The trainer pod starts
     beside the fleets it drives, so both may still be coming up.
     """
-    res = Resource(conventions.GROUP, "v1alpha1", PLURALS[kind])
+    res = rlfleet_resource(kind)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     waiting_for = f"{kind} {fleet}"

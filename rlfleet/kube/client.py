@@ -24,6 +24,8 @@ from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from rlfleet.crds import conventions
+
 DEFAULT_TIMEOUT_S = 30.0
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -86,6 +88,11 @@ SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
 NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
+
+
+def rlfleet_resource(kind: str) -> Resource:
+    """The API resource of one of rlfleet's kinds (TrainingRun, RolloutFleet, EvalFleet)."""
+    return Resource(conventions.GROUP, conventions.VERSION, conventions.PLURALS[kind])
 
 
 class KubeClient:
