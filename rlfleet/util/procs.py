@@ -11,6 +11,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import time
 from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,10 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the parent dies (even by SIGKILL), so a killed test
     run or supervisor cannot leave its process groups behind (they run in sessions of their own)."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# How long a stopped group's SIGKILLed children may take to go before we stop waiting for them.
+GROUP_EXIT_TIMEOUT_S = 10.0
 
 
 class _ProcessGroup:
@@ -201,7 +206,8 @@ class GroupProcess(_ProcessGroup):
             self.proc = subprocess.Popen(self.argv, **options)
 
     def stop(self, grace_s: float = 8.0) -> int | None:
-        """SIGTERM the group, SIGKILL it after grace_s; always reaps. Safe to call twice."""
+        """SIGTERM the group, SIGKILL it after grace_s; always reaps, and waits (bounded) until no process
+        of the group is left. Safe to call twice."""
         if self.proc is None:
             return None
         try:
@@ -211,6 +217,9 @@ class GroupProcess(_ProcessGroup):
         finally:
             self._kill()
             self.proc.wait()
+            deadline = time.monotonic() + GROUP_EXIT_TIMEOUT_S
+            while group_pids(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)  # SIGKILLed children take a moment to go
         return self.proc.returncode
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Any
 from rlfleet.devcluster.node import node_agent_argv, node_is_ready
 from rlfleet.util.binaries import tool_path
 from rlfleet.util.ports import free_port
-from rlfleet.util.procs import group_alive, kill_pod_process_groups, tail_file
+from rlfleet.util.procs import GroupProcess, kill_pod_process_groups
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
@@ -71,56 +70,19 @@ def chart_installed(cp, namespace: str):
         helm(cp, "uninstall", "rlfleet", "-n", SYSTEM_NS)
 
 
-class LocalProcess:
-    """A child process in its own process group with its output in a file; stop = SIGTERM then SIGKILL."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.name, self.argv, self.log_path = name, argv, log_path
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> LocalProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, **(self.env or {})})
-        return self
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, grace_s: float = 30.0) -> None:
-        if self.proc is None or self.proc.returncode is not None:  # never started, or already stopped
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        deadline = time.monotonic() + 10
-        while group_alive(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(tail_file(self.log_path, lines))
-
-
-def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> LocalProcess:
+def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> GroupProcess:
     argv = node_agent_argv(python=sys.executable, kubeconfig=cp.kubeconfig, node="local-node", data_dir=data_dir,
                            first_host=first_host)
-    agent = LocalProcess("node-agent", argv, data_dir / "node-agent.log").start()
-    wait_for(lambda: _node_ready(cp), timeout=60, what="the node to be Ready", context=agent.tail)
+    agent = GroupProcess("node-agent", argv, log_path=data_dir / "node-agent.log")
+    agent.start()
+    wait_for(lambda: _node_ready(cp), timeout=60, what="the node to be Ready",
+             context=lambda: "\n".join(agent.tail(40)))
     return agent
 
 
-def stop_node_agent(agent: LocalProcess, data_dir: Path) -> int:
+def stop_node_agent(agent: GroupProcess, data_dir: Path) -> int:
     """Stop the agent (it stops its pods); kill any pod process group it left. Returns how many it left."""
-    agent.stop()
+    agent.stop(grace_s=30.0)
     return kill_pod_process_groups(data_dir)
 
 
@@ -136,24 +98,25 @@ class OperatorProcess:
         self.extra_args = tuple(extra_args)
         self.liveness_port = free_port()
         self.metrics_port = free_port()
-        self.process: LocalProcess | None = None
+        self.process: GroupProcess | None = None
         self.starts = 0
 
     def start(self, *peering: str) -> None:
         """Start (stopping a running one first); `peering` replaces --standalone, e.g. ("--peering", "rlfleet")."""
         self.stop()
         self.starts += 1
-        self.process = LocalProcess("operator", [
+        self.process = GroupProcess("operator", [
             sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
             "--namespace", self.namespace, *(peering or ("--standalone",)),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args,
-        ], self.log_dir / f"operator-{self.starts}.log").start()
+        ], log_path=self.log_dir / f"operator-{self.starts}.log")
+        self.process.start()
         wait_for(self.alive, timeout=60, interval=0.5, what="the operator's liveness endpoint", context=self.tail)
 
     def stop(self) -> None:
         if self.process:
-            self.process.stop()
+            self.process.stop(grace_s=30.0)
 
     def alive(self) -> bool:
         try:
@@ -167,7 +130,7 @@ class OperatorProcess:
             return r.read().decode()
 
     def tail(self) -> str:
-        return self.process.tail() if self.process else ""
+        return "\n".join(self.process.tail(40)) if self.process else ""
 
 
 def engine_pgid(pod_ip: str) -> int | None:

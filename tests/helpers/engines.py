@@ -21,12 +21,18 @@ from rlfleet.crds.specs import EngineSpec
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint, free_port
-from rlfleet.util.procs import ManagedProcess, group_pids, list_shm, mapped_shm_files, orphaned_semaphores
+from rlfleet.util.procs import (
+    GROUP_EXIT_TIMEOUT_S,
+    ManagedProcess,
+    group_pids,
+    list_shm,
+    mapped_shm_files,
+    orphaned_semaphores,
+)
 
 ENGINE_READY_TIMEOUT_S = 300.0  # 25-60 s alone; much longer while other engines compile or load
 ROUTER_READY_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 10.0
-GROUP_EXIT_TIMEOUT_S = 10.0
 
 
 _serial = itertools.count(1)
