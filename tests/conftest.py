@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from helpers.engines import LocalEngine, LocalProcesses, LocalRouter
+from helpers.engines import EngineProcess, LocalProcesses, RouterProcess
 from rlfleet.util.binaries import CACHE_DIR
 
 TESTS_DIR = Path(__file__).parent
@@ -48,10 +48,10 @@ class EngineFactory:
         self._processes = processes
         self._default_model = default_model
 
-    async def start(self, model_path: Path | str | None = None, **kwargs) -> LocalEngine:
+    async def start(self, model_path: Path | str | None = None, **kwargs) -> EngineProcess:
         return await self._processes.engine(model_path or self._default_model, **kwargs)
 
-    async def start_many(self, count: int, model_path: Path | str | None = None, **kwargs) -> list[LocalEngine]:
+    async def start_many(self, count: int, model_path: Path | str | None = None, **kwargs) -> list[EngineProcess]:
         return await self._processes.engines_many(model_path or self._default_model, count, **kwargs)
 
 
@@ -61,7 +61,7 @@ class RouterFactory:
     def __init__(self, processes: LocalProcesses):
         self._processes = processes
 
-    async def start(self, **kwargs) -> LocalRouter:
+    async def start(self, **kwargs) -> RouterProcess:
         return await self._processes.router(**kwargs)
 
 
@@ -72,7 +72,7 @@ async def shared_processes(process_logs: Path) -> AsyncIterator[LocalProcesses]:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def shared_engine(shared_processes: LocalProcesses, tiny_model: Path) -> LocalEngine:
+async def shared_engine(shared_processes: LocalProcesses, tiny_model: Path) -> EngineProcess:
     """One engine serving the tiny model at weight version "0", shared by the whole session.
 
     A test that loads other weights into it must load the tiny model back (version "0") before it ends.

@@ -80,7 +80,7 @@ def _failure_message(process: ManagedProcess, what: str) -> str:
 
 
 @dataclass
-class LocalEngine:
+class EngineProcess:
     """One running SGLang engine process group."""
 
     name: str
@@ -117,7 +117,7 @@ class LocalEngine:
 
 
 @dataclass
-class LocalRouter:
+class RouterProcess:
     """One running sglang-router process."""
 
     name: str
@@ -156,7 +156,7 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
 async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: str | None = None,
                        weight_version: str = "0", extra_args: tuple[str, ...] = (),
                        max_total_tokens: int | None = None,
-                       ready_timeout_s: float = ENGINE_READY_TIMEOUT_S) -> LocalEngine:
+                       ready_timeout_s: float = ENGINE_READY_TIMEOUT_S) -> EngineProcess:
     """Start one real SGLang CPU engine on its own loopback address and wait until it generates."""
     name = name or f"engine-{next(_serial)}"
     host, port = allocate_endpoint()
@@ -169,7 +169,7 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
         # Not the repository root: `python -m` puts the working directory on sys.path.
         cwd=str(log_dir), die_with_parent=True,
     )
-    engine = LocalEngine(name=name, host=host, port=port, model_path=str(model_path),
+    engine = EngineProcess(name=name, host=host, port=port, model_path=str(model_path),
                          weight_version=weight_version, process=process, shm_before=frozenset(list_shm()))
     await process.start()
     try:
@@ -183,7 +183,7 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
 
 async def start_router(*, log_dir: Path, name: str | None = None, health_interval_s: int = 2,
                        health_failure_threshold: int = 2,
-                       ready_timeout_s: float = ROUTER_READY_TIMEOUT_S) -> LocalRouter:
+                       ready_timeout_s: float = ROUTER_READY_TIMEOUT_S) -> RouterProcess:
     """Start a real sglang-router with no workers and wait until GET /health answers."""
     name = name or f"router-{next(_serial)}"
     host, port = allocate_endpoint()
@@ -193,7 +193,7 @@ async def start_router(*, log_dir: Path, name: str | None = None, health_interva
     log_dir.mkdir(parents=True, exist_ok=True)
     process = ManagedProcess(name, [python_executable(), *args], log_path=log_dir / f"{name}.log",
                              env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir), die_with_parent=True)
-    router = LocalRouter(name=name, host=host, port=port, metrics_port=metrics_port, process=process)
+    router = RouterProcess(name=name, host=host, port=port, metrics_port=metrics_port, process=process)
     await process.start()
     try:
         router.startup_s = await wait_until_ready(f"{router.url}/health", process, timeout_s=ready_timeout_s)
@@ -208,26 +208,26 @@ class LocalProcesses:
 
     def __init__(self, log_dir: Path):
         self.log_dir = Path(log_dir)
-        self.engines: list[LocalEngine] = []
-        self.routers: list[LocalRouter] = []
+        self.engines: list[EngineProcess] = []
+        self.routers: list[RouterProcess] = []
 
-    async def engine(self, model_path: str | os.PathLike, **kwargs) -> LocalEngine:
+    async def engine(self, model_path: str | os.PathLike, **kwargs) -> EngineProcess:
         engine = await start_engine(model_path, log_dir=self.log_dir, **kwargs)
         self.engines.append(engine)
         return engine
 
-    async def engines_many(self, model_path: str | os.PathLike, count: int, **kwargs) -> list[LocalEngine]:
+    async def engines_many(self, model_path: str | os.PathLike, count: int, **kwargs) -> list[EngineProcess]:
         """Start count engines concurrently (all or nothing)."""
         results = await asyncio.gather(*(start_engine(model_path, log_dir=self.log_dir, **kwargs) for _ in range(count)),
                                        return_exceptions=True)
-        started = [r for r in results if isinstance(r, LocalEngine)]
+        started = [r for r in results if isinstance(r, EngineProcess)]
         self.engines.extend(started)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise failures[0]
         return started
 
-    async def router(self, **kwargs) -> LocalRouter:
+    async def router(self, **kwargs) -> RouterProcess:
         router = await start_router(log_dir=self.log_dir, **kwargs)
         self.routers.append(router)
         return router

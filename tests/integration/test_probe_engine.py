@@ -6,7 +6,7 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
-from helpers.engines import LocalEngine
+from helpers.engines import EngineProcess
 from rlfleet.crds.specs import HealthSpec
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.sglang.errors import ConnectionRefused
@@ -21,7 +21,7 @@ PROBE_TIMEOUT_S = 30.0
 UVICORN_KEEP_ALIVE_S = 5.0  # SGLANG_TIMEOUT_KEEP_ALIVE's default
 
 
-async def test_probes_reuse_one_connection_and_survive_uvicorns_idle_close(shared_engine: LocalEngine):
+async def test_probes_reuse_one_connection_and_survive_uvicorns_idle_close(shared_engine: EngineProcess):
     client = HealthProbeClient()
     try:
         for _ in range(3):
@@ -47,7 +47,7 @@ async def test_nothing_listening_where_an_engine_would_be_is_refused():
         client.close()
 
 
-async def test_the_monitor_keeps_a_healthy_engine_alive_over_one_connection(shared_engine: LocalEngine):
+async def test_the_monitor_keeps_a_healthy_engine_alive_over_one_connection(shared_engine: EngineProcess):
     spec = HealthSpec(interval_seconds=1, timeout_seconds=PROBE_TIMEOUT_S, failure_threshold=1)
     deaths: list[str] = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from helpers.engines import LocalEngine, perturbed_copy
+from helpers.engines import EngineProcess, perturbed_copy
 
 pytestmark = pytest.mark.engines
 
@@ -32,20 +32,20 @@ async def _greedy(url: str) -> dict:
     return body
 
 
-async def _load(engine: LocalEngine, model_path: Path, version: str) -> None:
+async def _load(engine: EngineProcess, model_path: Path, version: str) -> None:
     status, body = await _post(f"{engine.url}/update_weights_from_disk",
                                {"model_path": str(model_path), "weight_version": version})
     assert status == 200 and body["success"], body
 
 
-async def test_engine_generates(shared_engine: LocalEngine) -> None:
+async def test_engine_generates(shared_engine: EngineProcess) -> None:
     body = await _greedy(shared_engine.url)
     assert body["meta_info"]["completion_tokens"] == 16
     assert len(body["text"]) > 0
     assert body["meta_info"]["weight_version"] == "0"
 
 
-async def test_update_weights_from_disk_reads_back_version(shared_engine: LocalEngine, tiny_model: Path,
+async def test_update_weights_from_disk_reads_back_version(shared_engine: EngineProcess, tiny_model: Path,
                                                            tmp_path: Path) -> None:
     before = await _greedy(shared_engine.url)
     stepped = await asyncio.to_thread(perturbed_copy, tiny_model, tmp_path / "step_1", seed=1)
@@ -66,7 +66,7 @@ async def test_update_weights_from_disk_reads_back_version(shared_engine: LocalE
     assert restored["output_ids"] == before["output_ids"]
 
 
-async def test_router_adds_worker_and_routes_generate(shared_engine: LocalEngine, sglang_router) -> None:
+async def test_router_adds_worker_and_routes_generate(shared_engine: EngineProcess, sglang_router) -> None:
     router = await sglang_router.start()
     status, body = await _post(f"{router.url}/workers", {"url": shared_engine.url})
     assert status in (200, 201, 202), body
