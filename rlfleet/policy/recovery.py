@@ -6,9 +6,11 @@ backend (through `plan_recovery`) and the operator, which recreates the Kubernet
 the same budgets, in both modes. The Kubernetes backend itself decides nothing here: it reports
 what the operator did.
 
-The callers differ only in how they count the run budget left: the local backend commits a
-recreation when it plans it (it then sleeps out the backoff), so a planned one is spent at once; the
-operator re-decides on every reconcile from the cluster, so only recreations done are spent.
+Deciding a slot, the two differ only in how they count the run budget left: the local backend
+commits a recreation when it plans it (it then sleeps out the backoff), so a planned one is spent at
+once; the operator decides again on every reconcile from the cluster, so only recreations done are
+spent. Whether the whole fleet failed is `plan_recovery`'s ready floor locally, and the fleet's
+Failed condition (`fleet_decide.fleet_conditions`) on Kubernetes.
 """
 from __future__ import annotations
 
