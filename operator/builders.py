@@ -1,4 +1,4 @@
-"""Pure builders of the Kubernetes objects the operator owns. No I/O: dict in, dict out.
+"""Pure builders of the Kubernetes objects the operator owns. No I/O: the object and its typed spec in, dict out.
 
 A TrainingRun owns (ownerReferences, controller) a RolloutFleet `<run>-rollout`, an optional
 EvalFleet `<run>-eval`, the trainer pod `<run>-trainer` and the snapshot claim `<run>-snapshots`
