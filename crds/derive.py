@@ -1,6 +1,8 @@
 """Pure functions from a TrainingRun spec to what it implies: engine specs, fleet specs, the tiny model.
 
-The operator and the local runner both build their fleets with these, so the two modes agree.
+The only derivation of a run's fleets: the operator's builders wrap `rollout_fleet_spec` and
+`eval_fleet_spec` in object metadata, and the local runner starts its engines from `rollout_engine`
+and its eval fleet from `eval_fleet_spec`, so the two modes agree.
 """
 from __future__ import annotations
 
@@ -28,15 +30,22 @@ class TinyModelRef:
         return f"tiny-{self.arch}-seed{self.seed}"
 
 
-def parse_tiny_model(model_path: str) -> TinyModelRef | None:
-    """The tiny model a path names, or None for an ordinary directory or hub id."""
-    if not model_path.startswith(TINY_SCHEME):
-        return None
+def match_tiny_model(model_path: str) -> TinyModelRef | None:
+    """The tiny model a path names; None for anything else, a malformed tiny:// path included."""
     if not re.match(TINY_MODEL_PATTERN, model_path):
-        raise ValueError(f"{model_path!r}: a tiny model path reads tiny://llama or tiny://qwen2, optionally ?seed=N")
+        return None
     parts = urlsplit(model_path)
     seed = int(parse_qs(parts.query).get("seed", ["0"])[0])
     return TinyModelRef(arch=parts.netloc, seed=seed)
+
+
+def parse_tiny_model(model_path: str) -> TinyModelRef | None:
+    """The tiny model a path names, or None for an ordinary directory or hub id; a malformed
+    tiny:// path raises ValueError."""
+    tiny = match_tiny_model(model_path)
+    if tiny is None and model_path.startswith(TINY_SCHEME):
+        raise ValueError(f"{model_path!r}: a tiny model path reads tiny://llama or tiny://qwen2, optionally ?seed=N")
+    return tiny
 
 
 def rollout_engine(spec: TrainingRunSpec) -> EngineSpec:

@@ -7,13 +7,15 @@ derived from the counted fields when not given.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
 from rlfleet.crds.specs import PATH, SHORT, ApiModel
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Failed")
+RunPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
+SlotState = Literal["Pending", "Starting", "Ready", "Dead", "Recreating", "Failed"]
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 MESSAGE = 32768
 # Lists keyed by a field: one entry per condition type / slot, merged by key on server-side apply.
@@ -70,7 +72,7 @@ class EngineSlotStatus(ApiModel):
     slot: int = Field(..., ge=0, le=65535, description="Stable slot index.")
     pod: str | None = Field(None, max_length=SHORT, description="Pod (or local process) currently in the slot.")
     url: str | None = Field(None, max_length=PATH, description="Engine base URL.")
-    state: Literal["Pending", "Starting", "Ready", "Dead", "Recreating", "Failed"] = Field(
+    state: SlotState = Field(
         "Pending", description="Slot state."
     )
     restarts: int = Field(0, ge=0, description="Recreations of this slot.")
@@ -78,10 +80,18 @@ class EngineSlotStatus(ApiModel):
     last_failure: FailureStatus | None = Field(None, description="The slot's most recent failure.")
 
 
-def _ready_text(ready: int | None, total: int | None) -> str | None:
-    if ready is None or total is None:
-        return None
+def ready_text(ready: int, total: int) -> str:
+    """`ready/total` engines, as the `Ready` column and the Ready conditions show it."""
     return f"{ready}/{total}"
+
+
+def status_dump(status: ApiModel) -> dict[str, Any]:
+    """A status as written to /status: camelCase, only the fields given (None ones left out).
+
+    Only what was set is written, so a slot entry or failure copied from another status (a fleet's
+    slots into its run's) is written back exactly as it was read.
+    """
+    return status.model_dump(mode="json", by_alias=True, exclude_unset=True, exclude_none=True)
 
 
 class LastEvalStatus(ApiModel):
@@ -111,7 +121,7 @@ class LastEvalStatus(ApiModel):
 class TrainingRunStatus(ApiModel):
     """What a TrainingRun is doing."""
 
-    phase: Literal["Pending", "Running", "Succeeded", "Failed"] | None = Field(None, description="Lifecycle phase.")
+    phase: RunPhase | None = Field(None, description="Lifecycle phase.")
     message: str | None = Field(None, max_length=MESSAGE, description="Why the run is in its phase.")
     step: int | None = Field(None, ge=0, description="Training steps completed.")
     weight_version: str | None = Field(None, max_length=SHORT, description="Weight version the rollout engines serve.")
@@ -133,8 +143,8 @@ class TrainingRunStatus(ApiModel):
 
     @model_validator(mode="after")
     def _fill_ready(self):
-        if self.ready is None:
-            self.ready = _ready_text(self.ready_engines, self.total_engines)
+        if self.ready is None and self.ready_engines is not None and self.total_engines is not None:
+            self.ready = ready_text(self.ready_engines, self.total_engines)
         return self
 
 

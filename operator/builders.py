@@ -1,4 +1,4 @@
-"""Pure builders of the Kubernetes objects the operator owns. No I/O: dict in, dict out.
+"""Pure builders of the Kubernetes objects the operator owns. No I/O: the object and its typed spec in, dict out.
 
 A TrainingRun owns (ownerReferences, controller) a RolloutFleet `<run>-rollout`, an optional
 EvalFleet `<run>-eval`, the trainer pod `<run>-trainer` and the snapshot claim `<run>-snapshots`
@@ -10,7 +10,6 @@ The names, labels and annotations the children carry are the contract in rlfleet
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
@@ -46,21 +45,18 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     router_name,
     trainer_pod_name,
 )
-from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec
-from rlfleet.crds.specs import EngineSpec
+from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
+from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
+from rlfleet.crds.models import TrainingRunSpec
+from rlfleet.crds.specs import EngineSpec, ResourcesSpec, wire_dump
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
-TINY_MODEL = re.compile(r"^tiny://(?P<arch>llama|qwen2)(\?seed=(?P<seed>[0-9]{1,9}))?$")
+# Where a fleet without a snapshot volume writes its tiny model (an emptyDir): the usual mount path.
+DEFAULT_MOUNT_PATH: str = SnapshotMountSpec.model_fields["mount_path"].default
 
 # Pod-level fields every pod we build shares: no service links (hundreds of env vars in big
 # namespaces), explicit grace period, logs as the termination message on failure.
 _TERMINATION = {"terminationMessagePolicy": "FallbackToLogsOnError"}
-
-
-def snapshot_claim_name(run: dict) -> str:
-    """The claim the run's pods mount: the named existing one, else `<run>-snapshots`."""
-    claim = run["spec"].get("weightSync", {}).get("snapshotVolume", {}).get("claimName")
-    return claim or f"{run['metadata']['name']}-snapshots"
 
 
 def owner_reference(owner: dict) -> dict:
@@ -102,9 +98,9 @@ def _tolerations(items: list) -> list[dict]:
     return [{k: v for k, v in t.model_dump(by_alias=True).items() if v is not None} for t in items]
 
 
-def _resources(requests: dict[str, str], limits: dict[str, str], gpus: int) -> dict:
-    limits = dict(limits)
-    requests = dict(requests)
+def _resources(resources: ResourcesSpec, gpus: int) -> dict:
+    limits = dict(resources.limits)
+    requests = dict(resources.requests)
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
         requests["nvidia.com/gpu"] = str(gpus)
@@ -121,25 +117,29 @@ def fleet_spec(fleet: dict) -> FleetSpec:
     return FleetSpec.model_validate(fleet["spec"])
 
 
-def tiny_model(model_path: str) -> tuple[str, int] | None:
-    """(arch, seed) of a `tiny://arch?seed=N` model path, else None."""
-    m = TINY_MODEL.match(model_path)
-    return (m.group("arch"), int(m.group("seed") or 0)) if m else None
+def run_spec(run: dict) -> TrainingRunSpec:
+    """The run's spec as the typed model (bad input raises pydantic's ValidationError)."""
+    return TrainingRunSpec.model_validate(run["spec"])
+
+
+# Each builder takes the object (its metadata names and owns the children) and, when the caller has
+# validated it already, its typed spec; without one the builder validates the object's spec itself.
 
 
 # Engines ---------------------------------------------------------------------------------------------
-def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE) -> dict:
+def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE,
+                     spec: FleetSpec | None = None) -> dict:
     """The pod of one engine slot: `<fleet>-engine-<slot>`, running the one SGLang command builder.
 
     The engine binds the pod's own address (`$(POD_IP)`). A `tiny://` model is written by an init
     container (rlfleet image) into a per-pod directory of the snapshot volume, so no two pods write
     the same files.
     """
-    spec = fleet_spec(fleet)
+    spec = spec or fleet_spec(fleet)
     eng: EngineSpec = spec.engine
     fname = fleet["metadata"]["name"]
     annotations = fleet["metadata"].get("annotations") or {}
-    mount_path = spec.snapshots.mount_path if spec.snapshots else "/snapshots"
+    mount_path = spec.snapshots.mount_path if spec.snapshots else DEFAULT_MOUNT_PATH
     model_path = annotations.get(ANN_MODEL_PATH) or eng.model_path
     init_containers: list[dict] = []
     volumes: list[dict] = []
@@ -147,17 +147,18 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     if spec.snapshots:
         volumes.append({"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": spec.snapshots.claim_name}})
         mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
-    tiny = tiny_model(model_path)
+    # A fleet's modelPath is not pattern-checked: a malformed tiny:// path is served as given, and the
+    # engine's own error (in the fleet's Failed condition) says what is wrong with it.
+    tiny = match_tiny_model(model_path)
     if tiny:
-        arch, seed = tiny
         if not spec.snapshots:
             volumes.append({"name": SNAPSHOT_VOLUME, "emptyDir": {}})
             mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
-        model_path = f"{mount_path}/models/$(POD_NAME)/tiny-{arch}-seed{seed}"
+        model_path = f"{mount_path}/models/$(POD_NAME)/{tiny.cache_name}"
         init_containers.append({
             "name": "tiny-model",
             "image": rlfleet_image,
-            "command": ["rlfleet", "tiny-model", model_path, "--seed", str(seed), "--arch", arch],
+            "command": ["rlfleet", "tiny-model", model_path, "--seed", str(tiny.seed), "--arch", tiny.arch],
             "env": _downward_env(),
             "volumeMounts": mounts,
             **_TERMINATION,
@@ -179,7 +180,7 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
         # /health generates one token (up to 20 s on a busy engine): allow it before counting a failure.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                            "timeoutSeconds": 25, "failureThreshold": 3, "successThreshold": 1},
-        "resources": _resources(eng.resources.requests, eng.resources.limits, gpus),
+        "resources": _resources(eng.resources, gpus),
         "volumeMounts": mounts,
         **_TERMINATION,
     }
@@ -217,9 +218,9 @@ def _router_command(router: RouterSpec) -> list[str]:
     return ["python3", *args, "--policy", router.policy]
 
 
-def build_router_deployment(fleet: dict) -> dict:
+def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
     """One sglang-router replica in front of the fleet; membership is driven by the orchestrator."""
-    spec = fleet_spec(fleet)
+    spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     labels = router_labels(fname)
     container = {
@@ -249,8 +250,8 @@ def build_router_deployment(fleet: dict) -> dict:
     }
 
 
-def build_router_service(fleet: dict) -> dict:
-    spec = fleet_spec(fleet)
+def build_router_service(fleet: dict, spec: FleetSpec | None = None) -> dict:
+    spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     return {
         "apiVersion": "v1",
@@ -304,7 +305,8 @@ def network_peers(value: Any) -> list[dict]:
     return out
 
 
-def build_engine_network_policy(fleet: dict, *, metrics_from: list[dict] = ()) -> dict:
+def build_engine_network_policy(fleet: dict, *, metrics_from: list[dict] = (),
+                                spec: FleetSpec | None = None) -> dict:
     """Ingress to the fleet's engine pods only from its router pods and the run's trainer pod.
 
     The engines' HTTP port serves admin endpoints (/update_weights_from_disk, /pause_generation,
@@ -314,7 +316,7 @@ def build_engine_network_policy(fleet: dict, *, metrics_from: list[dict] = ()) -
     `rlfleet.io/client: "true"` in its namespace instead of a trainer. `metrics_from` (peers, e.g.
     Prometheus) may reach the HTTP port, where SGLang serves /metrics. Egress is not restricted.
     """
-    spec = fleet_spec(fleet)
+    spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     http = [{"port": spec.engine.port, "protocol": "TCP"}]
     router = {"podSelector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}}}
@@ -343,66 +345,42 @@ def run_labels(run_name: str, component: str) -> dict[str, str]:
     return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER, LABEL_RUN: run_name}
 
 
-def _snapshots(run: dict) -> dict:
-    ws = run["spec"].get("weightSync", {})
-    return {"claimName": snapshot_claim_name(run), "mountPath": ws.get("mountPath", "/snapshots")}
+def _run_child(run: dict, kind: str, name: str, component: str, spec: Any) -> dict:
+    return {"apiVersion": API_VERSION, "kind": kind,
+            "metadata": _meta(name, run, run_labels(run["metadata"]["name"], component)), "spec": spec}
 
 
-def build_snapshot_pvc(run: dict) -> dict | None:
+def build_snapshot_pvc(run: dict, spec: TrainingRunSpec | None = None) -> dict | None:
     """The run's ReadWriteMany snapshot claim, or None when the run names an existing claim."""
-    vol = run["spec"].get("weightSync", {}).get("snapshotVolume", {})
-    if vol.get("claimName"):
+    spec = spec or run_spec(run)
+    vol = spec.weight_sync.snapshot_volume
+    if vol.claim_name:
         return None
-    spec: dict[str, Any] = {"accessModes": ["ReadWriteMany"],
-                            "resources": {"requests": {"storage": vol.get("size", "20Gi")}}}
-    if vol.get("storageClassName"):
-        spec["storageClassName"] = vol["storageClassName"]
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": vol.size}}}
+    if vol.storage_class_name:
+        claim["storageClassName"] = vol.storage_class_name
     name = run["metadata"]["name"]
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(snapshot_claim_name(run), run, run_labels(name, "snapshots")), "spec": spec}
+            "metadata": _meta(snapshot_claim_name(name, spec), run, run_labels(name, "snapshots")), "spec": claim}
 
 
-def build_rollout_fleet(run: dict) -> dict:
-    """The run's RolloutFleet, from its rollout template; the engine model defaults to the run's."""
-    rollout = run["spec"].get("rollout", {})
-    engine = dict(rollout.get("engine") or {})
-    if not engine.get("modelPath"):
-        engine["modelPath"] = run["spec"]["modelPath"]
-    spec = {k: rollout[k] for k in ("replicas", "minReadyEngines", "health", "recovery", "router") if k in rollout}
-    spec.update(engine=engine, runName=run["metadata"]["name"], snapshots=_snapshots(run))
-    FleetSpec.model_validate(spec)  # fail here, with the field path, rather than in the API server
+def build_rollout_fleet(run: dict, spec: TrainingRunSpec | None = None) -> dict:
+    """The run's RolloutFleet: `derive.rollout_fleet_spec` (the engine model defaults to the run's)."""
+    spec = spec or run_spec(run)
     name = run["metadata"]["name"]
-    return {"apiVersion": API_VERSION, "kind": "RolloutFleet",
-            "metadata": _meta(rollout_fleet_name(name), run, run_labels(name, "rollout-fleet")), "spec": spec}
+    return _run_child(run, "RolloutFleet", rollout_fleet_name(name), "rollout-fleet",
+                      wire_dump(rollout_fleet_spec(name, spec)))
 
 
-def build_eval_fleet(run: dict) -> dict | None:
-    """The run's EvalFleet (posture fleet only): the rollout engine spec with the eval overrides."""
-    from rlfleet.crds.eval_specs import EngineOverridesSpec, effective_eval_engine
-    from rlfleet.crds.specs import wire_dump
-
-    ev = run["spec"].get("eval") or {}
-    if ev.get("posture") != "fleet" or not ev.get("fleet"):
+def build_eval_fleet(run: dict, spec: TrainingRunSpec | None = None) -> dict | None:
+    """The run's EvalFleet (posture fleet only): `derive.eval_fleet_spec`, the rollout engine with the
+    eval overrides."""
+    spec = spec or run_spec(run)
+    name = run["metadata"]["name"]
+    fleet = eval_fleet_spec(name, spec)
+    if fleet is None:
         return None
-    rollout = build_rollout_fleet(run)["spec"]
-    tmpl = ev["fleet"]
-    overrides = EngineOverridesSpec.model_validate(tmpl.get("engine") or {})
-    engine = effective_eval_engine(EngineSpec.model_validate(rollout["engine"]), overrides)
-    spec = {
-        "replicas": tmpl.get("replicas", 1),
-        "minReadyEngines": tmpl.get("minReadyEngines", 1),
-        "engine": wire_dump(engine),
-        "health": tmpl.get("health") or rollout.get("health"),
-        "recovery": tmpl.get("recovery") or rollout.get("recovery"),
-        "router": tmpl.get("router") or rollout.get("router"),
-        "runName": run["metadata"]["name"],
-        "snapshots": rollout["snapshots"],
-    }
-    spec = {k: v for k, v in spec.items() if v is not None}
-    FleetSpec.model_validate(spec)
-    name = run["metadata"]["name"]
-    return {"apiVersion": API_VERSION, "kind": "EvalFleet",
-            "metadata": _meta(eval_fleet_name(name), run, run_labels(name, "eval-fleet")), "spec": spec}
+    return _run_child(run, "EvalFleet", eval_fleet_name(name), "eval-fleet", wire_dump(fleet))
 
 
 def trainer_command(run: dict) -> list[str]:
@@ -411,40 +389,41 @@ def trainer_command(run: dict) -> list[str]:
     return ["rlfleet", "run", "--kubernetes", "--namespace", meta["namespace"], "--training-run", meta["name"]]
 
 
-def build_trainer_pod(run: dict) -> dict:
+def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
     """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount)."""
+    spec = spec or run_spec(run)
     name = run["metadata"]["name"]
-    trainer = run["spec"].get("trainer", {})
-    snaps = _snapshots(run)
+    trainer = spec.trainer
+    mount_path = spec.weight_sync.mount_path
     env = _downward_env() + _env({
         "RLFLEET_TRAINING_RUN": name,
-        "RLFLEET_SNAPSHOT_DIR": snaps["mountPath"],
+        "RLFLEET_SNAPSHOT_DIR": mount_path,
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_OFFLINE": "1",
-    }) + [{"name": e["name"], "value": e.get("value", "")} for e in trainer.get("env", [])]
-    res = trainer.get("resources") or {}
+    }) + [{"name": e.name, "value": e.value} for e in trainer.env]
     container = {
         "name": "trainer",
-        "image": trainer.get("image", DEFAULT_RLFLEET_IMAGE),
+        "image": trainer.image,
         "command": trainer_command(run),
         "env": env,
-        "ports": [{"name": "metrics", "containerPort": run["spec"].get("metricsPort", 9400), "protocol": "TCP"}],
-        "resources": _resources(res.get("requests", {}), res.get("limits", {}), int(trainer.get("gpus", 0))),
-        "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": snaps["mountPath"]}],
+        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+        "resources": _resources(trainer.resources, trainer.gpus),
+        "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": mount_path}],
         **_TERMINATION,
     }
-    spec: dict[str, Any] = {
+    pod_spec: dict[str, Any] = {
         # A failed trainer fails the run: its reason is in the termination message, not in a retry.
         "restartPolicy": "Never",
         "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
-        "volumes": [{"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": snaps["claimName"]}}],
+        "volumes": [{"name": SNAPSHOT_VOLUME,
+                     "persistentVolumeClaim": {"claimName": snapshot_claim_name(name, spec)}}],
     }
-    if trainer.get("nodeSelector"):
-        spec["nodeSelector"] = dict(trainer["nodeSelector"])
-    if trainer.get("tolerations"):
-        spec["tolerations"] = list(trainer["tolerations"])
+    if trainer.node_selector:
+        pod_spec["nodeSelector"] = dict(trainer.node_selector)
+    if trainer.tolerations:
+        pod_spec["tolerations"] = _tolerations(trainer.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": spec}
+            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": pod_spec}

@@ -23,6 +23,7 @@ import time
 import kopf
 from pydantic import ValidationError
 
+from rlfleet.crds import GROUP, VERSION
 from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
@@ -37,11 +38,11 @@ from rlfleet.operator.run_decide import RunChildren
 
 log = logging.getLogger("rlfleet.operator")
 
-GROUP, VERSION = b.GROUP, "v1alpha1"
 RESYNC_S = 30.0
 ERROR_BACKOFF_S = (1, 2, 5, 10, 30)
 DEBOUNCE_S = 0.05  # let a burst of watch events (one pod created -> several updates) settle first
 MANAGED = {b.LABEL_MANAGED_BY: b.MANAGER}
+EXPECTED_ERRORS = (ApiError, ValidationError)
 
 
 # Startup ---------------------------------------------------------------------------------------------
@@ -196,7 +197,9 @@ async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, 
                 reason = f"api_{e.status}" if isinstance(e, ApiError) else type(e).__name__
                 metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="error").inc()
                 metrics.OPERATOR_RECONCILE_ERRORS.labels(kind=kind, reason=reason).inc()
-                expected = isinstance(e, (ApiError, ValidationError, ValueError, KeyError))
+                # Expected: the API server's answer, or a spec the typed models reject. Anything else
+                # (a KeyError or ValueError included) is a bug of ours: log it with its traceback.
+                expected = isinstance(e, EXPECTED_ERRORS)
                 log.log(logging.WARNING if expected else logging.ERROR, "%s %s/%s: reconcile failed (retry in %ss): %s",
                         kind, key[1], key[2], requeue, e, exc_info=not expected)
             finally:

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.crds import VERSION, reasons
+from rlfleet.crds.conventions import PLURALS
+from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.kube.client import (
     DEPLOYMENTS,
     EVENTS,
@@ -37,14 +40,11 @@ from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPl
 
 log = logging.getLogger("rlfleet.operator")
 
-FLEET_PLURALS = {"RolloutFleet": "rolloutfleets", "EvalFleet": "evalfleets"}
-
-
 def custom(plural: str) -> Resource:
-    return Resource(b.GROUP, "v1alpha1", plural)
+    return Resource(b.GROUP, VERSION, plural)
 
 
-TRAININGRUNS = custom("trainingruns")
+TRAININGRUNS = custom(PLURALS["TrainingRun"])
 
 
 @dataclass
@@ -112,60 +112,59 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
-    spec = b.fleet_spec(fleet)
+    spec = b.fleet_spec(fleet)  # validated once here; the deciders and builders below take it typed
     plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now or time.time(),
                                 generation=meta.get("generation"))
-    res = custom(FLEET_PLURALS[fleet["kind"]])
+    res = custom(PLURALS[fleet["kind"]])
     await write_status(kube, res, fleet, plan.status, fleet.get("status") or {})
     for pod_name, uid in plan.delete:
         await kube.delete(PODS, pod_name, ns, uid=uid)
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
-                                                     rlfleet_image=settings.rlfleet_image))
-    router = decide_router_deployment(fleet, router_deployment)
+                                                     rlfleet_image=settings.rlfleet_image, spec=spec))
+    router = decide_router_deployment(fleet, router_deployment, spec)
     if router is not None and router.verb == "create":
         await _create(kube, DEPLOYMENTS, router.obj)
     elif router is not None:
         await kube.merge_patch(DEPLOYMENTS, router.obj["metadata"]["name"], {"spec": router.obj["spec"]}, ns)
-        plan.events.append(Event("Normal", "RouterUpdated", f"router spec changed: rolling "
-                                                            f"{router.obj['metadata']['name']}"))
+        plan.events.append(Event("Normal", reasons.ROUTER_UPDATED, f"router spec changed: rolling "
+                                                                   f"{router.obj['metadata']['name']}"))
     if not router_service:
-        await _create(kube, SERVICES, b.build_router_service(fleet))
-    await _apply_network_policy(kube, fleet, network_policy, plan, settings)
-    for ev in plan.events:
-        if ev.reason == "RecreatingEngine":
-            metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc()
-        elif ev.reason == "RestartBudgetExhausted":
-            metrics.OPERATOR_SLOTS_FAILED.labels(namespace=ns, fleet=name).inc()
+        await _create(kube, SERVICES, b.build_router_service(fleet, spec))
+    await _apply_network_policy(kube, fleet, spec, network_policy, plan, settings)
+    if plan.recreated:
+        metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc(len(plan.recreated))
+    if plan.given_up:
+        metrics.OPERATOR_SLOTS_FAILED.labels(namespace=ns, fleet=name).inc(len(plan.given_up))
     metrics.OPERATOR_READY_ENGINES.labels(namespace=ns, fleet=name).set(plan.status["readyReplicas"])
     await _post_events(kube, fleet, plan.events, settings)
     return plan
 
 
-async def _apply_network_policy(kube: KubeClient, fleet: dict, current: dict | None, plan: FleetPlan,
-                                settings: Settings) -> None:
+async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
+                                plan: FleetPlan, settings: Settings) -> None:
     action = decide_network_policy(fleet, current, enabled=settings.network_policy,
-                                   metrics_from=list(settings.network_policy_metrics_from))
+                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec)
     if action is None:
         return
     meta = action.obj["metadata"]
     ns, name = fleet["metadata"]["namespace"], meta["name"]
     if action.verb == "create":
         if await _create(kube, NETWORK_POLICIES, action.obj):
-            plan.events.append(Event("Normal", "NetworkPolicyCreated",
-                                     f"NetworkPolicy {name}: engines admit only {_admitted(fleet, settings)}"))
+            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
+                                     f"NetworkPolicy {name}: engines admit only {_admitted(fleet, spec, settings)}"))
     elif action.verb == "patch":
         await kube.merge_patch(NETWORK_POLICIES, name, {"spec": action.obj["spec"]}, ns)
-        plan.events.append(Event("Warning", "NetworkPolicyRestored",
+        plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
                                  f"NetworkPolicy {name} had been changed; restored: engines admit only "
-                                 f"{_admitted(fleet, settings)}"))
+                                 f"{_admitted(fleet, spec, settings)}"))
     elif await kube.delete(NETWORK_POLICIES, name, ns, uid=meta.get("uid")) is not None:
-        plan.events.append(Event("Normal", "NetworkPolicyDeleted",
+        plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
                                  f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
 
 
-def _admitted(fleet: dict, settings: Settings) -> str:
-    run_name = fleet["spec"].get("runName")
+def _admitted(fleet: dict, spec: FleetSpec, settings: Settings) -> str:
+    run_name = spec.run_name
     who = [f"router pods of {fleet['metadata']['name']}",
            f"the trainer pod of run {run_name}" if run_name else f'pods labelled {b.LABEL_CLIENT}: "true"']
     if settings.network_policy_metrics_from:
@@ -176,8 +175,8 @@ def _admitted(fleet: dict, settings: Settings) -> str:
 _RESOURCES: dict[str, Resource] = {
     "PersistentVolumeClaim": PVCS,
     "Pod": PODS,
-    "RolloutFleet": custom("rolloutfleets"),
-    "EvalFleet": custom("evalfleets"),
+    "RolloutFleet": custom(PLURALS["RolloutFleet"]),
+    "EvalFleet": custom(PLURALS["EvalFleet"]),
 }
 
 

@@ -17,14 +17,19 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from rlfleet.crds import reasons
 from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.models import TrainingRunSpec
+from rlfleet.crds.status import Condition, RunPhase, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import Event
 
 TERMINAL = ("Succeeded", "Failed")
-OWN_FAILED_REASONS = frozenset({"TrainerFailed", "TrainerLost", "EngineCrashLoop", "EngineFailed", "InvalidSpec",
-                                "AsExpected"})
+# Failed reasons the operator sets itself; any other True Failed condition was adopted from the
+# orchestrator, and is kept once its annotation is gone.
+OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, reasons.ENGINE_CRASH_LOOP,
+                                reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED})
 OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "ready", "engineRestarts", "engines",
                         "conditions", "observedGeneration", "startTime", "completionTime")
 
@@ -45,6 +50,16 @@ class RunPlan:
     events: list[Event] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PhaseChange:
+    """Where a reconcile takes the run: its phase and message, and why it failed (if it did)."""
+
+    phase: RunPhase
+    message: str
+    failed_reason: str | None = None
+    failed_message: str | None = None
+
+
 def _pod_terminated(pod: dict) -> dict:
     for s in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (s.get("state") or {}).get("terminated")
@@ -63,134 +78,175 @@ def _same_spec(desired: dict, current: dict | None) -> bool:
 
 
 def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: str | None = None) -> RunPlan:
+    """One level-based reconcile of a TrainingRun: children to create, fleet specs to patch, status, Events.
+
+    The run's spec is validated once, here; the policies below take it typed.
+    """
     meta = run["metadata"]
     old = run.get("status") or {}
-    generation = meta.get("generation")
-    phase = old.get("phase") or "Pending"
-    terminal = phase in TERMINAL
-    plan = RunPlan(status={})
-
+    phase: RunPhase = old.get("phase") or "Pending"
     try:
-        rollout = b.build_rollout_fleet(run)
-        evalf = b.build_eval_fleet(run)
+        spec = b.run_spec(run)
+        rollout = b.build_rollout_fleet(run, spec)
+        evalf = b.build_eval_fleet(run, spec)
     except (ValidationError, ValueError) as e:
         return _invalid(run, old, str(e), now)
 
-    if not terminal:
-        pvc = b.build_snapshot_pvc(run)
-        if pvc is not None and children.pvc is None:
-            plan.create.append(pvc)
-        if children.rollout is None:
-            plan.create.append(rollout)
-        if evalf is not None and children.eval is None:
-            plan.create.append(evalf)
-        if children.trainer is None and phase == "Pending":
-            plan.create.append(b.build_trainer_pod(run))
-    for desired, current in ((rollout, children.rollout), (evalf, children.eval)):
+    fleet_status = (children.rollout or {}).get("status") or {}
+    old_failed = find(old.get("conditions"), "Failed")
+    change = next_phase(phase, adopted=adopted_failure(meta.get("annotations") or {}, old_failed),
+                        old_failed=old_failed, old_message=old.get("message") or "", trainer=children.trainer,
+                        fleet_conditions=fleet_status.get("conditions") or [], run_name=meta["name"])
+    return RunPlan(
+        status=run_status(spec, old, change, fleet_status, trainer=children.trainer, now=now,
+                          generation=meta.get("generation")),
+        create=missing_children(run, spec, children, phase, rollout=rollout, eval_fleet=evalf),
+        patch_fleet_specs=drifted_fleet_specs(phase, [(rollout, children.rollout), (evalf, children.eval)]),
+        events=phase_events(phase, change),
+    )
+
+
+def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, phase: str, *, rollout: dict,
+                     eval_fleet: dict | None) -> list[dict]:
+    """The children to create: claim, fleets and, while Pending, the trainer pod; none once terminal."""
+    if phase in TERMINAL:
+        return []
+    create = []
+    pvc = b.build_snapshot_pvc(run, spec)
+    if pvc is not None and children.pvc is None:
+        create.append(pvc)
+    if children.rollout is None:
+        create.append(rollout)
+    if eval_fleet is not None and children.eval is None:
+        create.append(eval_fleet)
+    if children.trainer is None and phase == "Pending":
+        create.append(b.build_trainer_pod(run, spec))
+    return create
+
+
+def drifted_fleet_specs(phase: str, fleets: list[tuple[dict | None, dict | None]]) -> list[tuple[str, str, dict]]:
+    """(kind, name, spec) of each fleet whose spec differs from the one the run implies (desired,
+    current). A Succeeded run scales its fleets to zero; a Failed one leaves them as they are."""
+    patches = []
+    for desired, current in fleets:
         if desired is None or current is None:
             continue
         if phase == "Succeeded":
             desired = {**desired, "spec": {**desired["spec"], "replicas": 0, "minReadyEngines": 0}}
-        if (not terminal or phase == "Succeeded") and not _same_spec(desired["spec"], current.get("spec")):
-            plan.patch_fleet_specs.append((desired["kind"], desired["metadata"]["name"], desired["spec"]))
+        if (phase not in TERMINAL or phase == "Succeeded") and not _same_spec(desired["spec"], current.get("spec")):
+            patches.append((desired["kind"], desired["metadata"]["name"], desired["spec"]))
+    return patches
 
-    fleet_status = (children.rollout or {}).get("status") or {}
-    fleet_conds = fleet_status.get("conditions") or []
-    trainer = children.trainer
+
+def adopted_failure(annotations: dict, old_failed: dict | None) -> tuple[str | None, str | None]:
+    """(reason, message) of a failure the run adopts: the orchestrator's failed-reason annotation, or
+    a Failed condition adopted from it before (not one the operator set itself)."""
+    if annotations.get(b.ANN_FAILED_REASON):
+        return reason_word(annotations[b.ANN_FAILED_REASON]), annotations.get(b.ANN_FAILED_MESSAGE, "")
+    if old_failed and old_failed.get("status") == "True" and old_failed.get("reason") not in OWN_FAILED_REASONS:
+        return old_failed["reason"], old_failed.get("message", "")
+    return None, None
+
+
+def next_phase(phase: RunPhase, *, adopted: tuple[str | None, str | None], old_failed: dict | None, old_message: str,
+               trainer: dict | None, fleet_conditions: list[dict], run_name: str) -> PhaseChange:
+    """Phase transitions: Pending -> Running -> Succeeded or Failed; a terminal phase is final."""
+    failed_reason, failed_message = adopted
+    if phase in TERMINAL:
+        if phase == "Failed" and old_failed:
+            failed_reason, failed_message = old_failed.get("reason"), old_failed.get("message", "")
+        return PhaseChange(phase, old_message, failed_reason, failed_message)
     trainer_phase = (trainer.get("status") or {}).get("phase") if trainer else None
-    old_failed = find(old.get("conditions"), "Failed")
-    failed_reason = failed_message = None
-    annotations = meta.get("annotations") or {}
-    if annotations.get(b.ANN_FAILED_REASON):  # the orchestrator failed the run
-        failed_reason = reason_word(annotations[b.ANN_FAILED_REASON])
-        failed_message = annotations.get(b.ANN_FAILED_MESSAGE, "")
-    elif old_failed and old_failed.get("status") == "True" and old_failed.get("reason") not in OWN_FAILED_REASONS:
-        failed_reason, failed_message = old_failed["reason"], old_failed.get("message", "")
-    message = old.get("message") or ""
-    new_phase = phase
-    if not terminal:
-        if failed_reason:
-            new_phase = "Failed"
-        elif trainer_phase == "Succeeded":
-            new_phase, message = "Succeeded", "the trainer finished"
-        elif trainer_phase == "Failed":
-            term = _pod_terminated(trainer)
-            failed_reason = "TrainerFailed"
-            code = f" with exit code {term['exitCode']}" if term.get("exitCode") is not None else ""
-            failed_message = f"trainer pod {trainer['metadata']['name']} failed{code}:\n{term.get('message', '')}"
-            new_phase = "Failed"
-        elif is_true(fleet_conds, "Failed"):
-            fc = find(fleet_conds, "Failed")
-            failed_reason, failed_message = fc.get("reason", "EngineFailed"), fc.get("message", "")
-            new_phase = "Failed"
-        elif trainer is None and phase == "Running":
-            failed_reason, failed_message = "TrainerLost", f"trainer pod {b.trainer_pod_name(meta['name'])} disappeared"
-            new_phase = "Failed"
-        elif trainer_phase == "Running":
-            new_phase, message = "Running", "training"
-        else:
-            message = "waiting for the trainer pod" if trainer else "creating the run's objects"
-        if new_phase == "Failed":
-            message = failed_message or message
-    elif phase == "Failed" and old_failed:
-        failed_reason, failed_message = old_failed.get("reason"), old_failed.get("message", "")
+    if failed_reason:
+        pass
+    elif trainer_phase == "Succeeded":
+        return PhaseChange("Succeeded", "the trainer finished")
+    elif trainer is not None and trainer_phase == "Failed":
+        term = _pod_terminated(trainer)
+        code = f" with exit code {term['exitCode']}" if term.get("exitCode") is not None else ""
+        failed_reason = reasons.TRAINER_FAILED
+        failed_message = f"trainer pod {trainer['metadata']['name']} failed{code}:\n{term.get('message', '')}"
+    elif is_true(fleet_conditions, "Failed"):  # the rollout fleet's crash-loop message becomes the run's
+        fc = find(fleet_conditions, "Failed") or {}
+        failed_reason, failed_message = fc.get("reason", reasons.ENGINE_FAILED), fc.get("message", "")
+    elif trainer is None and phase == "Running":
+        failed_reason = reasons.TRAINER_LOST
+        failed_message = f"trainer pod {b.trainer_pod_name(run_name)} disappeared"
+    elif trainer_phase == "Running":
+        return PhaseChange("Running", "training")
+    else:
+        return PhaseChange(phase, "waiting for the trainer pod" if trainer else "creating the run's objects")
+    return PhaseChange("Failed", failed_message or old_message, failed_reason, failed_message)
 
-    replicas = int(run["spec"].get("rollout", {}).get("replicas", 1))
+
+def run_status(spec: TrainingRunSpec, old: dict, change: PhaseChange, fleet_status: dict, *, trainer: dict | None,
+               now: float, generation: int | None) -> dict:
+    """The status fields the operator owns: phase, counts from the rollout fleet, times, conditions."""
+    replicas = spec.rollout.replicas
     ready = int(fleet_status.get("readyReplicas") or 0)
-    status: dict = {
-        "phase": new_phase,
-        "message": message,
-        "readyEngines": ready,
-        "totalEngines": replicas,
-        "ready": f"{ready}/{replicas}",
-        "engineRestarts": int(fleet_status.get("restarts") or 0),
-        "engines": fleet_status.get("engines") or [],
-    }
+    status = TrainingRunStatus(
+        phase=change.phase, message=change.message, ready_engines=ready, total_engines=replicas,
+        engine_restarts=int(fleet_status.get("restarts") or 0), engines=fleet_status.get("engines") or [],
+        conditions=run_conditions(change, fleet_status.get("conditions") or [], old.get("conditions"),
+                                  ready=ready, replicas=replicas, now=now, generation=generation),
+    )
     if generation is not None:
-        status["observedGeneration"] = generation
+        status.observed_generation = generation
     start = old.get("startTime")
-    if not start and new_phase in ("Running", *TERMINAL):
+    if not start and change.phase in ("Running", *TERMINAL):
         start = (trainer or {}).get("status", {}).get("startTime") or iso(now)
     if start:
-        status["startTime"] = start
-    if new_phase in TERMINAL:
-        status["completionTime"] = old.get("completionTime") or iso(now)
-    prev = old.get("conditions")
+        status.start_time = start
+    if change.phase in TERMINAL:
+        status.completion_time = old.get("completionTime") or iso(now)
+    return status_dump(status)
+
+
+def run_conditions(change: PhaseChange, fleet_conds: list[dict], previous: list[dict] | None, *, ready: int,
+                   replicas: int, now: float, generation: int | None) -> list[Condition]:
+    """Ready (training on a ready fleet), Progressing, Degraded (the fleet's, while not terminal), Failed."""
+    phase = change.phase
+    terminal = phase in TERMINAL
     fleet_ready = is_true(fleet_conds, "Ready")
-    status["conditions"] = [
-        condition("Ready", new_phase == "Running" and fleet_ready,
-                  "Training" if new_phase == "Running" and fleet_ready else ("Finished" if new_phase in TERMINAL
-                                                                             else "NotReady"),
-                  f"phase {new_phase}; {ready}/{replicas} rollout engines ready", now=now, previous=prev,
+    degraded = find(fleet_conds, "Degraded") or {}
+    training = phase == "Running" and fleet_ready
+    return [Condition.model_validate(c) for c in (
+        condition("Ready", training,
+                  reasons.TRAINING if training else (reasons.FINISHED if terminal else reasons.NOT_READY),
+                  f"phase {phase}; {ready_text(ready, replicas)} rollout engines ready", now=now, previous=previous,
                   generation=generation),
-        condition("Progressing", new_phase in ("Pending", "Running"), "Training" if new_phase == "Running"
-                  else ("Starting" if new_phase == "Pending" else "Finished"), message, now=now, previous=prev,
-                  generation=generation),
-        condition("Degraded", is_true(fleet_conds, "Degraded") and new_phase not in TERMINAL,
-                  (find(fleet_conds, "Degraded") or {}).get("reason", "AsExpected") if new_phase not in TERMINAL
-                  else "AsExpected", (find(fleet_conds, "Degraded") or {}).get("message", ""), now=now, previous=prev,
-                  generation=generation),
-        condition("Failed", new_phase == "Failed", failed_reason or "AsExpected", failed_message or "",
-                  now=now, previous=prev, generation=generation),
-    ]
-    plan.status = status
-    if new_phase != phase:
-        kind = "Warning" if new_phase == "Failed" else "Normal"
-        reason = failed_reason if new_phase == "Failed" else new_phase
-        plan.events.append(Event(kind, reason or new_phase, message[-1000:] or new_phase))
-    return plan
+        condition("Progressing", phase in ("Pending", "Running"),
+                  reasons.TRAINING if phase == "Running" else (reasons.STARTING if phase == "Pending"
+                                                               else reasons.FINISHED),
+                  change.message, now=now, previous=previous, generation=generation),
+        condition("Degraded", is_true(fleet_conds, "Degraded") and not terminal,
+                  degraded.get("reason", reasons.AS_EXPECTED) if not terminal else reasons.AS_EXPECTED,
+                  degraded.get("message", ""), now=now, previous=previous, generation=generation),
+        condition("Failed", phase == "Failed", change.failed_reason or reasons.AS_EXPECTED,
+                  change.failed_message or "", now=now, previous=previous, generation=generation),
+    )]
+
+
+def phase_events(phase: str, change: PhaseChange) -> list[Event]:
+    """One Event per phase change: Warning with the failure's reason, else Normal named after the phase."""
+    if change.phase == phase:
+        return []
+    failed = change.phase == "Failed"
+    reason = change.failed_reason if failed else change.phase
+    return [Event("Warning" if failed else "Normal", reason or change.phase, change.message[-1000:] or change.phase)]
 
 
 def _invalid(run: dict, old: dict, error: str, now: float) -> RunPlan:
     """A spec the builders reject (the API server's schema let it through): fail clearly, create nothing."""
     generation = run["metadata"].get("generation")
-    status = {"phase": old.get("phase") if old.get("phase") in TERMINAL else "Failed", "message": error,
-              "conditions": [condition("Failed", True, "InvalidSpec", error, now=now, previous=old.get("conditions"),
-                                       generation=generation)]}
+    status = TrainingRunStatus(
+        phase=old.get("phase") if old.get("phase") in TERMINAL else "Failed", message=error,
+        conditions=[Condition.model_validate(condition("Failed", True, reasons.INVALID_SPEC, error, now=now,
+                                                       previous=old.get("conditions"), generation=generation))])
     if generation is not None:
-        status["observedGeneration"] = generation
-    events = [] if old.get("phase") == "Failed" else [Event("Warning", "InvalidSpec", error[-1000:])]
-    return RunPlan(status=status, events=events)
+        status.observed_generation = generation
+    events = [] if old.get("phase") == "Failed" else [Event("Warning", reasons.INVALID_SPEC, error[-1000:])]
+    return RunPlan(status=status_dump(status), events=events)
 
 
 def owned_status(status: dict | None) -> dict:

@@ -28,9 +28,6 @@ from rlfleet.crds import conventions
 
 DEFAULT_TIMEOUT_S = 30.0
 MERGE_PATCH = "application/merge-patch+json"
-JSON_PATCH = "application/json-patch+json"
-
-CORE = ("", "v1")
 
 
 class ApiError(RuntimeError):
@@ -85,7 +82,6 @@ PVCS = Resource("", "v1", "persistentvolumeclaims")
 CONFIGMAPS = Resource("", "v1", "configmaps")
 SECRETS = Resource("", "v1", "secrets")
 SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
-NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
 
@@ -185,10 +181,6 @@ class KubeClient:
     async def merge_patch(self, res: Resource, name: str, patch: dict, namespace: str | None = None,
                           sub: str | None = None) -> dict:
         return await self.request("PATCH", res.path(namespace, name, sub), body=patch, content_type=MERGE_PATCH)
-
-    async def json_patch(self, res: Resource, name: str, ops: list[dict], namespace: str | None = None,
-                         sub: str | None = None) -> dict:
-        return await self.request("PATCH", res.path(namespace, name, sub), body=ops, content_type=JSON_PATCH)
 
     async def delete(self, res: Resource, name: str, namespace: str | None = None, *,
                      grace_period_s: int | None = None, uid: str | None = None,

@@ -7,9 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 
-REASON_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 MESSAGE_MAX = 32768
-CONDITION_ORDER = ("Ready", "Progressing", "Degraded", "Failed")
 
 
 def iso(t: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlfleet.crds import conventions
+from rlfleet.crds import conventions, reasons
 from rlfleet.kube.conditions import parse_time, reason_word
 
 # Waiting reasons that never resolve by waiting: the slot is dead.
@@ -60,13 +60,13 @@ def pod_failure(pod: dict) -> Failure | None:
         message = ann.get(conventions.ANN_DEAD_MESSAGE, "")
         if terminated and terminated.get("message"):
             message = f"{message}\n{terminated['message']}".strip()
-        return Failure(reason_word(ann[conventions.ANN_DEAD], "MarkedDead"), message, code)
+        return Failure(reason_word(ann[conventions.ANN_DEAD], reasons.MARKED_DEAD), message, code)
     if terminated is not None:
         code = terminated.get("exitCode")
-        reason = "Exited" if code == 0 else "Crashed"
+        reason = reasons.EXITED if code == 0 else reasons.CRASHED
         return Failure(reason, terminated.get("message") or terminated.get("reason") or "", code)
     if status.get("phase") in ("Failed", "Succeeded"):
-        return Failure("PodFailed", status.get("message") or status.get("reason") or "")
+        return Failure(reasons.POD_FAILED, status.get("message") or status.get("reason") or "")
     for s in statuses:
         waiting = (s.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in START_FAILURES:

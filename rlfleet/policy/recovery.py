@@ -1,13 +1,23 @@
 """Pure recovery decisions: restart budgets, exponential backoff, crash loops, the ready floor.
 
-Both fleet backends (local processes, Kubernetes pods) take their decisions here, so a slot is
-recreated, held back or given up for the same reasons everywhere.
+A dead slot is recreated, held back or given up by `decide_dead_slot`, whoever recreates it: the local
+backend (through `plan_recovery`) and the operator, which recreates the Kubernetes backend's pods
+(`rlfleet.operator.fleet_decide`). So a slot is recreated after the same backoff, and given up for
+the same budgets, in both modes. The Kubernetes backend itself decides nothing here: it reports
+what the operator did.
+
+Deciding a slot, the two differ only in how they count the run budget left: the local backend
+commits a recreation when it plans it (it then sleeps out the backoff), so a planned one is spent at
+once; the operator decides again on every reconcile from the cluster, so only recreations done are
+spent. Whether the whole fleet failed is `plan_recovery`'s ready floor locally, and the fleet's
+Failed condition (`fleet_decide.fleet_conditions`) on Kubernetes.
 """
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from rlfleet.crds.specs import RecoverySpec
 
@@ -26,6 +36,36 @@ def backoff_delay(restarts: int, spec: RecoverySpec) -> float:
 def backoff_schedule(spec: RecoverySpec, recreations: int) -> list[float]:
     """The delays before each of the first `recreations` recreations of one slot."""
     return [backoff_delay(n, spec) for n in range(recreations)]
+
+
+class GiveUp(StrEnum):
+    """Why a dead slot is not recreated."""
+
+    ENGINE_BUDGET = "engine_budget"  # the slot used maxRestartsPerEngine
+    RUN_BUDGET = "run_budget"  # the fleet used maxRestartsPerRun
+
+
+@dataclass(frozen=True)
+class SlotDecision:
+    """What to do with one dead slot: recreate it at `recreate_at`, or give it up (`give_up`)."""
+
+    recreate_at: float | None = None
+    give_up: GiveUp | None = None
+
+
+def decide_dead_slot(*, restarts: int, run_budget_left: int, dead_since: float | None, now: float,
+                     spec: RecoverySpec) -> SlotDecision:
+    """The restart policy of one dead slot, recreated `restarts` times so far.
+
+    Out of its own budget, or of the run's: give it up. Otherwise recreate it once its backoff since
+    it died has passed (`recreate_at` is never before `now`; a slot of unknown death time is due now).
+    """
+    if restarts >= spec.max_restarts_per_engine:
+        return SlotDecision(give_up=GiveUp.ENGINE_BUDGET)
+    if run_budget_left <= 0:
+        return SlotDecision(give_up=GiveUp.RUN_BUDGET)
+    since = dead_since if dead_since is not None else now
+    return SlotDecision(recreate_at=max(now, since + backoff_delay(restarts, spec)))
 
 
 @dataclass(frozen=True)
@@ -61,16 +101,16 @@ def plan_recovery(slots: Iterable[SlotView], *, spec: RecoverySpec, run_restarts
         if not view.dead:
             plan.serviceable += 1
             continue
-        if view.restarts >= spec.max_restarts_per_engine:
-            plan.give_up[view.slot] = (f"slot {view.slot} used its restart budget "
-                                       f"({spec.max_restarts_per_engine} per engine)")
+        decision = decide_dead_slot(restarts=view.restarts, run_budget_left=budget_left,
+                                    dead_since=view.dead_since, now=now, spec=spec)
+        if decision.recreate_at is None:
+            plan.give_up[view.slot] = (
+                f"slot {view.slot} used its restart budget ({spec.max_restarts_per_engine} per engine)"
+                if decision.give_up is GiveUp.ENGINE_BUDGET
+                else f"the run used its restart budget ({spec.max_restarts_per_run} per run)")
             continue
-        if budget_left <= 0:
-            plan.give_up[view.slot] = f"the run used its restart budget ({spec.max_restarts_per_run} per run)"
-            continue
-        budget_left -= 1
-        since = view.dead_since if view.dead_since is not None else now
-        plan.recreate[view.slot] = max(now, since + backoff_delay(view.restarts, spec))
+        budget_left -= 1  # committed now: the backend sleeps out the backoff, then recreates
+        plan.recreate[view.slot] = decision.recreate_at
         plan.serviceable += 1
     plan.fleet_failed = plan.serviceable < min_ready
     return plan

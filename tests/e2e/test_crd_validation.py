@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfleet.crds.derive import eval_fleet_spec, rollout_fleet_spec
 from rlfleet.crds.loader import load_text, validate_update
-from rlfleet.crds.models import KINDS, EvalFleet, RolloutFleet, TrainingRun
+from rlfleet.crds.models import KINDS, TrainingRun
 from rlfleet.crds.specs import wire_dump
 from rlfleet.crds.status import Condition, EngineSlotStatus, LastEvalStatus, TrainingRunStatus
+from rlfleet.operator import builders as b
 
 pytestmark = pytest.mark.cluster
 
@@ -275,17 +275,17 @@ def test_examples_apply_and_columns_show(cluster):
     assert "trainingrun.rlfleet.io/quickstart" in applied.stdout
     assert "trainingrun.rlfleet.io/qwen3-4b-grpo" in applied.stdout
 
-    # The fleets a run owns, built by the pure derivation the operator uses, are valid objects too.
-    for path in sorted((REPO / "examples").glob("*.yaml")):
-        for doc in load_text(path.read_text()):
-            run = doc.obj
-            name = run.metadata.name
-            children = [RolloutFleet(metadata={"name": f"{name}-rollout"}, spec=rollout_fleet_spec(name, run.spec))]
-            eval_spec = eval_fleet_spec(name, run.spec)
-            if eval_spec is not None:
-                children.append(EvalFleet(metadata={"name": f"{name}-eval"}, spec=eval_spec))
-            manifest = "---\n".join(yaml.safe_dump(wire_dump(c)) for c in children)
-            kubectl_ns(cluster, "apply", "-f", "-", input=manifest, check=True)
+    # The fleets a run owns, built by the operator's own builders from the run as the API server
+    # stored it (defaults filled in, owned by its uid), are valid objects too.
+    names = sorted(doc.obj.metadata.name for path in (REPO / "examples").glob("*.yaml")
+                   for doc in load_text(path.read_text()))
+    for name in names:
+        run = json.loads(kubectl_ns(cluster, "get", "trainingrun", name, "-o", "json", check=True).stdout)
+        children = [b.build_rollout_fleet(run)]
+        if (eval_fleet := b.build_eval_fleet(run)) is not None:
+            children.append(eval_fleet)
+        manifest = "---\n".join(yaml.safe_dump(c) for c in children)
+        kubectl_ns(cluster, "apply", "-f", "-", input=manifest, check=True)
 
     listing = kubectl_ns(cluster, "get", "tr,rf,ef", check=True).stdout
     for header in ("PHASE", "STEP", "WEIGHTS", "READY", "LAST EVAL", "AGE", "DESIRED", "PINNED", "RESTARTS"):

@@ -169,3 +169,30 @@ def test_the_quickstart_example_builds_valid_children():
         assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "quickstart-snapshots"
     assert b.build_snapshot_pvc(stored)["metadata"]["name"] == "quickstart-snapshots"
     assert b.build_trainer_pod(stored)["spec"]["containers"][0]["command"][:3] == ["rlfleet", "run", "--kubernetes"]
+
+
+def test_a_malformed_tiny_path_of_a_fleet_is_served_as_given():
+    f = fleet(engine={"modelPath": "tiny://gpt2", "device": "cpu"})
+    pod = b.build_engine_pod(f, 0)
+    assert "initContainers" not in pod["spec"]
+    cmd = pod["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--model-path") + 1] == "tiny://gpt2"
+
+
+def test_builders_use_the_typed_spec_they_are_given():
+    from rlfleet.crds.fleet_specs import FleetSpec
+
+    f = fleet()
+    spec = FleetSpec.model_validate({**f["spec"], "router": {"policy": "round_robin"}})
+    cmd = b.build_router_deployment(f, spec)["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"
+    assert b.build_engine_pod(fleet(replicas=-1), 0, spec=spec)["metadata"]["name"] == "run1-rollout-engine-0"
+
+
+def test_run_children_read_their_defaults_from_the_models():
+    r = run(weightSync={})
+    assert b.build_snapshot_pvc(r)["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    trainer = b.build_trainer_pod(r)["spec"]["containers"][0]
+    assert trainer["ports"][0]["containerPort"] == 9400
+    assert trainer["volumeMounts"] == [{"name": "snapshots", "mountPath": "/snapshots"}]
+    assert b.build_rollout_fleet(r)["spec"]["snapshots"] == {"claimName": "run1-snapshots", "mountPath": "/snapshots"}

@@ -120,3 +120,21 @@ def test_engine_parallelism_reaches_the_sglang_command_line():
     args = list(build_engine_launch(engine, host="127.0.0.2").args)
     assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--ep-size") + 1] == "2"
     assert "--pp-size" not in args and "--dp-size" not in args
+
+
+def test_tiny_model_match_is_lenient_where_the_parser_is_strict():
+    from rlfleet.crds.derive import match_tiny_model
+
+    assert match_tiny_model("tiny://qwen2?seed=7") == parse_tiny_model("tiny://qwen2?seed=7")
+    assert match_tiny_model("tiny://gpt2") is None and match_tiny_model("/models/tiny") is None
+
+
+def test_status_is_written_with_the_fields_given_only():
+    from rlfleet.crds.status import EngineSlotStatus, TrainingRunStatus, ready_text, status_dump
+
+    assert ready_text(1, 3) == "1/3"
+    copied = {"slot": 0, "state": "Dead", "restarts": 1, "lastFailure": {"reason": "Crashed", "exitCode": 1}}
+    status = TrainingRunStatus(phase="Running", message="", ready_engines=1, total_engines=3,
+                               engines=[EngineSlotStatus.model_validate(copied)])
+    assert status_dump(status) == {"phase": "Running", "message": "", "readyEngines": 1, "totalEngines": 3,
+                                   "ready": "1/3", "engines": [copied]}

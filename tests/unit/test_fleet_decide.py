@@ -233,3 +233,41 @@ def test_unstartable_container_is_dead_at_once():
 def test_reasons_are_camel_case(text, word):
     from rlfleet.kube.conditions import reason_word
     assert reason_word(text) == word
+
+
+def test_plan_names_the_slots_recreated_and_given_up():
+    """The operator's metrics count these, not Event reasons."""
+    s = spec(replicas=2, maxRestartsPerEngine=1, backoffBaseSeconds=0.0)
+    status = {"restarts": 1, "engines": [{"slot": 0, "state": "Ready", "restarts": 1},
+                                         {"slot": 1, "state": "Ready", "restarts": 0}]}
+    crashed = [pod(0, phase="Failed", ready=False, exit_code=1, restarts=1),
+               pod(1, phase="Failed", ready=False, exit_code=1)]
+    plan = decide(s, crashed, status, T0)
+    assert plan.given_up == [0] and plan.recreated == [1]
+    assert decide(s, [pod(0), pod(1)], None, T0).recreated == []
+
+
+def test_a_slot_waiting_out_its_backoff_spends_no_run_budget():
+    """Only recreations done count against maxRestartsPerRun: a slot still in backoff leaves the last
+    restart to a slot that is due (the decision itself is recovery.decide_dead_slot)."""
+    s = spec(replicas=2, maxRestartsPerEngine=5, maxRestartsPerRun=3)
+    status = {"restarts": 2, "engines": [
+        {"slot": 0, "state": "Dead", "restarts": 2, "lastFailure": {"reason": "Crashed", "time": iso(T0)}},
+        {"slot": 1, "state": "Dead", "restarts": 0, "lastFailure": {"reason": "Crashed", "time": iso(T0 - 10)}}]}
+    crashed = [pod(0, phase="Failed", ready=False, exit_code=1, restarts=2),
+               pod(1, phase="Failed", ready=False, exit_code=1)]
+    plan = decide(s, crashed, status, T0 + 1)
+    assert slot(plan, 0)["state"] == "Dead" and plan.requeue_after == pytest.approx(3.0)  # 4 s backoff
+    assert slot(plan, 1)["state"] == "Recreating" and plan.status["restarts"] == 3
+
+
+def test_startup_timeout_policy():
+    from rlfleet.kube.pods import view_pod
+    from rlfleet.operator.fleet_decide import FleetPlan, startup_timeout
+
+    s = spec(replicas=1)
+    plan = FleetPlan(status={})
+    assert startup_timeout(s, view_pod(pod(0, ready=False)), plan, now=T0 + 299) is None
+    assert plan.requeue_after == pytest.approx(2.0)
+    assert startup_timeout(s, view_pod(pod(0, ready=False)), plan, now=T0 + 301).reason == "StartupTimeout"
+    assert startup_timeout(s, view_pod(pod(0)), FleetPlan(status={}), now=T0 + 1000) is None  # ready

@@ -85,3 +85,17 @@ def test_crash_loop_message_quotes_exit_code_error_line_and_log_tail():
     assert "engine slot 0" in first and "4 start(s)" in first and "last exit code 1" in first
     assert "engine error: OSError: Repo id must be in the form" in message
     assert "incarnation-4.log" in message and "HFValidationError" in message
+
+
+def test_dead_slot_decision_checks_the_slot_budget_then_the_run_budget_then_the_backoff():
+    from rlfleet.policy.recovery import GiveUp, decide_dead_slot
+
+    def decide(restarts, budget_left, dead_since=100.0, now=101.0):
+        return decide_dead_slot(restarts=restarts, run_budget_left=budget_left, dead_since=dead_since, now=now,
+                                spec=SPEC)
+
+    assert decide(3, 0).give_up is GiveUp.ENGINE_BUDGET and decide(3, 0).recreate_at is None
+    assert decide(2, 0).give_up is GiveUp.RUN_BUDGET
+    assert decide(2, 1) == decide(2, 5) and decide(2, 1).recreate_at == 104.0  # dead at 100 + 4 s
+    assert decide(0, 1, dead_since=50.0).recreate_at == 101.0  # backoff long over: due now, not in the past
+    assert decide(1, 1, dead_since=None).recreate_at == 103.0  # death time unknown: counted from now

@@ -126,3 +126,56 @@ def test_trainer_vanishing_while_running_fails_the_run():
 def test_named_claim_is_not_created():
     r = run(weightSync={"mountPath": "/s", "snapshotVolume": {"claimName": "mine"}})
     assert "PersistentVolumeClaim" not in [o["kind"] for o in decide_run(r, RunChildren(), now=T0).create]
+
+
+def test_adopted_failure_is_the_orchestrators_not_the_operators_own():
+    from rlfleet.operator.run_decide import adopted_failure
+
+    ann = {b.ANN_FAILED_REASON: "rollout engines unavailable", b.ANN_FAILED_MESSAGE: "503 storm"}
+    assert adopted_failure(ann, None) == ("RolloutEnginesUnavailable", "503 storm")
+    kept = {"type": "Failed", "status": "True", "reason": "RolloutEnginesUnavailable", "message": "m"}
+    assert adopted_failure({}, kept) == ("RolloutEnginesUnavailable", "m")
+    assert adopted_failure({}, {**kept, "reason": "TrainerFailed"}) == (None, None)
+    assert adopted_failure({}, {**kept, "status": "False"}) == (None, None)
+
+
+def test_a_terminal_phase_is_final():
+    from rlfleet.operator.run_decide import next_phase
+
+    failed = {"type": "Failed", "status": "True", "reason": "TrainerFailed", "message": "exit code 2"}
+    change = next_phase("Failed", adopted=(None, None), old_failed=failed, old_message="m", trainer=trainer("Running"),
+                        fleet_conditions=[], run_name="r")
+    assert (change.phase, change.message, change.failed_reason, change.failed_message) == (
+        "Failed", "m", "TrainerFailed", "exit code 2")
+    assert next_phase("Succeeded", adopted=(None, None), old_failed=None, old_message="done", trainer=None,
+                      fleet_conditions=[], run_name="r").phase == "Succeeded"
+
+
+def test_fleet_specs_are_patched_while_running_and_to_zero_on_success_never_after_failure():
+    from rlfleet.operator.run_decide import drifted_fleet_specs
+
+    r = run()
+    desired, current = b.build_rollout_fleet(r), fleet_of(run(rollout={"replicas": 3, "engine": {"device": "cpu"}}))
+    assert [p[2]["replicas"] for p in drifted_fleet_specs("Running", [(desired, current), (None, None)])] == [2]
+    assert drifted_fleet_specs("Running", [(desired, b.build_rollout_fleet(r))]) == []
+    assert [p[2]["replicas"] for p in drifted_fleet_specs("Succeeded", [(desired, current)])] == [0]
+    assert drifted_fleet_specs("Failed", [(desired, current)]) == []
+
+
+def test_one_event_per_phase_change():
+    from rlfleet.operator.run_decide import PhaseChange, phase_events
+
+    assert phase_events("Running", PhaseChange("Running", "training")) == []
+    (ev,) = phase_events("Running", PhaseChange("Failed", "x" * 2000, "TrainerLost", "gone"))
+    assert (ev.type, ev.reason, len(ev.message)) == ("Warning", "TrainerLost", 1000)
+    (ev,) = phase_events("Pending", PhaseChange("Running", ""))
+    assert (ev.type, ev.reason, ev.message) == ("Normal", "Running", "Running")
+
+
+def test_a_run_spec_the_models_reject_fails_the_run_and_creates_nothing():
+    r = run(rollout={"replicas": 1, "minReadyEngines": 2, "engine": {"device": "cpu"}})
+    plan = decide_run(r, RunChildren(), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
+    assert "minReadyEngines" in plan.status["message"] and "engines" not in plan.status
+    assert [e.reason for e in plan.events] == ["InvalidSpec"]

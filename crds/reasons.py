@@ -1,0 +1,45 @@
+"""Reasons of the conditions, Events and slot failures the operator writes: CamelCase, part of the API.
+
+Users and alerts match on them (`kubectl get events --field-selector reason=EngineCrashLoop`), so
+they are named once here.
+"""
+from __future__ import annotations
+
+AS_EXPECTED = "AsExpected"  # a condition that is False for no particular reason
+
+# Why an engine slot failed (`status.engines[].lastFailure.reason`); a dead mark gives its own.
+CRASHED = "Crashed"  # a container exited non-zero
+EXITED = "Exited"  # a container exited 0 (an engine never should)
+POD_FAILED = "PodFailed"  # the pod failed without a terminated container (e.g. evicted)
+MARKED_DEAD = "MarkedDead"  # the orchestrator's dead mark, when it names no reason
+STARTUP_TIMEOUT = "StartupTimeout"
+POD_DELETED = "PodDeleted"
+
+# Fleet Events.
+CREATING_ENGINES = "CreatingEngines"
+SCALED_DOWN = "ScaledDown"
+ENGINE_DEAD = "EngineDead"
+RECREATING_ENGINE = "RecreatingEngine"
+RESTART_BUDGET_EXHAUSTED = "RestartBudgetExhausted"
+ROUTER_UPDATED = "RouterUpdated"
+NETWORK_POLICY_CREATED = "NetworkPolicyCreated"
+NETWORK_POLICY_RESTORED = "NetworkPolicyRestored"
+NETWORK_POLICY_DELETED = "NetworkPolicyDeleted"
+
+# Fleet conditions.
+ENGINES_READY = "EnginesReady"
+ENGINES_NOT_READY = "EnginesNotReady"
+ENGINES_STARTING = "EnginesStarting"
+STABLE = "Stable"
+ENGINES_DOWN = "EnginesDown"
+ENGINE_CRASH_LOOP = "EngineCrashLoop"  # Failed: the slot that gave up crashed or exited
+ENGINE_FAILED = "EngineFailed"  # Failed: it gave up for another reason (probes, startup, ...)
+
+# TrainingRun conditions and Events (the phase names are Events too: Running, Succeeded).
+TRAINING = "Training"
+STARTING = "Starting"
+FINISHED = "Finished"
+NOT_READY = "NotReady"
+TRAINER_FAILED = "TrainerFailed"
+TRAINER_LOST = "TrainerLost"
+INVALID_SPEC = "InvalidSpec"
