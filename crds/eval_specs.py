@@ -31,7 +31,7 @@ def _override_fields() -> dict[str, Any]:
     for name, info in EngineSpec.model_fields.items():
         if name in NOT_OVERRIDABLE:
             continue
-        inner = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        inner: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
         description = (info.description or "").rstrip(".")
         fields[name] = (
             inner | None,
@@ -108,7 +108,7 @@ class EvalFleetTemplateSpec(ApiModel):
 
     replicas: int = Field(1, ge=1, le=4096, description="Number of eval engines.")
     min_ready_engines: int = Field(1, ge=1, le=4096, description="Evaluate only when at least this many engines serve.")
-    engine: EngineOverridesSpec = Field(default_factory=EngineOverridesSpec)  # type: ignore[valid-type]
+    engine: EngineOverridesSpec = Field(default_factory=EngineOverridesSpec)
     health: HealthSpec | None = Field(None, description="Unset: the rollout fleet's health settings.")
     recovery: RecoverySpec | None = Field(None, description="Unset: the rollout fleet's recovery settings.")
     router: RouterSpec | None = Field(None, description="Unset: the rollout fleet's router settings.")

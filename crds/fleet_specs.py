@@ -56,7 +56,8 @@ FLEET_MIN_READY_RULE = Rule(
 class EngineTemplateSpec(EngineSpec):
     """The rollout engine of a TrainingRun; the model path defaults to the run's modelPath."""
 
-    model_path: str | None = Field(
+    # Optional here, required on EngineSpec: the run's modelPath fills it in (rlfleet.crds.derive).
+    model_path: str | None = Field(  # type: ignore[assignment]  # a subclass field may be unset
         None, min_length=1, max_length=PATH,
         description="Model served at start; defaults to the TrainingRun's modelPath.",
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -191,7 +191,8 @@ class PrinterColumn:
     priority: int = 0
 
     def to_crd(self) -> dict[str, Any]:
-        column = {"name": self.name, "type": self.type, "jsonPath": self.json_path, "description": self.description}
+        column: dict[str, Any] = {"name": self.name, "type": self.type, "jsonPath": self.json_path,
+                                  "description": self.description}
         if self.priority:
             column["priority"] = self.priority
         return column
@@ -220,11 +221,15 @@ class Kind:
 
     @property
     def spec_model(self) -> type[ApiModel]:
-        return self.model.model_fields["spec"].annotation  # type: ignore[return-value]
+        spec = self.model.model_fields["spec"].annotation
+        assert isinstance(spec, type) and issubclass(spec, ApiModel), f"{self.kind}.spec is a model"
+        return spec
 
     @property
     def status_model(self) -> type[ApiModel]:
-        return self.model.model_fields["status"].annotation.__args__[0]  # type: ignore[union-attr]
+        status = get_args(self.model.model_fields["status"].annotation)[0]  # `XStatus | None`
+        assert isinstance(status, type) and issubclass(status, ApiModel), f"{self.kind}.status is a model"
+        return status
 
 
 CATEGORY = "rlfleet"

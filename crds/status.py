@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from rlfleet.crds.specs import PATH, SHORT, ApiModel
 
@@ -17,8 +18,8 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Failed")
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 MESSAGE = 32768
 # Lists keyed by a field: one entry per condition type / slot, merged by key on server-side apply.
-CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
-SLOT_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
+CONDITION_LIST: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+SLOT_LIST: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
 
 
 def _rfc3339(value: str) -> str:

@@ -20,6 +20,7 @@ two pods ever serve one slot, whatever the operator's restarts or stale caches.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,8 +66,7 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
     views = [view_pod(p) for p in pods]
     by_slot: dict[int, PodView] = {}
     for v in views:
-        expected = v.slot is not None and v.slot < spec.replicas and v.name == b.engine_pod_name(fleet_name, v.slot)
-        if expected:
+        if v.slot is not None and v.slot < spec.replicas and v.name == b.engine_pod_name(fleet_name, v.slot):
             by_slot[v.slot] = v
         elif not v.terminating:  # scaled away, or not ours to keep
             plan.delete.append((v.name, v.uid))
@@ -241,7 +241,7 @@ class ChildAction:
 
 
 def decide_network_policy(fleet: dict, current: dict | None, *, enabled: bool,
-                          metrics_from: list[dict] = ()) -> ChildAction | None:
+                          metrics_from: Sequence[dict] = ()) -> ChildAction | None:
     """Converge the fleet's engine NetworkPolicy: exists and matches when enabled, absent when not.
 
     `current` is the policy observed now (labelled for this fleet), None when there is none.

@@ -114,6 +114,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
         elif trainer_phase == "Succeeded":
             new_phase, message = "Succeeded", "the trainer finished"
         elif trainer_phase == "Failed":
+            assert trainer is not None, "the phase is the trainer pod's"
             term = _pod_terminated(trainer)
             failed_reason = "TrainerFailed"
             code = f" with exit code {term['exitCode']}" if term.get("exitCode") is not None else ""
@@ -121,6 +122,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
             new_phase = "Failed"
         elif is_true(fleet_conds, "Failed"):
             fc = find(fleet_conds, "Failed")
+            assert fc is not None, "is_true found it"
             failed_reason, failed_message = fc.get("reason", "EngineFailed"), fc.get("message", "")
             new_phase = "Failed"
         elif trainer is None and phase == "Running":

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
@@ -35,7 +36,8 @@ class EvalDataset:
     stop_token_ids: tuple[int, ...] = ()
 
     def sampling_params(self) -> dict:
-        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         return params

@@ -47,7 +47,7 @@ class FleetRuntime:
         self.membership: RouterMembership | None = None
         self.weights: WeightSync | None = None
         self.router: RouterClient | None = None
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
 
     def engine_client(self, url: str) -> EngineClient:
         assert self.session is not None, "FleetRuntime not started"

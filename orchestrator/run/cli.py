@@ -13,9 +13,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rlfleet.crds.loader import ManifestError, load_training_run, validate_object
+from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
@@ -101,6 +103,8 @@ async def _run_in_cluster(args) -> RunSummary:
         try:
             if run is None:
                 raise RunFailed("InvalidSpec", "; ".join(str(e) for e in errors))
+            assert isinstance(run, TrainingRun), f"the API server returned a {obj.get('kind')} for a TrainingRun"
+            assert run.metadata.name is not None, "an object read from the API server has a name"
             if args.steps is not None:
                 run.spec.trainer.steps = args.steps
             name = run.metadata.name
@@ -126,11 +130,12 @@ class Terminated(Exception):
         self.signum = signum
 
 
-async def _until_signal(execute):
+async def _until_signal(execute: Callable[[], Awaitable[RunSummary]]) -> RunSummary:
     """Run `execute()`; the first SIGTERM/SIGHUP cancels it (engines, routers and scratch volumes are
     cleaned up on the way out, as for Ctrl-C), later ones are ignored so cleanup is not cut short."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    assert task is not None, "called from a task"
     received: list[int] = []
 
     def on_signal(signum: int) -> None:

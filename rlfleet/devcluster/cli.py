@@ -289,7 +289,7 @@ def serve(args: argparse.Namespace) -> int:
         base["components"] = components()
         write_state(directory, {**base, "status": "ready"})
         print(f"ready: {plane.server}" + (f", node {node.node}" if node else ""), flush=True)
-        while (failed := plane.failed_component() or (node and node.exited())) is None:
+        while (failed := plane.failed_component() or (node.exited() if node else None)) is None:
             time.sleep(1.0)
         tail = " | ".join(failed.tail(5))
         status, error, code = "failed", f"{failed.name} exited with code {failed.returncode}: {tail}", 1

@@ -353,7 +353,7 @@ class PodWorker:
                       STOP_GRACE_CAP_S)
         procs = [p for p in self.procs.values() if p.proc is not None]
         for p in procs:
-            if p.returncode is None:
+            if p.returncode is None and p.pid is not None:
                 self.shm_files |= await asyncio.to_thread(mapped_shm_files, p.pid)
         await asyncio.gather(*(p.stop(grace_s=max(grace_s, 0.5)) for p in procs), return_exceptions=True)
         await self._remove_shm()
@@ -437,6 +437,7 @@ class NodeAgent:
         self.workers: dict[str, PodWorker] = {}
         self.http: aiohttp.ClientSession
         cfg = kube.api.configuration
+        assert cfg.host is not None, "the API client has no server address"
         self.api_server: str = cfg.host
         self.ca_data_b64: str | None = None
         api_ca_pem: str | None = None
@@ -531,6 +532,7 @@ class NodeAgent:
         log.info("node %s registered", self.node)
 
     async def _write_node_status(self, *, ready: bool) -> None:
+        assert self._ready_since is not None, "the node status is written only once registered"
         status = plan.node_status(ready=ready, now=now_iso(), since=self._ready_since, capacity=self._capacity,
                                   kubelet_port=self.log_port)
         await self.kube.merge_patch(NODES, self.node, {"status": status}, sub="status")
