@@ -119,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the namespace's default ServiceAccount never appeared")
             time.sleep(0.5)
         mport, lport = free_port(), free_port()
-        log = open(work / "operator.log", "wb")
-        operator = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(cp.kubeconfig),
-                                     "-n", NS, "--standalone", "--metrics-host", "127.0.0.1", "--metrics-port", str(mport),
-                                     "--liveness", f"http://127.0.0.1:{lport}/healthz", "--log-level", "WARNING"],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(work / "operator.log", "wb") as log:  # the child keeps its own copy of the descriptor
+            operator = subprocess.Popen(
+                [sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(cp.kubeconfig), "-n", NS,
+                 "--standalone", "--metrics-host", "127.0.0.1", "--metrics-port", str(mport),
+                 "--liveness", f"http://127.0.0.1:{lport}/healthz", "--log-level", "WARNING"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:

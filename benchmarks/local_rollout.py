@@ -58,7 +58,7 @@ def rollout_groups(
         responses = [_until_eos(row[len(prompt_ids):].tolist(), eos) for row in sequences]
         logprobs = _sampling_logprobs(trainer, prompt_ids, responses, settings.temperature)
         group = []
-        for response, lps in zip(responses, logprobs):
+        for response, lps in zip(responses, logprobs, strict=True):
             text = decode_response(tokenizer, response)
             group.append(
                 grpo.Sample(

@@ -117,7 +117,7 @@ class ExternalSglangEval(CheckpointEvalFn):
 
     async def _pin(self, client: EngineClient, checkpoint_dir: str, version: str) -> str:
         last = "no attempt"
-        for attempt in range(self.pin_retries):
+        for _attempt in range(self.pin_retries):
             try:
                 result = await client.update_weights_from_disk(checkpoint_dir, version, timeout_s=self.pin_timeout_s)
                 served = await client.weight_version()

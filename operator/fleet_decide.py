@@ -264,7 +264,7 @@ def covers(current: Any, desired: Any) -> bool:
         return isinstance(current, dict) and all(covers(current.get(k), v) for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(current, list) and len(current) == len(desired)
-                and all(covers(c, d) for c, d in zip(current, desired)))
+                and all(covers(c, d) for c, d in zip(current, desired, strict=True)))
     return current == desired
 
 

@@ -51,7 +51,7 @@ def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", labe
     """Read a JSONL eval set; blank lines are skipped, anything else malformed is an error."""
     problems: list[tuple[str, str]] = []
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 - opened apart so that only opening maps to DatasetError
     except OSError as exc:
         raise DatasetError(f"{path}: {exc.strerror or exc}") from None
     with handle:

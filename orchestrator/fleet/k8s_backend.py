@@ -163,7 +163,8 @@ class KubernetesBackend(FleetBackend):
                 await self._fleet_listed.wait()
         except TimeoutError:
             await self.stop()
-            raise FleetNotReady(f"fleet {self.fleet}: could not list its pods within {WATCH_READY_TIMEOUT_S:g} s")
+            raise FleetNotReady(
+                f"fleet {self.fleet}: could not list its pods within {WATCH_READY_TIMEOUT_S:g} s") from None
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -295,7 +296,7 @@ class KubernetesBackend(FleetBackend):
             raise failure
         return [e.slot for e in self.engines() if recreated_since(e, self._loaded.get(e.slot))]
 
-    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
+    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
         bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound
@@ -390,7 +391,7 @@ FLEET_POLL_S = 2.0
 
 
 async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
-                       timeout: float) -> tuple[KubernetesBackend, str, dict]:
+                       timeout: float) -> tuple[KubernetesBackend, str, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
     """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
 
     Returns the backend (not started), the router URL and the fleet object. The trainer pod starts

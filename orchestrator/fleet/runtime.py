@@ -95,7 +95,7 @@ class FleetRuntime:
         if self.router is not None:
             self.router.base_url = normalize_url(url)
 
-    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:
+    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:  # noqa: ASYNC109 - see wait_all_alive
         """Wait for the engines to serve their launch weights, then admit them to the router."""
         assert self.membership is not None
         alive = await self.backend.wait_all_alive(timeout)

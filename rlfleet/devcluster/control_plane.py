@@ -94,7 +94,8 @@ class ControlPlane:
                 except _PortTaken:
                     self._stop_processes()
                     if attempt == PORT_ATTEMPTS - 1:
-                        raise ControlPlaneError("could not bind free ports after retries (another process took them)")
+                        raise ControlPlaneError(
+                            "could not bind free ports after retries (another process took them)") from None
         except BaseException:
             self.stop()
             raise

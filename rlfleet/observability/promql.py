@@ -94,9 +94,8 @@ def _check_balanced(toks: list[Token]) -> None:
             continue
         if tok.text in pairs:
             stack.append(tok)
-        elif tok.text in (")", "]", "}"):
-            if not stack or pairs[stack.pop().text] != tok.text:
-                raise PromQLSyntaxError(f"unbalanced {tok.text!r} at offset {tok.pos}")
+        elif tok.text in (")", "]", "}") and (not stack or pairs[stack.pop().text] != tok.text):
+            raise PromQLSyntaxError(f"unbalanced {tok.text!r} at offset {tok.pos}")
     if stack:
         raise PromQLSyntaxError(f"{stack[-1].text!r} at offset {stack[-1].pos} is never closed")
 

@@ -106,7 +106,7 @@ class ResponseParser:
             elif state == _UNTIL_CLOSE:
                 self._append(buf)
                 return None
-            elif state == _CHUNK_SIZE or state == _TRAILER or state == _CHUNK_END:
+            elif state in (_CHUNK_SIZE, _TRAILER, _CHUNK_END):
                 end = buf.find(b"\r\n")
                 if end < 0:
                     if len(buf) > MAX_HEAD_BYTES:

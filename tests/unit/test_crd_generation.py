@@ -119,7 +119,7 @@ def test_api_reference_lists_every_field_with_its_default():
     text = DOCS_PATH.read_text()
     assert "| `spec.heatGuard.pauseAtC` | number | `84.0` | ≥ 0, ≤ 150 |" in text
     assert "`spec.heatGuard.resumeAtC` | resumeAtC must be below pauseAtC" in text
-    for path, node in walk(openapi_schema(KINDS[0])["properties"]["spec"], "spec"):
+    for path, _node in walk(openapi_schema(KINDS[0])["properties"]["spec"], "spec"):
         if not path.endswith(("[]", "{}")) and path != "spec":
             assert f"| `{path}` |" in text, path
 

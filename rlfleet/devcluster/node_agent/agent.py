@@ -647,10 +647,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    image_map = plan.ImageMap.from_json(Path(args.image_map).read_text()) if args.image_map else plan.ImageMap()
+    image_map = (plan.ImageMap.from_json(await asyncio.to_thread(Path(args.image_map).read_text))
+                 if args.image_map else plan.ImageMap())
     data_dir = Path(args.data_dir or Path(".node-agent") / args.node)
     labels = dict(item.split("=", 1) for item in args.label)
-    client_ca_pem = Path(args.client_ca).read_text() if args.client_ca else None
+    client_ca_pem = await asyncio.to_thread(Path(args.client_ca).read_text) if args.client_ca else None
     async with await KubeClient.load(args.kubeconfig) as kube:
         agent = NodeAgent(kube, args.node, data_dir, schedule=args.schedule, image_map=image_map,
                           pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels,
