@@ -46,7 +46,8 @@ def run_one(args: argparse.Namespace, *, lr: float, group_size: int, prompts: in
         started = time.perf_counter()
         groups = rollout_groups(trainer, tokenizer, stream.take(prompts), settings, reward_fn)
         rollout_times.append(time.perf_counter() - started)
-        batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy, scale_by_std=not args.no_std_scale)
+        batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy,
+                                    scale_by_std=not args.no_std_scale)
         rewards.append(batch.reward_mean)
         metrics = trainer.train_step(batch.samples)
         step_times.append(metrics["step_seconds"])

@@ -96,7 +96,8 @@ def _kind_section(kind: Kind) -> list[str]:
     ]
     for part in ("spec", "status"):
         sub = schema["properties"][part]
-        out += [f"### {kind.kind} {part}", "", "| Field | Type | Default | Bounds | Description |", "|---|---|---|---|---|"]
+        out += [f"### {kind.kind} {part}", "", "| Field | Type | Default | Bounds | Description |",
+                "|---|---|---|---|---|"]
         for path, node, required in field_rows(sub, part):
             description = node.get("description", "")
             if required:

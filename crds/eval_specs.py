@@ -71,7 +71,8 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
 class EvalDatasetSpec(ApiModel):
     """One evaluation dataset: a JSONL file of prompts and answers, or a built-in task."""
 
-    name: str = Field(..., min_length=1, max_length=63, pattern=DATASET_NAME_PATTERN, description="Name of the scores and metrics.")
+    name: str = Field(..., min_length=1, max_length=63, pattern=DATASET_NAME_PATTERN,
+                      description="Name of the scores and metrics.")
     path: str | None = Field(
         None, min_length=1, max_length=PATH,
         description="JSONL file, one object per line with the prompt and the expected answer (relative paths: from the manifest's directory locally, from the snapshot volume in pods).",
@@ -90,7 +91,8 @@ class EvalDatasetSpec(ApiModel):
     )
     top_p: float | None = Field(None, gt=0, le=1, description="Unset: the trainer's topP.")
     reward_function: str | None = Field(
-        None, max_length=256, pattern=IMPORT_PATH_PATTERN, description="Scoring function module:function; unset: the task's own."
+        None, max_length=256, pattern=IMPORT_PATH_PATTERN,
+        description="Scoring function module:function; unset: the task's own."
     )
 
     cel_rules = (
@@ -134,7 +136,8 @@ class EvalSpec(ApiModel):
         description="shared: pause the producer and evaluate on the rollout engines; fleet: a dedicated EvalFleet "
         "pinned to a snapshot; external: a user CheckpointEvalFn class given the snapshot directory.",
     )
-    interval_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate every N training steps (the final step always).")
+    interval_steps: int = Field(10, ge=1, le=10_000_000,
+                                description="Evaluate every N training steps (the final step always).")
     eval_before_train: bool = Field(True, description="Evaluate the initial model before the first step.")
     datasets: list[EvalDatasetSpec] = Field(
         default_factory=list, max_length=16, description="What to evaluate (required unless posture is external)."
@@ -146,9 +149,11 @@ class EvalSpec(ApiModel):
     )
     keep_snapshots: int = Field(2, ge=1, le=100, description="Consumed eval snapshots kept on the volume.")
     pin_timeout_seconds: float = Field(
-        600.0, ge=1, le=86400, description="Bound on loading a snapshot on every eval engine and reading the version back."
+        600.0, ge=1, le=86400,
+        description="Bound on loading a snapshot on every eval engine and reading the version back."
     )
-    pin_retries: int = Field(2, ge=1, le=10, description="Attempts to pin the eval fleet before the point is skipped pin_violation.")
+    pin_retries: int = Field(2, ge=1, le=10,
+                             description="Attempts to pin the eval fleet before the point is skipped pin_violation.")
     router_probe_timeout_seconds: float = Field(
         180.0, ge=1, le=3600, description="Bound on the one-token probe through the eval router after pinning."
     )

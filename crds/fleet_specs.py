@@ -30,7 +30,8 @@ class RouterSpec(ApiModel):
         description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's prefix cache.",
     )
     health_check_interval_seconds: int = Field(
-        2, ge=1, le=3600, description="The router's own health-check interval (sglang-router --health-check-interval-secs)."
+        2, ge=1, le=3600,
+        description="The router's own health-check interval (sglang-router --health-check-interval-secs)."
     )
     health_failure_threshold: int = Field(
         2, ge=1, le=100, description="Failed router health checks before it stops routing to an engine."
@@ -68,7 +69,8 @@ class RolloutTemplateSpec(ApiModel):
 
     replicas: int = Field(1, ge=1, le=4096, description="Number of rollout engines.")
     min_ready_engines: int = Field(
-        1, ge=1, le=4096, description="The run goes on while at least this many engines serve; below it, it waits and recovers."
+        1, ge=1, le=4096,
+        description="The run goes on while at least this many engines serve; below it, it waits and recovers."
     )
     engine: EngineTemplateSpec = Field(default_factory=EngineTemplateSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)

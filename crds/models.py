@@ -51,7 +51,8 @@ class TrainerSpec(ApiModel):
     samples_per_prompt: int = Field(
         8, ge=2, le=1024, description="Samples per prompt: the group whose rewards are normalised together (GRPO)."
     )
-    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000, description="Samples per forward/backward pass; unset: the whole step.")
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000,
+                                         description="Samples per forward/backward pass; unset: the whole step.")
     max_new_tokens: int = Field(1024, ge=1, le=1_000_000, description="Longest rollout response.")
     temperature: float = Field(1.0, ge=0, le=10, description="Rollout sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling.")
@@ -72,7 +73,8 @@ class TrainerSpec(ApiModel):
         description="Prompt source: a built-in task name (e.g. reverse) or an import path module:object.",
     )
     reward_function: str | None = Field(
-        None, max_length=256, pattern=IMPORT_PATH_PATTERN, description="Reward function module:function; unset: the task's own."
+        None, max_length=256, pattern=IMPORT_PATH_PATTERN,
+        description="Reward function module:function; unset: the task's own."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -120,7 +122,8 @@ class TrainingRunSpec(ApiModel):
     cel_rules = (
         Rule(
             cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('" + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
-            check=lambda s: not s.model_path.startswith("tiny://") or re.match(TINY_MODEL_PATTERN, s.model_path) is not None,
+            check=lambda s: (not s.model_path.startswith("tiny://")
+                             or re.match(TINY_MODEL_PATTERN, s.model_path) is not None),
             field="modelPath",
             message="a tiny model path reads tiny://llama or tiny://qwen2, optionally with ?seed=N",
         ),

@@ -91,7 +91,8 @@ async def session_sglang_engines(shared_processes: LocalProcesses, tiny_model: P
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def sglang_engines(process_logs: Path, tiny_model: Path, request: pytest.FixtureRequest) -> AsyncIterator[EngineFactory]:
+async def sglang_engines(process_logs: Path, tiny_model: Path,
+                         request: pytest.FixtureRequest) -> AsyncIterator[EngineFactory]:
     """Factory of engines owned by one test: every engine it started is stopped when the test ends.
 
     Keep at most two engines alive at a time (each takes ~2.2 GB and 25-60 s to start).

@@ -47,7 +47,8 @@ class DatasetError(ValueError):
     """A dataset cannot be read; the message names the dataset and the problem."""
 
 
-def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", label_key: str = "answer") -> list[tuple[str, str]]:
+def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt",
+                        label_key: str = "answer") -> list[tuple[str, str]]:
     """Read a JSONL eval set; blank lines are skipped, anything else malformed is an error."""
     problems: list[tuple[str, str]] = []
     try:
@@ -62,7 +63,8 @@ def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", labe
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from None
-            if not isinstance(row, dict) or not isinstance(row.get(input_key), str) or not isinstance(row.get(label_key), str):
+            if (not isinstance(row, dict) or not isinstance(row.get(input_key), str)
+                    or not isinstance(row.get(label_key), str)):
                 raise DatasetError(f'{path}:{number}: expected an object with string "{input_key}" and "{label_key}"')
             problems.append((row[input_key], row[label_key]))
     if not problems:

@@ -280,7 +280,8 @@ class KubernetesBackend(FleetBackend):
         self._emit(slot, view.incarnation, view_pod(pod).pod_ip if pod else None, cause, reason)
         self._notify()
         if pod is not None:
-            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value, conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
+            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value,
+                                                  conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
             try:
                 await self.kube.merge_patch(PODS, pod["metadata"]["name"], patch, self.namespace)
             except ApiError as e:
@@ -341,7 +342,8 @@ async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *,
                      ) -> str | None:
     """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
     `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap."""
-    pods = await kube.list(PODS, namespace, label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
+    pods = await kube.list(PODS, namespace,
+                           label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
     return pick_router_url(pods.get("items", []), port, prefer=prefer)
 
 
@@ -376,14 +378,16 @@ async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, m
     Written as annotations (`rlfleet.io/failed-reason`, `rlfleet.io/failed-message`), never into the
     status conditions the operator owns; the operator turns them into the run's Failed condition.
     """
-    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason, conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
+    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason,
+                                          conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
     await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
 
 
 async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, model_path: str, weight_version: str,
                              kind: str = "RolloutFleet") -> None:
     """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
-    patch = {"metadata": {"annotations": {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}}}
+    patch = {"metadata": {"annotations": {conventions.ANN_MODEL_PATH: model_path,
+                                          conventions.ANN_WEIGHT_VERSION: weight_version}}}
     await kube.merge_patch(Resource(conventions.GROUP, "v1alpha1", PLURALS[kind]), fleet, patch, namespace)
 
 

@@ -132,7 +132,8 @@ class FleetRuntime:
             return {self.heat_slot(e.slot): e.url for e in self.backend.engines()
                     if e.state is EngineState.ALIVE and e.url}
 
-        return HeatGuardTask(spec, source, engines=engines, call_engine=functools.partial(post_engine_action, self.session),
+        return HeatGuardTask(spec, source, engines=engines,
+                             call_engine=functools.partial(post_engine_action, self.session),
                              fleet=self.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
                              on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)
 

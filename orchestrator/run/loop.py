@@ -150,7 +150,8 @@ class RunLoop:
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
-            server = MetricsServer(opts.metrics_host, spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
+            server = MetricsServer(opts.metrics_host,
+                                   spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
             url = await server.start()
             stack.push_async_callback(server.stop)
             self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
@@ -166,7 +167,8 @@ class RunLoop:
                                          temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
                 )
             except (ValueError, OSError) as exc:  # before any engine starts: a reason, not a traceback
-                raise RunFailed("TrainerSetupFailed", f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
+                raise RunFailed("TrainerSetupFailed",
+                                f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
             # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---

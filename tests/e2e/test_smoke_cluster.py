@@ -63,7 +63,8 @@ def test_kubectl_apply_round_trip(control_plane: ControlPlane) -> None:
 
 def test_unprivileged_service_account_is_forbidden(control_plane: ControlPlane) -> None:
     kubeconfig = control_plane.service_account_kubeconfig("smoke-rbac", "nobody")
-    whoami = control_plane.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}", kubeconfig=kubeconfig)
+    whoami = control_plane.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}",
+                                   kubeconfig=kubeconfig)
     assert whoami.stdout == "system:serviceaccount:smoke-rbac:nobody"
     denied = control_plane.kubectl("get", "secrets", "-n", "smoke-rbac", kubeconfig=kubeconfig, check=False)
     assert denied.returncode != 0

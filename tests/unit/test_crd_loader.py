@@ -69,7 +69,8 @@ def test_yaml_numbers_dates_and_duplicate_keys_read_as_the_api_server_reads_them
 
 
 def test_unknown_fields_kinds_and_enums_are_named():
-    assert errors(RUN + "  rollout: {replica: 2}\n") == [("spec.rollout.replica", 'unknown field "spec.rollout.replica"')]
+    assert errors(RUN + "  rollout: {replica: 2}\n") == [("spec.rollout.replica",
+                                                          'unknown field "spec.rollout.replica"')]
     assert errors(RUN + "  trainer: {backend: jax}\n") == [
         ("spec.trainer.backend", 'Unsupported value: "jax": supported values: "megatron", "torch"')
     ]
@@ -107,7 +108,8 @@ def test_load_training_run_returns_the_run_or_every_error(tmp_path):
 
 
 def test_validate_cli_exit_status_and_output(tmp_path, capsys):
-    assert validate_main([str(REPO / "examples" / "quickstart.yaml"), str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
+    assert validate_main([str(REPO / "examples" / "quickstart.yaml"),
+                          str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
     assert "TrainingRun/quickstart: valid" in capsys.readouterr().out
     assert validate_main(["-q", str(REPO / "examples")]) == 0  # a directory: every *.yaml in it
     assert capsys.readouterr().out == ""

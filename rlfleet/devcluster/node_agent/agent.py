@@ -625,7 +625,8 @@ def _memory_bytes() -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlfleet.devcluster.node_agent.agent", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlfleet.devcluster.node_agent.agent",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", required=True, help="kubeconfig of the API server (node credentials)")
     p.add_argument("--node", required=True, help="name of the Node object to register")
     p.add_argument("--data-dir", default=None, help="pod volumes and logs (default: ./.node-agent/<node>)")
