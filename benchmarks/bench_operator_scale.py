@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
               f"= {converge_s / args.fleets * 1000:.0f} ms per fleet, {converge_s / pods * 1000:.1f} ms per pod")
         print(f"  convergence: {conv_rec:.0f} reconciles, {conv_req:.0f} API requests "
               f"({', '.join(f'{k} {v:.0f}' for k, v in sorted(requests_by_verb(conv).items()))})")
-        print(f"    = {conv_req / max(conv_rec, 1):.2f} requests per reconcile, {conv_req / args.fleets:.1f} per fleet, "
-              f"{conv_req / pods:.3f} per pod")
+        print(f"    = {conv_req / max(conv_rec, 1):.2f} requests per reconcile, "
+              f"{conv_req / args.fleets:.1f} per fleet, {conv_req / pods:.3f} per pod")
         print(f"  quiet resync window ({RESYNC_WINDOW_S:.0f} s): {quiet_rec:.0f} reconciles, {quiet_req:.0f} API "
               f"requests = {quiet_req / max(quiet_rec, 1):.3f} requests per reconcile")
         naive_per = naive_requests / args.fleets

@@ -75,7 +75,8 @@ class EvalDatasetSpec(ApiModel):
                       description="Name of the scores and metrics.")
     path: str | None = Field(
         None, min_length=1, max_length=PATH,
-        description="JSONL file, one object per line with the prompt and the expected answer (relative paths: from the manifest's directory locally, from the snapshot volume in pods).",
+        description="JSONL file, one object per line with the prompt and the expected answer (relative paths: "
+        "from the manifest's directory locally, from the snapshot volume in pods).",
     )
     task: str | None = Field(
         None, max_length=256, pattern=TASK_PATTERN,

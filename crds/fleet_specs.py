@@ -27,7 +27,8 @@ class RouterSpec(ApiModel):
     port: int = Field(30000, ge=1024, le=65535, description="Port the router listens on.")
     policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
         "cache_aware",
-        description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's prefix cache.",
+        description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's "
+        "prefix cache.",
     )
     health_check_interval_seconds: int = Field(
         2, ge=1, le=3600,
@@ -80,7 +81,9 @@ class RolloutTemplateSpec(ApiModel):
         600.0, ge=1, le=86400, description="Deadline of one rollout request, retries included."
     )
     max_retries: int = Field(
-        3, ge=0, le=100, description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a fixed-interval storm)."
+        3, ge=0, le=100,
+        description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a "
+        "fixed-interval storm)."
     )
     concurrency_per_engine: int = Field(
         64, ge=1, le=4096, description="Rollout requests in flight per ready engine."

@@ -64,7 +64,8 @@ MILES_FLAGS: tuple[FlagMapping, ...] = (
     FlagMapping("--eps-clip", "0.2", "spec.trainer.epsClip", 0.2),
     FlagMapping("--kl-loss-coef", "0", "spec.trainer.klCoef", 0.0,
                 note="The KL-to-reference loss term (Miles: with --use-kl-loss --kl-loss-type low_var_kl, the k3 "
-                     "estimator); a coefficient above 0 turns it on. Miles' --kl-coef (KL in the reward) has no field."),
+                     "estimator); a coefficient above 0 turns it on. Miles' --kl-coef (KL in the reward) has no "
+                     "field."),
     FlagMapping("--clip-grad", "1.0", "spec.trainer.gradClip", 1.0),
     FlagMapping("--micro-batch-size", "-", "spec.trainer.microBatchSize"),
     FlagMapping("--tensor-model-parallel-size", "1", "spec.trainer.tensorParallelSize", 1),

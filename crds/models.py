@@ -40,7 +40,8 @@ class TrainerSpec(ApiModel):
 
     backend: Literal["megatron", "torch"] = Field(
         "torch",
-        description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model (CPU or GPU).",
+        description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model "
+        "(CPU or GPU).",
     )
     image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, description="Container image of the trainer pod.")
     gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
@@ -95,7 +96,8 @@ class TrainerSpec(ApiModel):
             check=lambda s: (s.tensor_parallel_size * s.pipeline_parallel_size == 1) if s.gpus == 0
             else s.gpus % (s.tensor_parallel_size * s.pipeline_parallel_size) == 0,
             field="gpus",
-            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize (no model parallelism on CPU)",
+            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize "
+            "(no model parallelism on CPU)",
         ),
         immutable("backend", "backend", "trainer backend"),
     )
@@ -121,7 +123,8 @@ class TrainingRunSpec(ApiModel):
 
     cel_rules = (
         Rule(
-            cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('" + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
+            cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('"
+            + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
             check=lambda s: (not s.model_path.startswith("tiny://")
                              or re.match(TINY_MODEL_PATTERN, s.model_path) is not None),
             field="modelPath",

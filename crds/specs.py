@@ -245,7 +245,9 @@ class EngineSpec(ApiModel):
     image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, description="Container image of the engine.")
     model_path: str = Field(..., min_length=1, max_length=PATH,
                             description="Model directory or hub id served at start.")
-    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu runs `--device cpu --model-impl transformers --sleep-on-idle`.")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cpu runs `--device cpu --model-impl transformers --sleep-on-idle`."
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --tp-size.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --pp-size.")
     data_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --dp-size.")

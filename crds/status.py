@@ -93,7 +93,9 @@ class LastEvalStatus(ApiModel):
     weight_version: str | None = Field(None, max_length=SHORT, description="Weight version every eval engine reported.")
     scores: dict[str, float] = Field(default_factory=dict, max_length=64, description="Score per dataset.")
     skipped_reason: str | None = Field(
-        None, max_length=64, description="Why this point was skipped (busy, export_failed, ckpt_missing, unhealthy, pin_violation, crashed, custom)."
+        None, max_length=64,
+        description="Why this point was skipped (busy, export_failed, ckpt_missing, unhealthy, pin_violation, "
+        "crashed, custom)."
     )
     skipped: dict[str, int] = Field(default_factory=dict, max_length=64,
                                     description="Skipped points so far, by reason.")

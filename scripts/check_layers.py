@@ -81,7 +81,8 @@ def imports_of(module: str, path: Path, is_package: bool) -> list[Import]:
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or isinstance(child, ast.If) and _type_checking(child):
+            if (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                    or isinstance(child, ast.If) and _type_checking(child)):
                 visit(child, False)
             elif isinstance(child, ast.Import):
                 found.extend(Import(module, a.name, child.lineno, top) for a in child.names)

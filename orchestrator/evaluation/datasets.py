@@ -1,8 +1,9 @@
 """Eval datasets: a TrainingRun's `eval.datasets` resolved into prompts, answers and sampling settings.
 
 A dataset is either a JSONL file (one object per line with the prompt and the expected answer, under
-`inputKey` / `labelKey`) or a task (`rlfleet.trainer.tasks.load_task`): a built-in name (e.g. `reverse`, a fixed problem set
-far from the training stream's seed) or an import path `module:object` (its stream at the eval seed).
+`inputKey` / `labelKey`) or a task (`rlfleet.trainer.tasks.load_task`): a built-in name (e.g. `reverse`,
+a fixed problem set far from the training stream's seed) or an import path `module:object` (its stream
+at the eval seed).
 Unset sampling settings come from the trainer: greedy with one sample per prompt, the trainer's
 temperature otherwise.
 """

@@ -197,7 +197,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  node:       {state['node']['name']} (pod logs in {state['node']['data_dir']}/logs)")
     else:
         print("  node:       none (started with --no-node-agent)")
-    print(f"  supervisor: pid {state.get('supervisor_pid')} ({'alive' if process_alive(state.get('supervisor_pid')) else 'gone'})")
+    supervisor = state.get("supervisor_pid")
+    print(f"  supervisor: pid {supervisor} ({'alive' if process_alive(supervisor) else 'gone'})")
     for component in state.get("components", []):
         alive = "alive" if process_alive(component["pid"]) else "gone"
         print(f"  {component['name']}: pid {component['pid']} ({alive}), log {component['log']}")

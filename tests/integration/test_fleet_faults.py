@@ -1,8 +1,8 @@
 """Fault tolerance on real parts: two SGLang CPU engines (local backend), a real sglang-router.
 
 One fleet is shared by the tests of this module, in order: a SIGKILLed engine, a SIGSTOPped
-engine, a corrupted snapshot, an engine the heat guard pauses across a weight sync. Each test leaves two alive engines behind. Latencies measured here
-are printed (run with -s to see them).
+engine, a corrupted snapshot, an engine the heat guard pauses across a weight sync. Each test
+leaves two alive engines behind. Latencies measured here are printed (run with -s to see them).
 """
 from __future__ import annotations
 

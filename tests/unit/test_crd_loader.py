@@ -84,7 +84,8 @@ def test_status_in_a_manifest_is_ignored_as_on_the_api_server():
 
 
 def test_errors_inside_lists_carry_the_index():
-    text = RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse}\n      - {name: b, task: reverse, path: b.jsonl}\n"
+    text = (RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse}\n"
+            "      - {name: b, task: reverse, path: b.jsonl}\n")
     assert errors(text) == [("spec.eval.datasets[1].path", "set exactly one of path and task")]
 
 

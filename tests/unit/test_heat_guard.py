@@ -79,7 +79,7 @@ DCGM_FI_DEV_GPU_TEMP{gpu="1",UUID="GPU-bbb",device="nvidia1",modelName="NVIDIA H
 # HELP DCGM_FI_DEV_SM_CLOCK SM clock frequency (in MHz).
 # TYPE DCGM_FI_DEV_SM_CLOCK gauge
 DCGM_FI_DEV_SM_CLOCK{gpu="0",UUID="GPU-aaa"} 1980
-"""
+"""  # noqa: E501 - verbatim dcgm-exporter lines
 
 
 def test_dcgm_exporter_text_by_gpu_index_and_by_pod():
