@@ -70,7 +70,7 @@ class DeathLog:
         self.events.append(event)
         self.changed.set()
 
-    async def wait_for(self, slot: int, incarnation: int, timeout: float) -> DeathEvent:  # noqa: ASYNC109 - test helper
+    async def wait_for(self, slot: int, incarnation: int, timeout: float) -> DeathEvent:  # noqa: ASYNC109 - test helper, callers name the bound
         async with asyncio.timeout(timeout):
             while True:
                 for event in self.events:
