@@ -84,7 +84,7 @@ async def bench(steps: int, interval: int, pairs: int) -> dict:
             offs.append(await one_run(f"bench-eval-off-{pair}", steps, interval, work, eval_on=False))
             ons.append(await one_run(f"bench-eval-on-{pair}", steps, interval, work, eval_on=True))
     off_steps, on_steps, held, eval_steps = [], [], [], []
-    for off, on in zip(offs, ons):
+    for off, on in zip(offs, ons, strict=True):
         first = on["first_step_measured"]
         off_steps += [s for step, s in off["step_seconds"].items() if step >= first]
         on_steps += [s for step, s in on["step_seconds"].items() if step >= first]

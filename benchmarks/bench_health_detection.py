@@ -248,7 +248,8 @@ async def bench_one(impl: str, args: argparse.Namespace, workdir: Path) -> Resul
                                  *(fault(e, "blip") for e in blip))
             deadline = time.monotonic() + args.give_up
             targets = set(crash) | set(hang)
-            while time.monotonic() < deadline and not targets <= set(deaths):
+            # The reader task fills `deaths` from the prober's event stream; polled up to the give-up time.
+            while time.monotonic() < deadline and not targets <= set(deaths):  # noqa: ASYNC110 - see above
                 await asyncio.sleep(0.1)
             await asyncio.sleep(args.interval * 2 + args.blip_seconds)  # let late false deaths show
         reader.cancel()

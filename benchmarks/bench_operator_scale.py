@@ -119,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError("the namespace's default ServiceAccount never appeared")
             time.sleep(0.5)
         mport, lport = free_port(), free_port()
-        log = open(work / "operator.log", "wb")
-        operator = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(cp.kubeconfig),
-                                     "-n", NS, "--standalone", "--metrics-host", "127.0.0.1", "--metrics-port", str(mport),
-                                     "--liveness", f"http://127.0.0.1:{lport}/healthz", "--log-level", "WARNING"],
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(work / "operator.log", "wb") as log:  # the child keeps its own copy of the descriptor
+            operator = subprocess.Popen(
+                [sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(cp.kubeconfig), "-n", NS,
+                 "--standalone", "--metrics-host", "127.0.0.1", "--metrics-port", str(mport),
+                 "--liveness", f"http://127.0.0.1:{lport}/healthz", "--log-level", "WARNING"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -162,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
               f"= {converge_s / args.fleets * 1000:.0f} ms per fleet, {converge_s / pods * 1000:.1f} ms per pod")
         print(f"  convergence: {conv_rec:.0f} reconciles, {conv_req:.0f} API requests "
               f"({', '.join(f'{k} {v:.0f}' for k, v in sorted(requests_by_verb(conv).items()))})")
-        print(f"    = {conv_req / max(conv_rec, 1):.2f} requests per reconcile, {conv_req / args.fleets:.1f} per fleet, "
-              f"{conv_req / pods:.3f} per pod")
+        print(f"    = {conv_req / max(conv_rec, 1):.2f} requests per reconcile, "
+              f"{conv_req / args.fleets:.1f} per fleet, {conv_req / pods:.3f} per pod")
         print(f"  quiet resync window ({RESYNC_WINDOW_S:.0f} s): {quiet_rec:.0f} reconciles, {quiet_req:.0f} API "
               f"requests = {quiet_req / max(quiet_rec, 1):.3f} requests per reconcile")
         naive_per = naive_requests / args.fleets

@@ -58,7 +58,7 @@ def rollout_groups(
         responses = [_until_eos(row[len(prompt_ids):].tolist(), eos) for row in sequences]
         logprobs = _sampling_logprobs(trainer, prompt_ids, responses, settings.temperature)
         group = []
-        for response, lps in zip(responses, logprobs):
+        for response, lps in zip(responses, logprobs, strict=True):
             text = decode_response(tokenizer, response)
             group.append(
                 grpo.Sample(
@@ -81,7 +81,8 @@ def _until_eos(ids: list[int], eos: int | None) -> list[int]:
     return ids
 
 
-def _sampling_logprobs(trainer: Any, prompt_ids: list[int], responses: list[list[int]], temperature: float) -> list[list[float]]:
+def _sampling_logprobs(trainer: Any, prompt_ids: list[int], responses: list[list[int]],
+                       temperature: float) -> list[list[float]]:
     """log p(token) under logits / temperature, as SGLang reports them."""
     samples = [
         grpo.Sample(tuple(prompt_ids), tuple(r), tuple(0.0 for _ in r), "0") for r in responses
@@ -93,7 +94,8 @@ def _sampling_logprobs(trainer: Any, prompt_ids: list[int], responses: list[list
     return [lp[i, start : start + len(r)].tolist() for i, r in enumerate(responses)]
 
 
-def greedy_scores(trainer: Any, tokenizer: Any, problems: Sequence[Problem], max_new_tokens: int, reward_fn: RewardFn) -> float:
+def greedy_scores(trainer: Any, tokenizer: Any, problems: Sequence[Problem], max_new_tokens: int,
+                  reward_fn: RewardFn) -> float:
     """Mean reward of greedy answers (temperature 0): the eval figure."""
     import torch
 

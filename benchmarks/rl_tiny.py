@@ -46,7 +46,8 @@ def run_one(args: argparse.Namespace, *, lr: float, group_size: int, prompts: in
         started = time.perf_counter()
         groups = rollout_groups(trainer, tokenizer, stream.take(prompts), settings, reward_fn)
         rollout_times.append(time.perf_counter() - started)
-        batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy, scale_by_std=not args.no_std_scale)
+        batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy,
+                                    scale_by_std=not args.no_std_scale)
         rewards.append(batch.reward_mean)
         metrics = trainer.train_step(batch.samples)
         step_times.append(metrics["step_seconds"])
@@ -101,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_one(args, lr=lr, group_size=group, prompts=prompts, seed=seed, model_root=Path(tmp))
                 results.append(r)
                 ratio = r["end"] / r["start"] if r["start"] > 0 else float("inf")
-                print(f"{lr:>8g} {group:>5} {prompts:>7} {seed:>4} | {r['start']:>12.3f} {r['end']:>6.3f} {ratio:>6.1f} | "
-                      f"{r['eval_before']:>13.3f} {r['eval_after']:>6.3f} | {r['train_s']:>12.4f} {r['rollout_s']:>14.4f}",
+                print(f"{lr:>8g} {group:>5} {prompts:>7} {seed:>4} | "
+                      f"{r['start']:>12.3f} {r['end']:>6.3f} {ratio:>6.1f} | "
+                      f"{r['eval_before']:>13.3f} {r['eval_after']:>6.3f} | "
+                      f"{r['train_s']:>12.4f} {r['rollout_s']:>14.4f}",
                       flush=True)
                 if args.curves:
                     print("   curve:", " ".join(f"{x:.2f}" for x in r["curve"]))

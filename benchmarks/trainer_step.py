@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = ensure_tiny_model(Path(tmp) / "tiny", seed=0)
         results = {b: measure(b, model_dir, args) for b in ("torch", "megatron")}
     base = results["torch"]
-    print(f"batch {args.prompts} prompts x {args.group} samples, {args.steps} steps, torch threads {torch.get_num_threads()}")
-    print(f"{'backend':>9} | {'build s':>8} | {'train step s':>12} {'x torch':>7} | {'copy-out s':>10} | {'export s':>8}")
+    print(f"batch {args.prompts} prompts x {args.group} samples, {args.steps} steps, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'backend':>9} | {'build s':>8} | {'train step s':>12} {'x torch':>7} | "
+          f"{'copy-out s':>10} | {'export s':>8}")
     for name, r in results.items():
         print(f"{name:>9} | {r['build']:>8.2f} | {r['step']:>12.4f} {r['step'] / base['step']:>7.2f} | "
               f"{r['copy']:>10.5f} | {r['export']:>8.4f}")

@@ -1,5 +1,8 @@
 """The rlfleet API (group rlfleet.io, version v1alpha1): typed models and the CRDs generated from them."""
 
+from typing import Final
+
 GROUP = "rlfleet.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+# GROUP/VERSION, spelled out so that type checkers see the literal the models declare.
+API_VERSION: Final = "rlfleet.io/v1alpha1"

@@ -6,6 +6,8 @@ import functools
 import json
 from typing import Any
 
+from pydantic import BaseModel
+
 from rlfleet.crds import GROUP, VERSION
 from rlfleet.crds.models import CATEGORY, KINDS, Kind
 from rlfleet.crds.schema import structural_schema, walk
@@ -15,7 +17,9 @@ HEADER = "# Generated from the models in rlfleet.crds by `make crds`; do not edi
 
 def _metadata_schema(kind: Kind) -> dict[str, Any]:
     # CRD schemas may only restrict metadata.name and metadata.generateName.
-    name_info = kind.model.model_fields["metadata"].annotation.model_fields["name"]
+    meta_model = kind.model.model_fields["metadata"].annotation
+    assert isinstance(meta_model, type) and issubclass(meta_model, BaseModel), "metadata is a model"
+    name_info = meta_model.model_fields["name"]
     limits = {type(m).__name__: m for m in name_info.metadata}
     schema: dict[str, Any] = {"type": "object"}
     max_len = getattr(limits.get("MaxLen"), "max_length", None)

@@ -92,7 +92,8 @@ def eval_fleet_spec(run_name: str, spec: TrainingRunSpec) -> EvalFleetSpec | Non
     engine = eval_engine(spec)
     if engine is None:
         return None
-    fleet = spec.eval.fleet  # type: ignore[union-attr]
+    assert spec.eval is not None and spec.eval.fleet is not None, "eval_engine is set only for posture fleet"
+    fleet = spec.eval.fleet
     return EvalFleetSpec(
         replicas=fleet.replicas,
         min_ready_engines=fleet.min_ready_engines,

@@ -87,22 +87,26 @@ def _kind_section(kind: Kind) -> list[str]:
         "",
         f"`apiVersion: {API_VERSION}`, `kind: {kind.kind}`; plural `{kind.plural}`, short name "
         + ", ".join(f"`{s}`" for s in kind.short_names)
-        + f", category `rlfleet`. Subresources: status{', scale (spec.replicas, status.replicas, status.selector)' if kind.scale else ''}.",
+        + ", category `rlfleet`. Subresources: status"
+        + (", scale (spec.replicas, status.replicas, status.selector)" if kind.scale else "") + ".",
         "",
         "`kubectl get` columns: " + ", ".join(c.name for c in kind.columns if not c.priority)
-        + (" (wide: " + ", ".join(c.name for c in kind.columns if c.priority) + ")" if any(c.priority for c in kind.columns) else "")
+        + (" (wide: " + ", ".join(c.name for c in kind.columns if c.priority) + ")"
+           if any(c.priority for c in kind.columns) else "")
         + ".",
         "",
     ]
     for part in ("spec", "status"):
         sub = schema["properties"][part]
-        out += [f"### {kind.kind} {part}", "", "| Field | Type | Default | Bounds | Description |", "|---|---|---|---|---|"]
+        out += [f"### {kind.kind} {part}", "", "| Field | Type | Default | Bounds | Description |",
+                "|---|---|---|---|---|"]
         for path, node, required in field_rows(sub, part):
             description = node.get("description", "")
             if required:
                 description = "**Required.** " + description
             out.append(
-                f"| `{path}` | {_cell(_type(node))} | {_cell(_default(node))} | {_cell(_bounds(node))} | {_cell(description)} |"
+                f"| `{path}` | {_cell(_type(node))} | {_cell(_default(node))} | {_cell(_bounds(node))} "
+                f"| {_cell(description)} |"
             )
         rules = _rules(sub, part)
         if rules:

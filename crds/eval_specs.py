@@ -31,7 +31,7 @@ def _override_fields() -> dict[str, Any]:
     for name, info in EngineSpec.model_fields.items():
         if name in NOT_OVERRIDABLE:
             continue
-        inner = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        inner: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
         description = (info.description or "").rstrip(".")
         fields[name] = (
             inner | None,
@@ -71,10 +71,12 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
 class EvalDatasetSpec(ApiModel):
     """One evaluation dataset: a JSONL file of prompts and answers, or a built-in task."""
 
-    name: str = Field(..., min_length=1, max_length=63, pattern=DATASET_NAME_PATTERN, description="Name of the scores and metrics.")
+    name: str = Field(..., min_length=1, max_length=63, pattern=DATASET_NAME_PATTERN,
+                      description="Name of the scores and metrics.")
     path: str | None = Field(
         None, min_length=1, max_length=PATH,
-        description="JSONL file, one object per line with the prompt and the expected answer (relative paths: from the manifest's directory locally, from the snapshot volume in pods).",
+        description="JSONL file, one object per line with the prompt and the expected answer (relative paths: "
+        "from the manifest's directory locally, from the snapshot volume in pods).",
     )
     task: str | None = Field(
         None, max_length=256, pattern=TASK_PATTERN,
@@ -90,7 +92,8 @@ class EvalDatasetSpec(ApiModel):
     )
     top_p: float | None = Field(None, gt=0, le=1, description="Unset: the trainer's topP.")
     reward_function: str | None = Field(
-        None, max_length=256, pattern=IMPORT_PATH_PATTERN, description="Scoring function module:function; unset: the task's own."
+        None, max_length=256, pattern=IMPORT_PATH_PATTERN,
+        description="Scoring function module:function; unset: the task's own."
     )
 
     cel_rules = (
@@ -108,7 +111,7 @@ class EvalFleetTemplateSpec(ApiModel):
 
     replicas: int = Field(1, ge=1, le=4096, description="Number of eval engines.")
     min_ready_engines: int = Field(1, ge=1, le=4096, description="Evaluate only when at least this many engines serve.")
-    engine: EngineOverridesSpec = Field(default_factory=EngineOverridesSpec)  # type: ignore[valid-type]
+    engine: EngineOverridesSpec = Field(default_factory=EngineOverridesSpec)
     health: HealthSpec | None = Field(None, description="Unset: the rollout fleet's health settings.")
     recovery: RecoverySpec | None = Field(None, description="Unset: the rollout fleet's recovery settings.")
     router: RouterSpec | None = Field(None, description="Unset: the rollout fleet's router settings.")
@@ -134,7 +137,8 @@ class EvalSpec(ApiModel):
         description="shared: pause the producer and evaluate on the rollout engines; fleet: a dedicated EvalFleet "
         "pinned to a snapshot; external: a user CheckpointEvalFn class given the snapshot directory.",
     )
-    interval_steps: int = Field(10, ge=1, le=10_000_000, description="Evaluate every N training steps (the final step always).")
+    interval_steps: int = Field(10, ge=1, le=10_000_000,
+                                description="Evaluate every N training steps (the final step always).")
     eval_before_train: bool = Field(True, description="Evaluate the initial model before the first step.")
     datasets: list[EvalDatasetSpec] = Field(
         default_factory=list, max_length=16, description="What to evaluate (required unless posture is external)."
@@ -146,9 +150,11 @@ class EvalSpec(ApiModel):
     )
     keep_snapshots: int = Field(2, ge=1, le=100, description="Consumed eval snapshots kept on the volume.")
     pin_timeout_seconds: float = Field(
-        600.0, ge=1, le=86400, description="Bound on loading a snapshot on every eval engine and reading the version back."
+        600.0, ge=1, le=86400,
+        description="Bound on loading a snapshot on every eval engine and reading the version back."
     )
-    pin_retries: int = Field(2, ge=1, le=10, description="Attempts to pin the eval fleet before the point is skipped pin_violation.")
+    pin_retries: int = Field(2, ge=1, le=10,
+                             description="Attempts to pin the eval fleet before the point is skipped pin_violation.")
     router_probe_timeout_seconds: float = Field(
         180.0, ge=1, le=3600, description="Bound on the one-token probe through the eval router after pinning."
     )

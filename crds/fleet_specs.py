@@ -27,10 +27,12 @@ class RouterSpec(ApiModel):
     port: int = Field(30000, ge=1024, le=65535, description="Port the router listens on.")
     policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
         "cache_aware",
-        description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's prefix cache.",
+        description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's "
+        "prefix cache.",
     )
     health_check_interval_seconds: int = Field(
-        2, ge=1, le=3600, description="The router's own health-check interval (sglang-router --health-check-interval-secs)."
+        2, ge=1, le=3600,
+        description="The router's own health-check interval (sglang-router --health-check-interval-secs)."
     )
     health_failure_threshold: int = Field(
         2, ge=1, le=100, description="Failed router health checks before it stops routing to an engine."
@@ -56,7 +58,8 @@ FLEET_MIN_READY_RULE = Rule(
 class EngineTemplateSpec(EngineSpec):
     """The rollout engine of a TrainingRun; the model path defaults to the run's modelPath."""
 
-    model_path: str | None = Field(
+    # Optional here, required on EngineSpec: the run's modelPath fills it in (rlfleet.crds.derive).
+    model_path: str | None = Field(  # type: ignore[assignment]  # a subclass field may be unset
         None, min_length=1, max_length=PATH,
         description="Model served at start; defaults to the TrainingRun's modelPath.",
     )
@@ -67,7 +70,8 @@ class RolloutTemplateSpec(ApiModel):
 
     replicas: int = Field(1, ge=1, le=4096, description="Number of rollout engines.")
     min_ready_engines: int = Field(
-        1, ge=1, le=4096, description="The run goes on while at least this many engines serve; below it, it waits and recovers."
+        1, ge=1, le=4096,
+        description="The run goes on while at least this many engines serve; below it, it waits and recovers."
     )
     engine: EngineTemplateSpec = Field(default_factory=EngineTemplateSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
@@ -77,7 +81,9 @@ class RolloutTemplateSpec(ApiModel):
         600.0, ge=1, le=86400, description="Deadline of one rollout request, retries included."
     )
     max_retries: int = Field(
-        3, ge=0, le=100, description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a fixed-interval storm)."
+        3, ge=0, le=100,
+        description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a "
+        "fixed-interval storm)."
     )
     concurrency_per_engine: int = Field(
         64, ge=1, le=4096, description="Rollout requests in flight per ready engine."

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from rlfleet.crds import API_VERSION
 from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun
@@ -121,7 +122,7 @@ _JSON_TYPES = {
 }
 
 
-def _message(error: dict[str, Any], path: str) -> str:
+def _message(error: ErrorDetails, path: str) -> str:
     """Pydantic's message, worded like the API server's where the two differ most."""
     kind = error["type"]
     if kind == "missing":
@@ -160,12 +161,13 @@ def validate_object(data: Any) -> tuple[BaseModel | None, list[FieldError]]:
     errors = []
     if data.get("apiVersion") != API_VERSION:
         errors.append(FieldError("apiVersion", f"must be {API_VERSION}, got {data.get('apiVersion')!r}", "apiVersion"))
-    kind = KINDS_BY_NAME.get(data.get("kind"))  # type: ignore[arg-type]
+    kind_name = data.get("kind")
+    kind = KINDS_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
     if kind is None:
         errors.append(FieldError(
             "kind", f"unknown kind {data.get('kind')!r}: expected one of {', '.join(KINDS_BY_NAME)}", "kind"
         ))
-    if errors:
+    if errors or kind is None:
         return None, errors
     body = {k: v for k, v in data.items() if k != "status"}
     try:
@@ -180,7 +182,7 @@ def validate_update(old: Any, new: Any) -> list[FieldError]:
     if errors:
         return errors
     old_obj, old_errors = validate_object(old)
-    if old_errors or type(old_obj) is not type(new_obj):
+    if old_errors or old_obj is None or new_obj is None or type(old_obj) is not type(new_obj):
         return [FieldError("", "the previous object is not a valid object of the same kind", "transition")]
     return [
         FieldError(format_path(path + (tuple(v.field.split(".")) if v.field else ())), v.message, v.rule)
@@ -222,4 +224,6 @@ def load_training_run(path: str | Path) -> TrainingRun:
         raise ManifestError(str(path), errors)
     if len(runs) != 1:
         raise ManifestError(str(path), [FieldError("", f"expected one TrainingRun, found {len(runs)}", "kind")])
-    return runs[0].obj  # type: ignore[return-value]
+    run = runs[0].obj
+    assert isinstance(run, TrainingRun), "a TrainingRun document without errors validates as a TrainingRun"
+    return run

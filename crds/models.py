@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -40,7 +40,8 @@ class TrainerSpec(ApiModel):
 
     backend: Literal["megatron", "torch"] = Field(
         "torch",
-        description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model (CPU or GPU).",
+        description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model "
+        "(CPU or GPU).",
     )
     image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, description="Container image of the trainer pod.")
     gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
@@ -51,7 +52,8 @@ class TrainerSpec(ApiModel):
     samples_per_prompt: int = Field(
         8, ge=2, le=1024, description="Samples per prompt: the group whose rewards are normalised together (GRPO)."
     )
-    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000, description="Samples per forward/backward pass; unset: the whole step.")
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000,
+                                         description="Samples per forward/backward pass; unset: the whole step.")
     max_new_tokens: int = Field(1024, ge=1, le=1_000_000, description="Longest rollout response.")
     temperature: float = Field(1.0, ge=0, le=10, description="Rollout sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling.")
@@ -72,7 +74,8 @@ class TrainerSpec(ApiModel):
         description="Prompt source: a built-in task name (e.g. reverse) or an import path module:object.",
     )
     reward_function: str | None = Field(
-        None, max_length=256, pattern=IMPORT_PATH_PATTERN, description="Reward function module:function; unset: the task's own."
+        None, max_length=256, pattern=IMPORT_PATH_PATTERN,
+        description="Reward function module:function; unset: the task's own."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -93,7 +96,8 @@ class TrainerSpec(ApiModel):
             check=lambda s: (s.tensor_parallel_size * s.pipeline_parallel_size == 1) if s.gpus == 0
             else s.gpus % (s.tensor_parallel_size * s.pipeline_parallel_size) == 0,
             field="gpus",
-            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize (no model parallelism on CPU)",
+            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize "
+            "(no model parallelism on CPU)",
         ),
         immutable("backend", "backend", "trainer backend"),
     )
@@ -119,8 +123,10 @@ class TrainingRunSpec(ApiModel):
 
     cel_rules = (
         Rule(
-            cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('" + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
-            check=lambda s: not s.model_path.startswith("tiny://") or re.match(TINY_MODEL_PATTERN, s.model_path) is not None,
+            cel="!self.modelPath.startsWith('tiny://') || self.modelPath.matches('"
+            + TINY_MODEL_PATTERN.replace("\\", "\\\\") + "')",
+            check=lambda s: (not s.model_path.startswith("tiny://")
+                             or re.match(TINY_MODEL_PATTERN, s.model_path) is not None),
             field="modelPath",
             message="a tiny model path reads tiny://llama or tiny://qwen2, optionally with ?seed=N",
         ),
@@ -191,7 +197,8 @@ class PrinterColumn:
     priority: int = 0
 
     def to_crd(self) -> dict[str, Any]:
-        column = {"name": self.name, "type": self.type, "jsonPath": self.json_path, "description": self.description}
+        column: dict[str, Any] = {"name": self.name, "type": self.type, "jsonPath": self.json_path,
+                                  "description": self.description}
         if self.priority:
             column["priority"] = self.priority
         return column
@@ -220,11 +227,15 @@ class Kind:
 
     @property
     def spec_model(self) -> type[ApiModel]:
-        return self.model.model_fields["spec"].annotation  # type: ignore[return-value]
+        spec = self.model.model_fields["spec"].annotation
+        assert isinstance(spec, type) and issubclass(spec, ApiModel), f"{self.kind}.spec is a model"
+        return spec
 
     @property
     def status_model(self) -> type[ApiModel]:
-        return self.model.model_fields["status"].annotation.__args__[0]  # type: ignore[union-attr]
+        status = get_args(self.model.model_fields["status"].annotation)[0]  # `XStatus | None`
+        assert isinstance(status, type) and issubclass(status, ApiModel), f"{self.kind}.status is a model"
+        return status
 
 
 CATEGORY = "rlfleet"

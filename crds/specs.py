@@ -174,7 +174,8 @@ class SnapshotVolumeSpec(ApiModel):
         None, max_length=SHORT, description="Storage class of the created claim (must offer ReadWriteMany)."
     )
     local_path: str | None = Field(
-        None, max_length=PATH, description="Directory used by local runs (default: a directory of the run, tmpfs when available)."
+        None, max_length=PATH,
+        description="Directory used by local runs (default: a directory of the run, tmpfs when available)."
     )
 
     cel_rules = (
@@ -214,8 +215,10 @@ class WeightSyncSpec(ApiModel):
 class ResourcesSpec(ApiModel):
     """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
 
-    requests: dict[str, str] = Field(default_factory=dict, max_length=16, description="Resource requests, e.g. cpu: \"4\".")
-    limits: dict[str, str] = Field(default_factory=dict, max_length=16, description="Resource limits, e.g. memory: 64Gi.")
+    requests: dict[str, str] = Field(default_factory=dict, max_length=16,
+                                     description="Resource requests, e.g. cpu: \"4\".")
+    limits: dict[str, str] = Field(default_factory=dict, max_length=16,
+                                   description="Resource limits, e.g. memory: 64Gi.")
 
 
 class TolerationSpec(ApiModel):
@@ -240,15 +243,19 @@ class EngineSpec(ApiModel):
     """One SGLang engine: what the single command-line builder turns into a pod or a process."""
 
     image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, description="Container image of the engine.")
-    model_path: str = Field(..., min_length=1, max_length=PATH, description="Model directory or hub id served at start.")
-    device: Literal["cuda", "cpu"] = Field("cuda", description="cpu runs `--device cpu --model-impl transformers --sleep-on-idle`.")
+    model_path: str = Field(..., min_length=1, max_length=PATH,
+                            description="Model directory or hub id served at start.")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cpu runs `--device cpu --model-impl transformers --sleep-on-idle`."
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --tp-size.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --pp-size.")
     data_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --dp-size.")
     expert_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --ep-size.")
     gpus_per_engine: int = Field(1, ge=0, le=64, description="GPUs requested per engine pod (cuda only).")
     port: int = Field(30000, ge=1024, le=65535, description="Port the engine listens on.")
-    max_total_tokens: int | None = Field(None, ge=1, le=100_000_000, description="SGLang --max-total-tokens (required on CPU).")
+    max_total_tokens: int | None = Field(None, ge=1, le=100_000_000,
+                                         description="SGLang --max-total-tokens (required on CPU).")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="SGLang --mem-fraction-static.")
     attention_backend: str | None = Field(None, max_length=64, description="SGLang --attention-backend.")
     extra_args: list[str] = Field(

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
+from pydantic.json_schema import JsonDict
 
 from rlfleet.crds.specs import PATH, SHORT, ApiModel
 
@@ -19,8 +20,8 @@ SlotState = Literal["Pending", "Starting", "Ready", "Dead", "Recreating", "Faile
 REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 MESSAGE = 32768
 # Lists keyed by a field: one entry per condition type / slot, merged by key on server-side apply.
-CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
-SLOT_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
+CONDITION_LIST: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+SLOT_LIST: JsonDict = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["slot"]}
 
 
 def _rfc3339(value: str) -> str:
@@ -60,7 +61,8 @@ class Condition(ApiModel):
 class FailureStatus(ApiModel):
     """Why an engine slot last failed."""
 
-    reason: str = Field(..., min_length=1, max_length=1024, pattern=REASON_PATTERN, description="e.g. ProbeTimeout, Crashed.")
+    reason: str = Field(..., min_length=1, max_length=1024, pattern=REASON_PATTERN,
+                        description="e.g. ProbeTimeout, Crashed.")
     message: str = Field("", max_length=MESSAGE, description="Details: the engine's last log lines or the probe error.")
     exit_code: int | None = Field(None, description="Process or container exit code, when it exited.")
     time: Timestamp | None = Field(None, description="When it failed.")
@@ -101,9 +103,12 @@ class LastEvalStatus(ApiModel):
     weight_version: str | None = Field(None, max_length=SHORT, description="Weight version every eval engine reported.")
     scores: dict[str, float] = Field(default_factory=dict, max_length=64, description="Score per dataset.")
     skipped_reason: str | None = Field(
-        None, max_length=64, description="Why this point was skipped (busy, export_failed, ckpt_missing, unhealthy, pin_violation, crashed, custom)."
+        None, max_length=64,
+        description="Why this point was skipped (busy, export_failed, ckpt_missing, unhealthy, pin_violation, "
+        "crashed, custom)."
     )
-    skipped: dict[str, int] = Field(default_factory=dict, max_length=64, description="Skipped points so far, by reason.")
+    skipped: dict[str, int] = Field(default_factory=dict, max_length=64,
+                                    description="Skipped points so far, by reason.")
     time: Timestamp | None = Field(None, description="When the point settled.")
     summary: str | None = Field(None, max_length=256, description="One-line summary for kubectl get.")
 
@@ -134,7 +139,8 @@ class TrainingRunStatus(ApiModel):
         default_factory=list, max_length=4096, description="Rollout engine slots.", json_schema_extra=SLOT_LIST
     )
     conditions: list[Condition] = Field(
-        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.",
+        json_schema_extra=CONDITION_LIST
     )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
     start_time: Timestamp | None = Field(None, description="When training started.")
@@ -153,14 +159,18 @@ class FleetStatus(ApiModel):
 
     replicas: int | None = Field(None, ge=0, description="Engine slots that exist (scale subresource).")
     ready_replicas: int | None = Field(None, ge=0, description="Engines serving.")
-    selector: str | None = Field(None, max_length=1024, description="Label selector of the engine pods (scale subresource).")
-    weight_version: str | None = Field(None, max_length=SHORT, description="Version every ready engine reported; unset when they differ.")
-    restarts: int | None = Field(None, ge=0, description="Recreations in this fleet, all slots (the per-run budget counts these).")
+    selector: str | None = Field(None, max_length=1024,
+                                 description="Label selector of the engine pods (scale subresource).")
+    weight_version: str | None = Field(None, max_length=SHORT,
+                                       description="Version every ready engine reported; unset when they differ.")
+    restarts: int | None = Field(None, ge=0,
+                                 description="Recreations in this fleet, all slots (the per-run budget counts these).")
     engines: list[EngineSlotStatus] = Field(
         default_factory=list, max_length=4096, description="Engine slots.", json_schema_extra=SLOT_LIST
     )
     conditions: list[Condition] = Field(
-        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.", json_schema_extra=CONDITION_LIST
+        default_factory=list, max_length=8, description="Ready, Progressing, Degraded, Failed.",
+        json_schema_extra=CONDITION_LIST
     )
     observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
 

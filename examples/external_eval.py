@@ -100,7 +100,8 @@ class ExternalSglangEval(CheckpointEvalFn):
             launch = self.work_dir / "launch-weights"
             if not launch.exists():  # snapshots are deleted after use: launch from a private copy
                 await asyncio.to_thread(shutil.copytree, first_checkpoint, launch)
-            engine = EngineSpec(model_path=str(launch), device=self.device, gpus_per_engine=0 if self.device == "cpu" else 1,
+            engine = EngineSpec(model_path=str(launch), device=self.device,
+                                gpus_per_engine=0 if self.device == "cpu" else 1,
                                 max_total_tokens=self.max_total_tokens, extra_args=self.extra_args)
             self._backend = LocalBackend(engine=engine, replicas=1, recovery=RecoverySpec(), run_dir=self.work_dir,
                                          fleet="external-eval", weight_version="launch",
@@ -117,7 +118,7 @@ class ExternalSglangEval(CheckpointEvalFn):
 
     async def _pin(self, client: EngineClient, checkpoint_dir: str, version: str) -> str:
         last = "no attempt"
-        for attempt in range(self.pin_retries):
+        for _attempt in range(self.pin_retries):
             try:
                 result = await client.update_weights_from_disk(checkpoint_dir, version, timeout_s=self.pin_timeout_s)
                 served = await client.weight_version()

@@ -20,6 +20,7 @@ two pods ever serve one slot, whatever the operator's restarts or stale caches.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -332,7 +333,7 @@ def covers(current: Any, desired: Any) -> bool:
         return isinstance(current, dict) and all(covers(current.get(k), v) for k, v in desired.items())
     if isinstance(desired, list):
         return (isinstance(current, list) and len(current) == len(desired)
-                and all(covers(c, d) for c, d in zip(current, desired)))
+                and all(covers(c, d) for c, d in zip(current, desired, strict=True)))
     return current == desired
 
 

@@ -235,13 +235,17 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
     await _loop(("fleet", ns, name), kind, memo, stopped, once)
 
 
-@kopf.daemon(GROUP, VERSION, "rolloutfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
+# kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
+@kopf.daemon(GROUP, VERSION, "rolloutfleets", cancellation_backoff=1.0,  # type: ignore[arg-type]  # indices, see above
+             cancellation_timeout=10.0)
 async def rolloutfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services,
                               network_policies, **_):
     await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, network_policies)
 
 
-@kopf.daemon(GROUP, VERSION, "evalfleets", cancellation_backoff=1.0, cancellation_timeout=10.0)
+# kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
+@kopf.daemon(GROUP, VERSION, "evalfleets", cancellation_backoff=1.0,  # type: ignore[arg-type]  # indices, see above
+             cancellation_timeout=10.0)
 async def evalfleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services,
                            network_policies, **_):
     await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, network_policies)
@@ -252,7 +256,9 @@ def _one(index, key):
     return plain(items[0]) if items else None
 
 
-@kopf.daemon(GROUP, VERSION, "trainingruns", cancellation_backoff=1.0, cancellation_timeout=10.0)
+# kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
+@kopf.daemon(GROUP, VERSION, "trainingruns", cancellation_backoff=1.0,  # type: ignore[arg-type]  # indices, see above
+             cancellation_timeout=10.0)
 async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, trainer_pods, snapshot_claims, **_):
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]

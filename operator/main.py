@@ -82,7 +82,7 @@ async def amain(args: argparse.Namespace) -> int:
     settings = Settings(rlfleet_image=args.rlfleet_image, network_policy=args.network_policy,
                         network_policy_metrics_from=tuple(args.network_policy_metrics_from))
     memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
-    flag = asyncio.Future()
+    flag: asyncio.Future[None] = asyncio.Future()
     stop_task = asyncio.create_task(_set_when(stop, flag))
     try:
         await kopf.operator(

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="rlfleet", description=rlfleet.__doc__)
     parser.add_argument("--version", action="version", version=f"rlfleet {rlfleet.__version__}")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.add_argument("command", choices=sorted(COMMANDS),
+                        help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
     if not argv or argv[0] in ("-h", "--help", "--version"):
         parser.parse_args(argv or ["--help"])
         return 0

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import pytest_asyncio
 
 from helpers.engines import EngineProcess, LocalProcesses, RouterProcess
 from rlfleet.util.binaries import CACHE_DIR
+
+if TYPE_CHECKING:
+    from rlfleet.devcluster.control_plane import ControlPlane
 
 TESTS_DIR = Path(__file__).parent
 SESSION_LOOP_DIRS = (TESTS_DIR / "integration", TESTS_DIR / "e2e")
@@ -91,7 +95,8 @@ async def session_sglang_engines(shared_processes: LocalProcesses, tiny_model: P
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def sglang_engines(process_logs: Path, tiny_model: Path, request: pytest.FixtureRequest) -> AsyncIterator[EngineFactory]:
+async def sglang_engines(process_logs: Path, tiny_model: Path,
+                         request: pytest.FixtureRequest) -> AsyncIterator[EngineFactory]:
     """Factory of engines owned by one test: every engine it started is stopped when the test ends.
 
     Keep at most two engines alive at a time (each takes ~2.2 GB and 25-60 s to start).
@@ -108,7 +113,7 @@ async def sglang_router(process_logs: Path, request: pytest.FixtureRequest) -> A
 
 
 @pytest.fixture(scope="session")
-def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:  # noqa: F821
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """A real etcd + kube-apiserver (RBAC) + kube-controller-manager on loopback, for the session.
 
     `control_plane.kubectl(...)`, `.kubeconfig` (admin), `.service_account_kubeconfig(ns, name)`.

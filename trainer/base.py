@@ -180,7 +180,8 @@ class Trainer(abc.ABC):
                 ids = ids.unsqueeze(0)
             return self._forward_logits(ids).float().cpu()
 
-    def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+    def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                        stop_ids: Sequence[int] = ()) -> list[int]:
         """Greedy continuation with the trainer's own forward (no KV cache: for checks, not speed)."""
         ids = list(prompt_ids)
         out: list[int] = []

@@ -159,7 +159,7 @@ def assemble_batch(
         if max(rewards) == min(rewards):
             zero_groups += 1
         advantages = group_advantages(rewards, scale_by_std=scale_by_std)
-        kept.extend(replace(s, advantage=a) for s, a in zip(group, advantages))
+        kept.extend(replace(s, advantage=a) for s, a in zip(group, advantages, strict=True))
     versions = Counter(s.weight_version for s in kept)
     reward_mean = sum(s.reward for s in kept) / len(kept) if kept else float("nan")
     oldest = max((policy.staleness(s, current_step) for s in kept), default=0)

@@ -71,11 +71,12 @@ def hide_unloadable_flash_mla() -> None:
     if "flash_mla" in sys.modules:
         return
     try:
-        import flash_mla  # noqa: F401
+        import flash_mla  # noqa: F401 - imported only to see whether it loads
     except ImportError:
         pass
     except OSError:
-        sys.modules["flash_mla"] = None  # makes `import flash_mla` raise ImportError
+        # A None entry makes `import flash_mla` raise ImportError.
+        sys.modules["flash_mla"] = None  # type: ignore[assignment]  # typeshed has no None in sys.modules
 
 
 def _init_single_rank(device: str, seed: int) -> None:
@@ -197,6 +198,7 @@ class MegatronTrainer(Trainer):
         load_into(self.gpt, initial)
         self.gpt.to(device)
         self.reference = self._build_reference(initial) if options.loss.uses_reference else None
+        self._gpu: _MegatronGpuStep | None
         if device.startswith("cuda"):
             self._gpu = _MegatronGpuStep(self.gpt, options)
             self.model = self._gpu.model

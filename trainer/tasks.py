@@ -94,7 +94,7 @@ def positional_match(prompt: str, response: str, answer: str) -> float:
     """
     if not answer:
         raise ValueError("empty answer")
-    return sum(1 for a, b in zip(answer, response) if a == b) / len(answer)
+    return sum(1 for a, b in zip(answer, response, strict=False) if a == b) / len(answer)
 
 
 def exact_match(prompt: str, response: str, answer: str) -> float:

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up so embeddings stay aligned
 SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|pad|>")
@@ -53,7 +54,7 @@ def build_config(arch: str = "llama"):
     from transformers import LlamaConfig, Qwen2Config
 
     tokenizer_ids = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
-    common = dict(
+    common: dict[str, Any] = dict(
         MODEL_SETTINGS,
         eos_token_id=tokenizer_ids["<|endoftext|>"],
         bos_token_id=tokenizer_ids["<|bos|>"],

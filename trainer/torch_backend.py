@@ -18,7 +18,9 @@ class TorchTrainer(Trainer):
 
         torch.manual_seed(options.seed)
         self._dtype = resolve_dtype(options.dtype, device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype)
+        # transformers wraps `to` with functools.wraps(torch.nn.Module.to), which mypy reads as unbound.
+        self.model = model.to(device)  # type: ignore[arg-type]  # the wrapped method's self is taken for `device`
         self.model.config.use_cache = False
         # The KL reference: the initial weights, frozen, beside the policy on the same device.
         self.reference = freeze_reference(copy.deepcopy(self.model)) if options.loss.uses_reference else None

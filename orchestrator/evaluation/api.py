@@ -102,7 +102,7 @@ def load_checkpoint_eval_fn(class_path: str, args: Mapping[str, Any] | None = No
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise EvaluatorLoadError(f"cannot import evaluator module {module_name!r}: {exc}") from exc
-    cls = module
+    cls: Any = module
     for part in attr.split("."):
         cls = getattr(cls, part, None)
         if cls is None:

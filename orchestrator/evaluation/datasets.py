@@ -1,8 +1,9 @@
 """Eval datasets: a TrainingRun's `eval.datasets` resolved into prompts, answers and sampling settings.
 
 A dataset is either a JSONL file (one object per line with the prompt and the expected answer, under
-`inputKey` / `labelKey`) or a task (`rlfleet.trainer.tasks.load_task`): a built-in name (e.g. `reverse`, a fixed problem set
-far from the training stream's seed) or an import path `module:object` (its stream at the eval seed).
+`inputKey` / `labelKey`) or a task (`rlfleet.trainer.tasks.load_task`): a built-in name (e.g. `reverse`,
+a fixed problem set far from the training stream's seed) or an import path `module:object` (its stream
+at the eval seed).
 Unset sampling settings come from the trainer: greedy with one sample per prompt, the trainer's
 temperature otherwise.
 """
@@ -14,6 +15,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
@@ -35,7 +37,8 @@ class EvalDataset:
     stop_token_ids: tuple[int, ...] = ()
 
     def sampling_params(self) -> dict:
-        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p}
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         return params
@@ -45,11 +48,12 @@ class DatasetError(ValueError):
     """A dataset cannot be read; the message names the dataset and the problem."""
 
 
-def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", label_key: str = "answer") -> list[tuple[str, str]]:
+def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt",
+                        label_key: str = "answer") -> list[tuple[str, str]]:
     """Read a JSONL eval set; blank lines are skipped, anything else malformed is an error."""
     problems: list[tuple[str, str]] = []
     try:
-        handle = open(path, encoding="utf-8")
+        handle = open(path, encoding="utf-8")  # noqa: SIM115 - opened apart so that only opening maps to DatasetError
     except OSError as exc:
         raise DatasetError(f"{path}: {exc.strerror or exc}") from None
     with handle:
@@ -60,7 +64,8 @@ def read_jsonl_problems(path: str | os.PathLike, input_key: str = "prompt", labe
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from None
-            if not isinstance(row, dict) or not isinstance(row.get(input_key), str) or not isinstance(row.get(label_key), str):
+            if (not isinstance(row, dict) or not isinstance(row.get(input_key), str)
+                    or not isinstance(row.get(label_key), str)):
                 raise DatasetError(f'{path}:{number}: expected an object with string "{input_key}" and "{label_key}"')
             problems.append((row[input_key], row[label_key]))
     if not problems:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.api import EvalOutcome, EvalRequest, EvalSkip
@@ -315,10 +315,12 @@ class EvalDispatcher:
 class TrainerSnapshotExporter:
     """Takes a trainer's weights off the device on the loop's behalf, writes the snapshot in a thread."""
 
-    def __init__(self, capture: Callable[[], object], write: Callable[[object, Path], object] | None = None):
+    def __init__(self, capture: Callable[[], Any], write: Callable[[Any, Path], object] | None = None):
         self._capture = capture
         if write is None:
-            from rlfleet.snapshot.writer import write_hf_snapshot as write
+            from rlfleet.snapshot.writer import write_hf_snapshot
+
+            write = write_hf_snapshot
         self._write = write
 
     async def start(self, step: int, directory: Path) -> tuple[float, asyncio.Future[float]]:
@@ -328,7 +330,7 @@ class TrainerSnapshotExporter:
         if getattr(state, "step", step) != step:
             import dataclasses
 
-            state = dataclasses.replace(state, step=step)  # type: ignore[type-var]
+            state = dataclasses.replace(state, step=step)
 
         def write() -> float:
             began = time.monotonic()

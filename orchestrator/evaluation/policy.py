@@ -151,11 +151,11 @@ def score_dataset(name: str, outcomes: Sequence[SampleOutcome], expected_version
 
 def overall_mixed_version_ratio(scores: Iterable[DatasetScore]) -> float | None:
     """Sample-weighted over the datasets that know it; None when none does (an external evaluator)."""
-    known = [s for s in scores if s.mixed_version_ratio is not None and s.samples]
-    total = sum(s.samples for s in known)
+    known = [(s.mixed_version_ratio, s.samples) for s in scores if s.mixed_version_ratio is not None and s.samples]
+    total = sum(samples for _, samples in known)
     if not total:
         return None
-    return sum(s.mixed_version_ratio * s.samples for s in known) / total  # type: ignore[operator]
+    return sum(ratio * samples for ratio, samples in known) / total
 
 
 # --- a settled point -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from rlfleet.orchestrator.evaluation.datasets import DatasetError, resolve_datas
 from rlfleet.orchestrator.evaluation.dispatcher import (
     EVAL_DIR,
     EvalDispatcher,
+    PointEvaluator,
     SnapshotVolume,
     TrainerSnapshotExporter,
     volume_usage,
@@ -57,7 +58,7 @@ class RunEvaluation:
         self.manifest_dir = manifest_dir
         self.start_eval_fleet = start_eval_fleet
         self.on_point = on_point
-        self.evaluator = None
+        self.evaluator: PointEvaluator | None = None
         self.dispatcher: EvalDispatcher | None = None
         self._router = None
         self._current_step = 0

@@ -161,7 +161,7 @@ class FleetBackend(ABC):
         """
 
     @abstractmethod
-    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
+    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
         """Recover and wait until every slot that is not given up is alive; returns the alive slots.
 
         When the bound runs out with at least min_ready alive, returns those; with fewer, raises
@@ -433,7 +433,7 @@ class SlotFleetBackend(FleetBackend):
         await self._start_incarnation(rec)
         return slot
 
-    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
+    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
         loop = asyncio.get_running_loop()
         bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
         deadline = loop.time() + bound

@@ -103,7 +103,8 @@ class EngineHealth:
     def start_probe(self, now: float) -> ProbeTicket:
         if not self.is_due(now):
             raise RuntimeError(f"probe started while not due (state={self.state}, paused={self.paused}, "
-                               f"held={self.held!r}, in_flight={self.in_flight is not None}, due={self.next_due}, now={now})")
+                               f"held={self.held!r}, in_flight={self.in_flight is not None}, "
+                               f"due={self.next_due}, now={now})")
         self.in_flight = ProbeTicket(epoch=self.epoch, started_at=now)
         return self.in_flight
 

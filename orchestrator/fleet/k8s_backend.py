@@ -162,7 +162,8 @@ class KubernetesBackend(FleetBackend):
                 await self._fleet_listed.wait()
         except TimeoutError:
             await self.stop()
-            raise FleetNotReady(f"fleet {self.fleet}: could not list its pods within {WATCH_READY_TIMEOUT_S:g} s")
+            raise FleetNotReady(
+                f"fleet {self.fleet}: could not list its pods within {WATCH_READY_TIMEOUT_S:g} s") from None
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -278,7 +279,8 @@ class KubernetesBackend(FleetBackend):
         self._emit(slot, view.incarnation, view_pod(pod).pod_ip if pod else None, cause, reason)
         self._notify()
         if pod is not None:
-            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value, conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
+            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value,
+                                                  conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
             try:
                 await self.kube.merge_patch(PODS, pod["metadata"]["name"], patch, self.namespace)
             except ApiError as e:
@@ -294,7 +296,7 @@ class KubernetesBackend(FleetBackend):
             raise failure
         return [e.slot for e in self.engines() if recreated_since(e, self._loaded.get(e.slot))]
 
-    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:
+    async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
         bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound
@@ -339,7 +341,8 @@ async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *,
                      ) -> str | None:
     """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
     `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap."""
-    pods = await kube.list(PODS, namespace, label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
+    pods = await kube.list(PODS, namespace,
+                           label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
     return pick_router_url(pods.get("items", []), port, prefer=prefer)
 
 
@@ -374,7 +377,8 @@ async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, m
     Written as annotations (`rlfleet.io/failed-reason`, `rlfleet.io/failed-message`), never into the
     status conditions the operator owns; the operator turns them into the run's Failed condition.
     """
-    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason, conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
+    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason,
+                                          conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
     await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
 
 
@@ -389,7 +393,7 @@ FLEET_POLL_S = 2.0
 
 
 async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
-                       timeout: float) -> tuple[KubernetesBackend, str, dict]:
+                       timeout: float) -> tuple[KubernetesBackend, str, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
     """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
 
     Returns the backend (not started), the router URL and the fleet object. The trainer pod starts

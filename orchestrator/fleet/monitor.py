@@ -331,8 +331,10 @@ class HealthMonitor:
         probe.add_done_callback(functools.partial(self._settle, target, health, ticket))
 
     async def _bounded_probe(self, target: ProbeTarget) -> None:
+        probe = self._probe_fn
+        assert probe is not None, "only an injected probe runs here; the default client bounds its own"
         async with asyncio.timeout(self.spec.timeout_seconds):
-            await self._probe_fn(target)  # type: ignore[misc]
+            await probe(target)
 
     def _settle(self, target: ProbeTarget, health: EngineHealth, ticket: ProbeTicket, probe: asyncio.Future) -> None:
         key = target.key
@@ -420,7 +422,7 @@ class HealthMonitor:
         was refused: the process is gone."""
         key = self._keys_by_url.get(url)
         health = self._health.get(key) if key is not None else None
-        if health is None:
+        if key is None or health is None:
             return
         kind, reason = describe_failure(error, self.spec.timeout_seconds)
         if not health.connection_refused(asyncio.get_running_loop().time(), reason):

@@ -47,7 +47,7 @@ class FleetRuntime:
         self.membership: RouterMembership | None = None
         self.weights: WeightSync | None = None
         self.router: RouterClient | None = None
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
 
     def engine_client(self, url: str) -> EngineClient:
         assert self.session is not None, "FleetRuntime not started"
@@ -95,7 +95,7 @@ class FleetRuntime:
         if self.router is not None:
             self.router.base_url = normalize_url(url)
 
-    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:
+    async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:  # noqa: ASYNC109 - see wait_all_alive
         """Wait for the engines to serve their launch weights, then admit them to the router."""
         assert self.membership is not None
         alive = await self.backend.wait_all_alive(timeout)
@@ -132,7 +132,8 @@ class FleetRuntime:
             return {self.heat_slot(e.slot): e.url for e in self.backend.engines()
                     if e.state is EngineState.ALIVE and e.url}
 
-        return HeatGuardTask(spec, source, engines=engines, call_engine=functools.partial(post_engine_action, self.session),
+        return HeatGuardTask(spec, source, engines=engines,
+                             call_engine=functools.partial(post_engine_action, self.session),
                              fleet=self.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
                              on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)
 

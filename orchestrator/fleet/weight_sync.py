@@ -85,7 +85,7 @@ class WeightSync:
 
     def __init__(self, backend: FleetBackend, membership: RouterMembership, *, spec: WeightSyncSpec,
                  engine_client: Callable[[str], EngineClient], monitor: HealthMonitor | None = None,
-                 pause_mode: PauseMode = "retract", reference: SnapshotReference | str | None = None,
+                 pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None):
         if pause_mode not in SAFE_PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "

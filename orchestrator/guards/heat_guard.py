@@ -25,11 +25,11 @@ import aiohttp
 from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.guards.heat_sources import TemperatureSource
-from rlfleet.sglang.engine import EngineClient
+from rlfleet.sglang.engine import EngineClient, PauseMode
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODE = "retract"  # keeps requests (abort would fail them; in_place leaves a stale cache)
+PAUSE_MODE: PauseMode = "retract"  # keeps requests (abort would fail them; in_place leaves a stale cache)
 
 
 def check_heat_spec(spec: HeatGuardSpec) -> None:

@@ -206,7 +206,8 @@ class RolloutLedger:
             self.failed[sample_id] = error
 
 
-async def generate_all(client: RolloutClient, samples: Mapping[str, Mapping], *, concurrency: int = 64) -> RolloutLedger:
+async def generate_all(client: RolloutClient, samples: Mapping[str, Mapping], *,
+                       concurrency: int = 64) -> RolloutLedger:
     """Run every sample through `client` (at most `concurrency` at once); each settles exactly once."""
     ledger = RolloutLedger()
     gate = asyncio.Semaphore(concurrency)

@@ -136,7 +136,8 @@ class RolloutProducer:
             lost = failed
         if lost is not None:
             # A group is normalised as a whole: a partial group is dropped (and counted).
-            self.failures.extend(lost.exceptions)  # type: ignore[arg-type]
+            # The tasks raise RolloutRequestFailed themselves: the group holds no nested groups.
+            self.failures.extend(e for e in lost.exceptions if isinstance(e, RolloutRequestFailed))
             self.stats.groups_failed += 1
             log.warning("group %s lost: %s", group_id, lost.exceptions[0])
             return None

@@ -13,9 +13,11 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rlfleet.crds.loader import ManifestError, load_training_run, validate_object
+from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
@@ -26,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", help="TrainingRun YAML (the same file `kubectl apply` takes)")
     p.add_argument("--summary", type=Path, help="write the run summary (JSON) here")
     p.add_argument("--run-dir", type=Path, help="logs and snapshots (default: runs/<name>-<time>)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus port (default: the spec's metricsPort; 0: any free port)")
+    p.add_argument("--metrics-port", type=int,
+                   help="Prometheus port (default: the spec's metricsPort; 0: any free port)")
     p.add_argument("--metrics-host", help="address of the metrics endpoint (default 127.0.0.1; in a pod $POD_IP)")
     p.add_argument("--steps", type=int, help="override spec.trainer.steps")
     p.add_argument("--chaos", action="store_true", help="SIGKILL a random engine now and then, to watch recovery")
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlfleet.orchestrator.run.local import LocalRun
 
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1", manifest_dir=Path(args.file).resolve().parent)
+    options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",
+                       manifest_dir=Path(args.file).resolve().parent)
     return _finish(lambda: LocalRun(run, options).execute())
 
 
@@ -94,13 +98,16 @@ async def _run_in_cluster(args) -> RunSummary:
         try:
             obj = await kube.get(TRAININGRUNS, args.training_run, args.namespace)
         except ApiError as exc:
-            raise RunFailed("TrainingRunUnreadable", f"TrainingRun {args.namespace}/{args.training_run}: {exc}") from None
+            raise RunFailed("TrainingRunUnreadable",
+                            f"TrainingRun {args.namespace}/{args.training_run}: {exc}") from None
         meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
         run, errors = validate_object({"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
                                        "spec": obj.get("spec")})
         try:
             if run is None:
                 raise RunFailed("InvalidSpec", "; ".join(str(e) for e in errors))
+            assert isinstance(run, TrainingRun), f"the API server returned a {obj.get('kind')} for a TrainingRun"
+            assert run.metadata.name is not None, "an object read from the API server has a name"
             if args.steps is not None:
                 run.spec.trainer.steps = args.steps
             name = run.metadata.name
@@ -126,11 +133,12 @@ class Terminated(Exception):
         self.signum = signum
 
 
-async def _until_signal(execute):
+async def _until_signal(execute: Callable[[], Awaitable[RunSummary]]) -> RunSummary:
     """Run `execute()`; the first SIGTERM/SIGHUP cancels it (engines, routers and scratch volumes are
     cleaned up on the way out, as for Ctrl-C), later ones are ignored so cleanup is not cut short."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
+    assert task is not None, "called from a task"
     received: list[int] = []
 
     def on_signal(signum: int) -> None:

@@ -76,6 +76,7 @@ class KubernetesRun(RunLoop):
             runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
             await runtime.start()
             self._eval_runtime = runtime
+            assert self.spec.eval is not None, "the eval fleet starts only for a run with eval"
             evaluator = EvalFleet(runtime, self.spec.eval,
                                   wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
             return evaluator, None
@@ -83,6 +84,7 @@ class KubernetesRun(RunLoop):
         return start
 
     def _background(self) -> list:
+        assert self.fleet is not None, "background tasks start once the rollout fleet has"
         followed = [(self.fleet, self.rollout_fleet)]
         if self._eval_runtime is not None:
             followed.append((self._eval_runtime, conventions.eval_fleet_name(self.name)))

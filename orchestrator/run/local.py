@@ -65,6 +65,7 @@ class LocalRun(RunLoop):
         rng = random.Random()
         while True:
             await asyncio.sleep(rng.uniform(0.5, 1.5) * self.options.chaos_interval_s)
+            assert self.backend is not None, "chaos starts once the rollout fleet has"
             alive = [e for e in self.backend.engines() if e.state is EngineState.ALIVE]
             if not alive:
                 continue

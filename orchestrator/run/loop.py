@@ -104,7 +104,8 @@ class RunLoop:
     def __init__(self, run: TrainingRun, options: RunOptions, *, snapshots: Path, scratch_volume: bool = False):
         self.run = run
         self.spec = run.spec
-        self.name = run.metadata.name
+        assert run.metadata.name is not None, "a TrainingRun that runs has a name"
+        self.name: str = run.metadata.name
         self.options = options
         self.progress = options.progress
         self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
@@ -125,13 +126,14 @@ class RunLoop:
             await self._execute()
         except* RunFailed as group:
             exc = group.exceptions[0]
+            assert isinstance(exc, RunFailed), "a RunFailed is raised at most one task group deep"
             self.summary.failure = f"{exc.reason}: {exc.message}"
             raise exc from None
         except* FLEET_ERRORS as group:
-            exc = group.exceptions[0]
-            reason = exc.reason if isinstance(exc, FleetFailed) else type(exc).__name__
-            self.summary.failure = f"{reason}: {exc}"
-            raise RunFailed(reason, str(exc)) from None
+            error = group.exceptions[0]
+            reason = error.reason if isinstance(error, FleetFailed) else type(error).__name__
+            self.summary.failure = f"{reason}: {error}"
+            raise RunFailed(reason, str(error)) from None
         finally:
             if self._scratch_volume:
                 await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
@@ -148,7 +150,8 @@ class RunLoop:
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
-            server = MetricsServer(opts.metrics_host, spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
+            server = MetricsServer(opts.metrics_host,
+                                   spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
             url = await server.start()
             stack.push_async_callback(server.stop)
             self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
@@ -164,7 +167,8 @@ class RunLoop:
                                          temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
                 )
             except (ValueError, OSError) as exc:  # before any engine starts: a reason, not a traceback
-                raise RunFailed("TrainerSetupFailed", f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
+                raise RunFailed("TrainerSetupFailed",
+                                f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
             # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
@@ -269,6 +273,7 @@ class RunLoop:
             self._phase("export")
             path = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, step), step)
             self._phase("weight sync")
+            assert self.fleet is not None, "the rollout fleet starts before training"
             result = await self.fleet.sync_weights(path, step)
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)

@@ -1,6 +1,8 @@
 """Serve the Prometheus registry over HTTP on the event loop (no exporter thread)."""
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -29,7 +31,7 @@ class MetricsServer:
         await site.start()
         # Port 0 asks the kernel for a free one: report what we got.
         server = site._server
-        if server is not None and server.sockets:
+        if isinstance(server, asyncio.Server) and server.sockets:
             self.port = server.sockets[0].getsockname()[1]
         return f"http://{self.host}:{self.port}/metrics"
 

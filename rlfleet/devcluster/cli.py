@@ -199,7 +199,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  node:       {state['node']['name']} (pod logs in {state['node']['data_dir']}/logs)")
     else:
         print("  node:       none (started with --no-node-agent)")
-    print(f"  supervisor: pid {state.get('supervisor_pid')} ({'alive' if process_alive(state.get('supervisor_pid')) else 'gone'})")
+    supervisor = state.get("supervisor_pid")
+    print(f"  supervisor: pid {supervisor} ({'alive' if process_alive(supervisor) else 'gone'})")
     for component in state.get("components", []):
         alive = "alive" if process_alive(component["pid"]) else "gone"
         print(f"  {component['name']}: pid {component['pid']} ({alive}), log {component['log']}")
@@ -291,7 +292,7 @@ def serve(args: argparse.Namespace) -> int:
         base["components"] = components()
         write_state(directory, {**base, "status": "ready"})
         print(f"ready: {plane.server}" + (f", node {node.node}" if node else ""), flush=True)
-        while (failed := plane.failed_component() or (node and node.exited())) is None:
+        while (failed := plane.failed_component() or (node.exited() if node else None)) is None:
             time.sleep(1.0)
         tail = " | ".join(failed.tail(5))
         status, error, code = "failed", f"{failed.name} exited with code {failed.returncode}: {tail}", 1

@@ -94,7 +94,8 @@ class ControlPlane:
                 except _PortTaken:
                     self._stop_processes()
                     if attempt == PORT_ATTEMPTS - 1:
-                        raise ControlPlaneError("could not bind free ports after retries (another process took them)")
+                        raise ControlPlaneError(
+                            "could not bind free ports after retries (another process took them)") from None
         except BaseException:
             self.stop()
             raise
@@ -238,7 +239,8 @@ class ControlPlane:
                 tail = process.tail(25)
                 if any("address already in use" in line for line in tail):
                     raise _PortTaken(process.name)
-                raise ControlPlaneError(failure_message(process, f"exited with code {process.returncode} during start-up"))
+                raise ControlPlaneError(failure_message(process,
+                                                        f"exited with code {process.returncode} during start-up"))
             try:
                 with urllib.request.urlopen(url, timeout=2.0, context=context) as response:
                     if response.status == 200:
@@ -289,7 +291,8 @@ def _write_kubeconfig(path: Path, *, server: str, ca_cert: Path, user: str, cred
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "rlfleet-dev", "cluster": {"server": server, "certificate-authority-data": _b64(ca_cert)}}],
+        "clusters": [{"name": "rlfleet-dev",
+                      "cluster": {"server": server, "certificate-authority-data": _b64(ca_cert)}}],
         "users": [{"name": user, "user": credentials}],
         "contexts": [{"name": "rlfleet-dev", "context": context}],
         "current-context": "rlfleet-dev",

@@ -95,7 +95,8 @@ def write_control_plane_pki(directory: Path, admin_user: str = "rlfleet-admin") 
 
     san = x509.SubjectAlternativeName(
         [x509.DNSName(n) for n in SERVING_DNS_NAMES] + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in SERVING_IPS])
-    serving_key, serving_cert = _leaf(ca_key, ca_name, _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, now, san)
+    serving_key, serving_cert = _leaf(ca_key, ca_name, _name("kube-apiserver"),
+                                      ExtendedKeyUsageOID.SERVER_AUTH, now, san)
     # Group system:masters is bound to cluster-admin by the API server's bootstrap RBAC policy.
     admin_key, admin_cert = _leaf(ca_key, ca_name, _name(admin_user, "system:masters"),
                                   ExtendedKeyUsageOID.CLIENT_AUTH, now)

@@ -11,6 +11,7 @@ This wraps `kubernetes_asyncio.client.ApiClient` (kubeconfig / in-cluster auth, 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import json
 import os
@@ -217,7 +218,8 @@ class KubeClient:
                 resp = await self.api.call_api(
                     res.path(namespace), "GET", query_params=query, header_params={"Accept": "application/json"},
                     auth_settings=["BearerToken"], _preload_content=False,
-                    _request_timeout=(self.timeout_s, line_timeout))
+                    _request_timeout=aiohttp.ClientTimeout(connect=self.timeout_s, sock_connect=self.timeout_s,
+                                                           sock_read=line_timeout))
         except (TimeoutError, OSError, aiohttp.ClientError) as e:
             raise ApiError(0, type(e).__name__, f"watch {res.plural}: {e or 'timed out'}") from None
         async with resp:

@@ -41,7 +41,8 @@ def condition(kind: str, ok: bool, reason: str, message: str, *, now: float, pre
               generation: int | None = None) -> dict:
     status = "True" if ok else "False"
     old = next((c for c in previous or [] if c.get("type") == kind), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else iso(now)
+    since = (old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime")
+             else iso(now))
     cond = {"type": kind, "status": status, "reason": reason_word(reason), "message": clip(message),
             "lastTransitionTime": since}
     if generation is not None:

@@ -50,7 +50,8 @@ def pod_failure(pod: dict) -> Failure | None:
     ann = meta.get("annotations") or {}
     statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
     terminated = next((s["state"]["terminated"] for s in statuses
-                       if (s.get("state") or {}).get("terminated") and s["state"]["terminated"].get("exitCode", 0) != 0),
+                       if (s.get("state") or {}).get("terminated")
+                       and s["state"]["terminated"].get("exitCode", 0) != 0),
                       None)
     if terminated is None and status.get("phase") in ("Failed", "Succeeded"):
         terminated = next((s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")),

@@ -88,13 +88,15 @@ ROUTER_WORKERS = Gauge(
 # --- Rollout request path -------------------------------------------------------------------------
 # One per request (sample) when it settles: ok, failed (retries exhausted or not retryable), deadline.
 ROLLOUT_REQUESTS = Counter(
-    "rlfleet_rollout_requests_total", "Rollout requests (samples) by final outcome.", ["fleet", "outcome"], registry=REGISTRY,
+    "rlfleet_rollout_requests_total", "Rollout requests (samples) by final outcome.", ["fleet", "outcome"],
+    registry=REGISTRY,
 )
 # One per HTTP attempt: ok, or the failure kind (connection_refused, connection_closed, timeout,
 # unavailable, server_error, client_error, aborted = HTTP 200 with finish_reason abort, bad_response),
 # or duplicate_rid.
 ROLLOUT_ATTEMPTS = Counter(
-    "rlfleet_rollout_attempts_total", "Rollout HTTP attempts through the router by result.", ["fleet", "result"], registry=REGISTRY,
+    "rlfleet_rollout_attempts_total", "Rollout HTTP attempts through the router by result.", ["fleet", "result"],
+    registry=REGISTRY,
 )
 ROLLOUT_REQUEST_DURATION = Histogram(
     "rlfleet_rollout_request_duration_seconds", "Time from first attempt to final outcome of a rollout request.",
@@ -103,10 +105,12 @@ ROLLOUT_REQUEST_DURATION = Histogram(
 
 # --- 503 watchdog ---------------------------------------------------------------------------------
 WATCHDOG_STRIKES = Counter(
-    "rlfleet_watchdog_strikes_total", "Watchdog checks whose window held more failures than the limit.", ["fleet"], registry=REGISTRY,
+    "rlfleet_watchdog_strikes_total", "Watchdog checks whose window held more failures than the limit.", ["fleet"],
+    registry=REGISTRY,
 )
 WATCHDOG_TRIPS = Counter(
-    "rlfleet_watchdog_trips_total", "Times the watchdog saw its number of strikes in a row.", ["fleet"], registry=REGISTRY,
+    "rlfleet_watchdog_trips_total", "Times the watchdog saw its number of strikes in a row.", ["fleet"],
+    registry=REGISTRY,
 )
 WATCHDOG_STRIKES_IN_A_ROW = Gauge(
     "rlfleet_watchdog_strikes_in_a_row", "Current run of consecutive watchdog strikes.", ["fleet"], registry=REGISTRY,
@@ -117,7 +121,8 @@ WATCHDOG_STRIKES_TO_TRIP = Gauge(
     registry=REGISTRY,
 )
 WATCHDOG_WINDOW_FAILURES = Gauge(
-    "rlfleet_watchdog_window_failures", "Failed rollout requests in the window at the last check.", ["fleet"], registry=REGISTRY,
+    "rlfleet_watchdog_window_failures", "Failed rollout requests in the window at the last check.", ["fleet"],
+    registry=REGISTRY,
 )
 
 # --- Heat guard -----------------------------------------------------------------------------------
@@ -130,19 +135,23 @@ HEAT_GUARD_PAUSE_DURATION = Histogram(
     buckets=(5, 15, 30, 45, 60, 90, 120, 180, 300, 600), registry=REGISTRY,
 )
 HEAT_GUARD_PAUSED = Gauge(
-    "rlfleet_heat_guard_paused", "1 while the heat guard holds generation paused on the engine.", ["fleet", "slot"], registry=REGISTRY,
+    "rlfleet_heat_guard_paused", "1 while the heat guard holds generation paused on the engine.", ["fleet", "slot"],
+    registry=REGISTRY,
 )
 GPU_TEMPERATURE = Gauge(
-    "rlfleet_gpu_temperature_celsius", "Last GPU temperature read for the engine.", ["fleet", "slot"], registry=REGISTRY,
+    "rlfleet_gpu_temperature_celsius", "Last GPU temperature read for the engine.", ["fleet", "slot"],
+    registry=REGISTRY,
 )
 HEAT_GUARD_READ_ERRORS = Counter(
     "rlfleet_heat_guard_read_errors_total", "Temperature reads that failed.", ["fleet", "source"], registry=REGISTRY,
 )
 HEAT_GUARD_ACTION_ERRORS = Counter(
-    "rlfleet_heat_guard_action_errors_total", "Pause/continue calls to an engine that failed.", ["fleet", "slot", "action"], registry=REGISTRY,
+    "rlfleet_heat_guard_action_errors_total", "Pause/continue calls to an engine that failed.",
+    ["fleet", "slot", "action"], registry=REGISTRY,
 )
 STEPS_OVERLAPPING_PAUSE = Counter(
-    "rlfleet_steps_overlapping_heat_pause_total", "Training steps that overlapped a heat-guard pause.", ["fleet"], registry=REGISTRY,
+    "rlfleet_steps_overlapping_heat_pause_total", "Training steps that overlapped a heat-guard pause.", ["fleet"],
+    registry=REGISTRY,
 )
 
 
@@ -161,11 +170,13 @@ RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the l
 
 # --- Evaluation ---------------------------------------------------------------------------------------
 EVAL_IN_FLIGHT = Gauge(
-    "rlfleet_eval_in_flight", "Evaluation points dispatched and not yet settled.", ["run", "posture"], registry=REGISTRY,
+    "rlfleet_eval_in_flight", "Evaluation points dispatched and not yet settled.", ["run", "posture"],
+    registry=REGISTRY,
 )
 # outcome: evaluated, skipped
 EVAL_POINTS = Counter(
-    "rlfleet_eval_points_total", "Evaluation points settled, by outcome.", ["run", "posture", "outcome"], registry=REGISTRY,
+    "rlfleet_eval_points_total", "Evaluation points settled, by outcome.", ["run", "posture", "outcome"],
+    registry=REGISTRY,
 )
 # reason: busy, export_failed, ckpt_missing, unhealthy, pin_violation, crashed, cancelled, or an EvalSkip's own.
 EVAL_SKIPPED = Counter(
@@ -180,14 +191,17 @@ EVAL_EXPORT_DURATION = Histogram(
     buckets=DURATION_BUCKETS, registry=REGISTRY,
 )
 EVAL_EXPORT_BLOCKING = Histogram(
-    "rlfleet_eval_export_blocking_seconds", "Time the training loop was held to take an eval snapshot's weights off the device.",
+    "rlfleet_eval_export_blocking_seconds",
+    "Time the training loop was held to take an eval snapshot's weights off the device.",
     ["run"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY,
 )
 EVAL_BACKPRESSURE_WAIT = Histogram(
-    "rlfleet_eval_backpressure_wait_seconds", "Time the training loop waited for a pending point (overflowPolicy backpressure).",
+    "rlfleet_eval_backpressure_wait_seconds",
+    "Time the training loop waited for a pending point (overflowPolicy backpressure).",
     ["run"], buckets=DURATION_BUCKETS, registry=REGISTRY,
 )
-EVAL_SCORE = Gauge("rlfleet_eval_score", "Score of the last evaluated point, per dataset.", ["run", "dataset"], registry=REGISTRY)
+EVAL_SCORE = Gauge("rlfleet_eval_score", "Score of the last evaluated point, per dataset.", ["run", "dataset"],
+                   registry=REGISTRY)
 EVAL_SCORE_STEP = Gauge(
     "rlfleet_eval_score_step", "Training step of the last evaluated point (the step rlfleet_eval_score belongs to).",
     ["run"], registry=REGISTRY,

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector, CollectorRegistry
 
 # Words that are never metric names where they stand.
 KEYWORDS = frozenset({"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
@@ -62,8 +62,10 @@ def tokens(expr: str) -> list[Token]:
         match = _TOKEN.match(expr, pos)
         if match is None:
             raise PromQLSyntaxError(f"cannot read {expr[pos:pos + 20]!r} at offset {pos} of {expr!r}")
-        if match.lastgroup != "space":
-            out.append(Token(match.lastgroup, match.group(), pos))  # type: ignore[arg-type]
+        kind = match.lastgroup
+        assert kind is not None, "every alternative of the token pattern is a named group"
+        if kind != "space":
+            out.append(Token(kind, match.group(), pos))
         pos = match.end()
     return out
 
@@ -92,9 +94,8 @@ def _check_balanced(toks: list[Token]) -> None:
             continue
         if tok.text in pairs:
             stack.append(tok)
-        elif tok.text in (")", "]", "}"):
-            if not stack or pairs[stack.pop().text] != tok.text:
-                raise PromQLSyntaxError(f"unbalanced {tok.text!r} at offset {tok.pos}")
+        elif tok.text in (")", "]", "}") and (not stack or pairs[stack.pop().text] != tok.text):
+            raise PromQLSyntaxError(f"unbalanced {tok.text!r} at offset {tok.pos}")
     if stack:
         raise PromQLSyntaxError(f"{stack[-1].text!r} at offset {stack[-1].pos} is never closed")
 
@@ -209,7 +210,7 @@ def exported_series(registry: CollectorRegistry) -> dict[str, frozenset[str]]:
     return out
 
 
-def _collectors(registry: CollectorRegistry) -> Iterator[object]:
+def _collectors(registry: CollectorRegistry) -> Iterator[Collector]:
     # The registry keeps its collectors in a private map; it has no public list of them.
     with registry._lock:
         collectors = list(registry._collector_to_names)

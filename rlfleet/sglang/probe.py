@@ -106,7 +106,7 @@ class ResponseParser:
             elif state == _UNTIL_CLOSE:
                 self._append(buf)
                 return None
-            elif state == _CHUNK_SIZE or state == _TRAILER or state == _CHUNK_END:
+            elif state in (_CHUNK_SIZE, _TRAILER, _CHUNK_END):
                 end = buf.find(b"\r\n")
                 if end < 0:
                     if len(buf) > MAX_HEAD_BYTES:
@@ -241,21 +241,24 @@ class _ProbeConnection(asyncio.Protocol):
         self._parser: ResponseParser | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.Transport), "a TCP connection has a stream transport"
+        self.transport = transport
         self.open = True
 
     def request(self, data: bytes) -> None:
         self._parser = ResponseParser()
         self.busy = self.used = True
-        self.transport.write(data)  # type: ignore[union-attr]
+        assert self.transport is not None, "requests go out on open connections only"
+        self.transport.write(data)
 
     def data_received(self, data: bytes) -> None:
         owner = self.owner
         if owner is None or not self.busy:
             self.abort()  # bytes nobody asked for: this stream can no longer be trusted
             return
+        assert self._parser is not None, "a busy connection has its request's parser"
         try:
-            reply = self._parser.feed(data)  # type: ignore[union-attr]
+            reply = self._parser.feed(data)
         except BadResponse as exc:
             self.abort()
             owner.failed(exc)
@@ -283,11 +286,12 @@ class _ProbeConnection(asyncio.Protocol):
             return
         self.busy = False
         parser = self._parser
+        assert parser is not None, "a busy connection has its request's parser"
         try:
-            reply = parser.feed_eof()  # type: ignore[union-attr]
+            reply = parser.feed_eof()
         except IncompleteAnswer as incomplete:
             detail = f"{incomplete}" + (f" ({exc})" if exc else "")
-            owner.closed_early(detail, got_bytes=parser.received > 0)  # type: ignore[union-attr]
+            owner.closed_early(detail, got_bytes=parser.received > 0)
         else:
             owner.answered(reply)
 
@@ -379,7 +383,8 @@ class _Endpoint:
             return
         kind = classify_status(status)
         text = reply.body[:BODY_EXCERPT_CHARS].decode("utf-8", "replace")
-        elapsed = self.loop.time() - self.started  # type: ignore[union-attr]
+        assert self.loop is not None, "start() set the loop"
+        elapsed = self.loop.time() - self.started
         if kind is None:
             error: CallError = BadResponse(f"unexpected status {status}", method="GET", url=self.where, status=status)
         else:
@@ -393,7 +398,8 @@ class _Endpoint:
             # keep-alive): a GET may be sent again, once, on a fresh connection.
             self.reused = False
             self.connection = None
-            self._open(self.loop)  # type: ignore[arg-type]
+            assert self.loop is not None, "start() set the loop"
+            self._open(self.loop)
             return
         self.failed(ConnectionClosed(detail, method="GET", url=self.where))
 
@@ -422,8 +428,9 @@ class _Endpoint:
         if exchange != self.exchange or self.result is None:
             return
         self.timer = None
+        assert self.loop is not None, "start() set the loop"
         self.failed(CallTimeout(f"no complete answer within {self.timeout_s:g} s", method="GET", url=self.where,
-                                elapsed_s=self.loop.time() - self.started))  # type: ignore[union-attr]
+                                elapsed_s=self.loop.time() - self.started))
 
     def _settle(self) -> asyncio.Future | None:
         """End the probe in flight (timer, opening task); returns its future."""

@@ -362,7 +362,8 @@ def validate_snapshot(snapshot_dir: str | os.PathLike,
         size = path.stat().st_size
         if size != info.size:
             hint = "truncated" if size < info.size else "grown"
-            raise SnapshotInvalid(where, f"{rel} is {size} bytes but the export wrote {info.size} ({hint} since export)")
+            raise SnapshotInvalid(where,
+                                  f"{rel} is {size} bytes but the export wrote {info.size} ({hint} since export)")
     unlisted = [p.name for p in weight_files(root) if p.name not in manifest.files]
     if unlisted:
         raise SnapshotInvalid(where, f"weight files not in {MANIFEST_NAME}: {_names(unlisted)}")

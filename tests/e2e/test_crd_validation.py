@@ -93,9 +93,12 @@ BAD_INPUT: list[Case] = [
     Case("task-not-a-name", spec({"trainer": {"task": "reverse strings"}}), "spec.trainer.task", "should match"),
     Case("env-name-invalid", spec({"trainer": {"env": [{"name": "1BAD", "value": "x"}]}}), "spec.trainer.env[0].name",
          "should match"),
-    Case("watchdog-checks-zero", spec({"watchdog": {"checks": 0}}), "spec.watchdog.checks", "greater than or equal to 1"),
-    Case("watchdog-checks-fraction", spec({"watchdog": {"checks": 2.5}}), "spec.watchdog.checks", "must be of type integer"),
-    Case("watchdog-limit-negative", spec({"watchdog": {"limit": -1}}), "spec.watchdog.limit", "greater than or equal to 0"),
+    Case("watchdog-checks-zero", spec({"watchdog": {"checks": 0}}), "spec.watchdog.checks",
+         "greater than or equal to 1"),
+    Case("watchdog-checks-fraction", spec({"watchdog": {"checks": 2.5}}), "spec.watchdog.checks",
+         "must be of type integer"),
+    Case("watchdog-limit-negative", spec({"watchdog": {"limit": -1}}), "spec.watchdog.limit",
+         "greater than or equal to 0"),
     Case("watchdog-interval-over-window", spec({"watchdog": {"checkIntervalSeconds": 120}}),
          "spec.watchdog.checkIntervalSeconds", "must not exceed windowSeconds"),
     Case("heat-resume-above-pause", spec({"heatGuard": {"resumeAtC": 90}}), "spec.heatGuard.resumeAtC",
@@ -118,7 +121,8 @@ BAD_INPUT: list[Case] = [
          "spec.rollout.health.failureThreshold", "greater than or equal to 1"),
     Case("health-timeout-zero", spec({"rollout": {"health": {"timeoutSeconds": 0}}}),
          "spec.rollout.health.timeoutSeconds", "greater than 0"),
-    Case("recovery-backoff-base-over-max", spec({"rollout": {"recovery": {"backoffBaseSeconds": 100, "backoffMaxSeconds": 10}}}),
+    Case("recovery-backoff-base-over-max",
+         spec({"rollout": {"recovery": {"backoffBaseSeconds": 100, "backoffMaxSeconds": 10}}}),
          "spec.rollout.recovery.backoffBaseSeconds", "backoffBaseSeconds must not exceed backoffMaxSeconds"),
     Case("engine-device-unknown", spec({"rollout": {"engine": {"device": "tpu"}}}), "spec.rollout.engine.device",
          "Unsupported value"),
@@ -128,7 +132,8 @@ BAD_INPUT: list[Case] = [
          "greater than or equal to 1024"),
     Case("engine-mem-fraction-one", spec({"rollout": {"engine": {"memFractionStatic": 1.5}}}),
          "spec.rollout.engine.memFractionStatic", "less than 1"),
-    Case("weight-sync-mode-unknown", spec({"weightSync": {"mode": "rdma"}}), "spec.weightSync.mode", "Unsupported value"),
+    Case("weight-sync-mode-unknown", spec({"weightSync": {"mode": "rdma"}}), "spec.weightSync.mode",
+         "Unsupported value"),
     Case("weight-sync-nccl-on-cpu", spec({"weightSync": {"mode": "nccl"}, "trainer": {"gpus": 0}}),
          "spec.weightSync.mode", "nccl needs a GPU trainer"),
     Case("weight-sync-pause-in-place", spec({"weightSync": {"pauseMode": "in_place"}}), "spec.weightSync.pauseMode",
@@ -137,7 +142,8 @@ BAD_INPUT: list[Case] = [
          "greater than or equal to 1"),
     Case("snapshot-size-not-quantity", spec({"weightSync": {"snapshotVolume": {"size": "lots"}}}),
          "spec.weightSync.snapshotVolume.size", "should match"),
-    Case("snapshot-claim-and-class", spec({"weightSync": {"snapshotVolume": {"claimName": "c", "storageClassName": "nfs"}}}),
+    Case("snapshot-claim-and-class",
+         spec({"weightSync": {"snapshotVolume": {"claimName": "c", "storageClassName": "nfs"}}}),
          "spec.weightSync.snapshotVolume.storageClassName", "applies only to a created claim"),
     Case("eval-fleet-posture-without-fleet", spec({"eval": {"posture": "fleet"}}), "spec.eval.fleet",
          "posture fleet requires a fleet spec", base=BASE_EVAL),
@@ -147,9 +153,11 @@ BAD_INPUT: list[Case] = [
          "used only with posture fleet", base=BASE_EVAL),
     Case("eval-no-datasets", spec({"eval": {"datasets": []}}), "spec.eval.datasets", "at least one dataset",
          base=BASE_EVAL),
-    Case("eval-duplicate-datasets", spec({"eval": {"datasets": [{"name": "a", "task": "reverse"}, {"name": "a", "task": "reverse"}]}}),
+    Case("eval-duplicate-datasets",
+         spec({"eval": {"datasets": [{"name": "a", "task": "reverse"}, {"name": "a", "task": "reverse"}]}}),
          "spec.eval.datasets", "unique", base=BASE_EVAL),
-    Case("eval-dataset-path-and-task", spec({"eval": {"datasets": [{"name": "a", "task": "reverse", "path": "a.jsonl"}]}}),
+    Case("eval-dataset-path-and-task",
+         spec({"eval": {"datasets": [{"name": "a", "task": "reverse", "path": "a.jsonl"}]}}),
          "spec.eval.datasets[0].path", "exactly one of path and task", base=BASE_EVAL),
     Case("eval-max-in-flight-zero", spec({"eval": {"maxInFlight": 0}}), "spec.eval.maxInFlight",
          "greater than or equal to 1", base=BASE_EVAL),
@@ -175,7 +183,8 @@ GOOD_INPUT: list[Case] = [
     Case("minimal", {}, None),
     Case("learning-rate-exponent", spec({"trainer": {"learningRate": 1e-5}}), None),
     Case("external-without-datasets", spec({"eval": {"posture": "external", "datasets": [],
-                                                     "external": {"classPath": "my.evals:Judge", "args": {"k": [1, 2]}}}}),
+                                                     "external": {"classPath": "my.evals:Judge",
+                                                                  "args": {"k": [1, 2]}}}}),
          None, base=BASE_EVAL),
     Case("megatron-tp-pp", spec({"trainer": {"backend": "megatron", "gpus": 8, "tensorParallelSize": 2,
                                              "pipelineParallelSize": 2}}), None),
@@ -183,12 +192,14 @@ GOOD_INPUT: list[Case] = [
     Case("fleet-scaled-to-zero", {"spec": {"replicas": 0}}, None, kind="RolloutFleet"),
     # Boundaries of the cross-field rules: equal values are allowed where the rule says "not exceed".
     Case("heat-min-equals-max-pause", spec({"heatGuard": {"minPauseSeconds": 60, "maxPauseSeconds": 60}}), None),
-    Case("watchdog-interval-equals-window", spec({"watchdog": {"checkIntervalSeconds": 60, "windowSeconds": 60}}), None),
+    Case("watchdog-interval-equals-window", spec({"watchdog": {"checkIntervalSeconds": 60, "windowSeconds": 60}}),
+         None),
     Case("backoff-base-equals-max", spec({"rollout": {"recovery": {"backoffBaseSeconds": 5, "backoffMaxSeconds": 5}}}),
          None),
     Case("min-ready-equals-replicas", spec({"rollout": {"replicas": 3, "minReadyEngines": 3}}), None),
-    Case("engine-gpus-equal-tp-times-pp", spec({"rollout": {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2,
-                                                                        "gpusPerEngine": 4}}}), None),
+    Case("engine-gpus-equal-tp-times-pp",
+         spec({"rollout": {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "gpusPerEngine": 4}}}),
+         None),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.
@@ -201,7 +212,8 @@ UPDATES = [
      "spec.weightSync.snapshotVolume.claimName", "immutable"),
     ("steps-changed", {"trainer": {"steps": 500}}, None, ""),
 ]
-UPDATE_BASE = run_manifest("update-base", {"modelPath": "tiny://llama", "weightSync": {"snapshotVolume": {"claimName": "snaps"}}})
+UPDATE_BASE = run_manifest("update-base",
+                           {"modelPath": "tiny://llama", "weightSync": {"snapshotVolume": {"claimName": "snaps"}}})
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +355,8 @@ def test_fleet_scale_subresource(cluster):
                json.dumps({"status": {"replicas": 2, "readyReplicas": 2, "selector": "rlfleet.io/fleet=scaled"}}),
                check=True)
     kubectl_ns(cluster, "scale", "rf", "scaled", "--replicas=4", check=True)
-    scale = json.loads(kubectl_ns(cluster, "get", "rf", "scaled", "--subresource=scale", "-o", "json", check=True).stdout)
+    scale = json.loads(kubectl_ns(cluster, "get", "rf", "scaled", "--subresource=scale", "-o", "json",
+                                  check=True).stdout)
     assert scale["spec"]["replicas"] == 4
     assert scale["status"] == {"replicas": 2, "selector": "rlfleet.io/fleet=scaled"}
     kubectl_ns(cluster, "scale", "rf", "scaled", "--replicas=0", check=True)  # switched off despite minReadyEngines

@@ -102,10 +102,11 @@ def test_each_fleet_gets_an_owned_policy_admitting_only_its_router_and_trainer(c
         spec = pol["spec"]
         assert spec["policyTypes"] == ["Ingress"]
         # It selects exactly the fleet's engine pod, and its router peer exactly the fleet's router pod(s).
-        wait_for(lambda: pods_selected(cp, spec["podSelector"]) == {f"{name}-engine-0"}, timeout=60,
+        wait_for(lambda spec=spec, name=name: pods_selected(cp, spec["podSelector"]) == {f"{name}-engine-0"},
+                 timeout=60,
                  what=f"{name}'s engine pod", context=operator.tail)
         router_peer = spec["ingress"][0]
-        routers = wait_for(lambda: pods_selected(cp, router_peer["from"][0]["podSelector"]), timeout=60,
+        routers = wait_for(lambda peer=router_peer: pods_selected(cp, peer["from"][0]["podSelector"]), timeout=60,
                            what=f"{name}'s router pod")
         assert all(r.startswith(f"{name}-router-") for r in routers), routers
         assert router_peer == {"from": [{"podSelector": {"matchLabels": {

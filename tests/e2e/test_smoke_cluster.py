@@ -63,7 +63,8 @@ def test_kubectl_apply_round_trip(control_plane: ControlPlane) -> None:
 
 def test_unprivileged_service_account_is_forbidden(control_plane: ControlPlane) -> None:
     kubeconfig = control_plane.service_account_kubeconfig("smoke-rbac", "nobody")
-    whoami = control_plane.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}", kubeconfig=kubeconfig)
+    whoami = control_plane.kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}",
+                                   kubeconfig=kubeconfig)
     assert whoami.stdout == "system:serviceaccount:smoke-rbac:nobody"
     denied = control_plane.kubectl("get", "secrets", "-n", "smoke-rbac", kubeconfig=kubeconfig, check=False)
     assert denied.returncode != 0
@@ -185,8 +186,10 @@ def test_dev_cluster_up_runs_pods_and_down_leaves_no_process(tmp_path: Path) -> 
         def pod(pod_name: str) -> dict:
             return json.loads(kubectl("get", "pod", pod_name, "-o", "json").stdout or "{}")
 
-        agent_log = lambda: "\n".join(Path(c["log"]).read_text()[-3000:] for c in state["components"]  # noqa: E731
-                                      if c["name"] == "node-agent")
+        def agent_log() -> str:
+            return "\n".join(Path(c["log"]).read_text()[-3000:] for c in state["components"]
+                             if c["name"] == "node-agent")
+
         once = wait_for(lambda: (p := pod("once")).get("status", {}).get("phase") in ("Succeeded", "Failed") and p,
                         timeout=30, interval=0.5, what="pod `once` to finish", context=agent_log)
         assert once["status"]["phase"] == "Succeeded", once["status"]

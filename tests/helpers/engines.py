@@ -163,7 +163,7 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     spec = EngineSpec(model_path=str(model_path), device="cpu", port=port,
                       max_total_tokens=max_total_tokens, extra_args=list(extra_args))
     launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(
         name, launch.argv(python_executable()), log_path=log_dir / f"{name}.log", env=launch.env,
         # Not the repository root: `python -m` puts the working directory on sys.path.
@@ -190,7 +190,7 @@ async def start_router(*, log_dir: Path, name: str | None = None, health_interva
     metrics_port = free_port(host)
     args = build_router_args(host=host, port=port, metrics_port=metrics_port, health_interval_s=health_interval_s,
                              health_failure_threshold=health_failure_threshold)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(name, [python_executable(), *args], log_path=log_dir / f"{name}.log",
                              env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir), die_with_parent=True)
     router = RouterProcess(name=name, host=host, port=port, metrics_port=metrics_port, process=process)

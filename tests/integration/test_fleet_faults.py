@@ -1,8 +1,8 @@
 """Fault tolerance on real parts: two SGLang CPU engines (local backend), a real sglang-router.
 
 One fleet is shared by the tests of this module, in order: a SIGKILLed engine, a SIGSTOPped
-engine, a corrupted snapshot, an engine the heat guard pauses across a weight sync. Each test leaves two alive engines behind. Latencies measured here
-are printed (run with -s to see them).
+engine, a corrupted snapshot, an engine the heat guard pauses across a weight sync. Each test
+leaves two alive engines behind. Latencies measured here are printed (run with -s to see them).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class DeathLog:
         self.events.append(event)
         self.changed.set()
 
-    async def wait_for(self, slot: int, incarnation: int, timeout: float) -> DeathEvent:
+    async def wait_for(self, slot: int, incarnation: int, timeout: float) -> DeathEvent:  # noqa: ASYNC109 - test helper, callers name the bound
         async with asyncio.timeout(timeout):
             while True:
                 for event in self.events:
@@ -235,7 +235,7 @@ async def test_sigstop_hang(fleet: Fleet):
     assert event.cause.value == "probe_failed"
     assert detection <= bound + 1.0
     async with asyncio.timeout(10):  # a hung engine is killed when marked dead (reaped within seconds)
-        while group_alive(victim.pid):
+        while group_alive(victim.pid):  # noqa: ASYNC110 - the process table has no event to wait on
             await asyncio.sleep(0.1)
 
     recovered = await backend.recover()
@@ -283,9 +283,9 @@ async def test_corrupted_snapshot_keeps_old_weights_serving(fleet: Fleet):
 
 async def engine_ready(url: str) -> int:
     """GET /ready: 200 when the engine takes new requests, 503 while its generation is paused."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            return resp.status
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with aiohttp.ClientSession() as session, session.get(url + "/ready", timeout=timeout) as resp:
+        return resp.status
 
 
 async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, tmp_path: Path):
@@ -301,7 +301,7 @@ async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, 
     try:
         temps.write_text("rollout-0 60\nrollout-1 92\n")
         async with asyncio.timeout(10):
-            while guard.paused_slots() != {"rollout-1"}:
+            while guard.paused_slots() != {"rollout-1"}:  # noqa: ASYNC110 - the guard has no change event
                 await asyncio.sleep(0.05)
         assert runtime.monitor.held() == {1: "heat guard pause"}
         assert await engine_ready(hot.url) == 503
@@ -319,14 +319,14 @@ async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, 
 
         temps.write_text("rollout-0 60\nrollout-1 70\n")
         async with asyncio.timeout(10):
-            while guard.paused_slots():
+            while guard.paused_slots():  # noqa: ASYNC110 - the guard has no change event
                 await asyncio.sleep(0.05)
         assert runtime.monitor.held() == {}
         assert (await fleet.greedy(hot.url))[1] == "4"
         # A /health_generate caught by the pause makes SGLang call itself unhealthy (503 on /ready)
         # until a health check succeeds again: the monitor's first probe after the release.
         async with asyncio.timeout(30):
-            while await engine_ready(hot.url) != 200:
+            while await engine_ready(hot.url) != 200:  # noqa: ASYNC110 - polls the engine over HTTP
                 await asyncio.sleep(0.5)
         health = runtime.monitor.health(hot.slot, hot.incarnation)
         successes = metric("rlfleet_engine_probes_total", result="success")

@@ -151,7 +151,8 @@ async def test_prometheus_scrapes_real_rlfleet_metrics_and_the_dashboards_and_al
                                 recover=_nothing_to_recreate, can_serve=lambda: _serves(engine),
                                 engine_logs=dict, fleet=fleet)
         client = RolloutClient(engine_url, session, fleet=fleet, on_failure=watchdog.record_failure,
-                               policy=RetryPolicy(max_attempts=3, backoff_base_s=0.05, backoff_max_s=0.2, deadline_s=10))
+                               policy=RetryPolicy(max_attempts=3, backoff_base_s=0.05, backoff_max_s=0.2,
+                                                  deadline_s=10))
         marked_dead: list[str] = []
 
         async def on_dead(target: ProbeTarget, reason: str) -> None:
@@ -185,7 +186,8 @@ async def test_prometheus_scrapes_real_rlfleet_metrics_and_the_dashboards_and_al
                 session, f'rlfleet_rollout_requests_total{{fleet="{fleet}", outcome="failed"}}',
                 lambda r: r and float(r[0]["value"][1]) == failed)
             assert values(result, "outcome") == {"failed": failed}
-            names = {s["__name__"] for s in await _series(session, prometheus, f'{{__name__=~"rlfleet_.+", fleet="{fleet}"}}')}
+            names = {s["__name__"] for s in await _series(session, prometheus,
+                                                          f'{{__name__=~"rlfleet_.+", fleet="{fleet}"}}')}
             assert {"rlfleet_rollout_requests_total", "rlfleet_rollout_attempts_total",
                     "rlfleet_rollout_request_duration_seconds_bucket", "rlfleet_engine_probes_total",
                     "rlfleet_engine_probe_failures_total", "rlfleet_watchdog_strikes_total",
@@ -200,7 +202,8 @@ async def test_prometheus_scrapes_real_rlfleet_metrics_and_the_dashboards_and_al
                 "strikes in a row should have reached `checks` (3)"
             attempts = await _panel(session, prometheus, "rlfleet-fleet.json", "Rollout attempts by result", variables)
             assert {a["result"] for a in attempts} == {"connection_refused"} and all(a["value"] > 0 for a in attempts)
-            probe_failures = await _panel(session, prometheus, "rlfleet-fleet.json", "Probe failures by kind", variables)
+            probe_failures = await _panel(session, prometheus, "rlfleet-fleet.json", "Probe failures by kind",
+                                          variables)
             assert [p["kind"] for p in probe_failures] == ["connection_refused"]
 
             # The alert rules run in this Prometheus: the trip fires RlfleetWatchdogTripped.
@@ -255,7 +258,8 @@ async def _panel(session: aiohttp.ClientSession, prometheus: LocalPrometheus, da
 
 # --- helm ---------------------------------------------------------------------------------------------
 
-MONITORING_ON = ["--set", "monitoring.prometheusRule.enabled=true", "--set", "monitoring.trainerPodMonitor.enabled=true",
+MONITORING_ON = ["--set", "monitoring.prometheusRule.enabled=true",
+                 "--set", "monitoring.trainerPodMonitor.enabled=true",
                  "--set", "monitoring.prometheusRule.ruleLabels.team=ml-infra"]
 
 

@@ -161,7 +161,7 @@ async def test_control_calls_send_a_json_body(session, http_server):
     await client.continue_generation()
     assert bodies == {"/pause_generation": {"mode": "retract"}, "/continue_generation": {"torch_empty_cache": False}}
     with pytest.raises(ValueError):
-        await client.pause_generation("sideways")  # type: ignore[arg-type]
+        await client.pause_generation("sideways")  # type: ignore[arg-type]  # an invalid mode, on purpose
 
 
 def test_router_worker_listing_and_membership_plan():

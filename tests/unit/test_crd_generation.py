@@ -34,7 +34,8 @@ def test_generate_check_mode_reports_a_stale_file(tmp_path, capsys):
 
 def test_one_crd_per_kind_with_names_columns_and_subresources():
     docs = {kind.kind: doc for kind, doc in all_crds()}
-    assert sorted(p.name for p in CRD_DIR.glob("*.yaml")) == ["evalfleets.yaml", "rolloutfleets.yaml", "trainingruns.yaml"]
+    assert sorted(p.name for p in CRD_DIR.glob("*.yaml")) == ["evalfleets.yaml", "rolloutfleets.yaml",
+                                                              "trainingruns.yaml"]
     run = docs["TrainingRun"]["spec"]
     assert run["names"]["shortNames"] == ["tr"] and run["names"]["categories"] == ["rlfleet"]
     columns = [c["name"] for c in run["versions"][0]["additionalPrinterColumns"]]
@@ -119,7 +120,7 @@ def test_api_reference_lists_every_field_with_its_default():
     text = DOCS_PATH.read_text()
     assert "| `spec.heatGuard.pauseAtC` | number | `84.0` | ≥ 0, ≤ 150 |" in text
     assert "`spec.heatGuard.resumeAtC` | resumeAtC must be below pauseAtC" in text
-    for path, node in walk(openapi_schema(KINDS[0])["properties"]["spec"], "spec"):
+    for path, _node in walk(openapi_schema(KINDS[0])["properties"]["spec"], "spec"):
         if not path.endswith(("[]", "{}")) and path != "spec":
             assert f"| `{path}` |" in text, path
 

@@ -69,7 +69,8 @@ def test_yaml_numbers_dates_and_duplicate_keys_read_as_the_api_server_reads_them
 
 
 def test_unknown_fields_kinds_and_enums_are_named():
-    assert errors(RUN + "  rollout: {replica: 2}\n") == [("spec.rollout.replica", 'unknown field "spec.rollout.replica"')]
+    assert errors(RUN + "  rollout: {replica: 2}\n") == [("spec.rollout.replica",
+                                                          'unknown field "spec.rollout.replica"')]
     assert errors(RUN + "  trainer: {backend: jax}\n") == [
         ("spec.trainer.backend", 'Unsupported value: "jax": supported values: "megatron", "torch"')
     ]
@@ -83,7 +84,8 @@ def test_status_in_a_manifest_is_ignored_as_on_the_api_server():
 
 
 def test_errors_inside_lists_carry_the_index():
-    text = RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse}\n      - {name: b, task: reverse, path: b.jsonl}\n"
+    text = (RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse}\n"
+            "      - {name: b, task: reverse, path: b.jsonl}\n")
     assert errors(text) == [("spec.eval.datasets[1].path", "set exactly one of path and task")]
 
 
@@ -107,7 +109,8 @@ def test_load_training_run_returns_the_run_or_every_error(tmp_path):
 
 
 def test_validate_cli_exit_status_and_output(tmp_path, capsys):
-    assert validate_main([str(REPO / "examples" / "quickstart.yaml"), str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
+    assert validate_main([str(REPO / "examples" / "quickstart.yaml"),
+                          str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
     assert "TrainingRun/quickstart: valid" in capsys.readouterr().out
     assert validate_main(["-q", str(REPO / "examples")]) == 0  # a directory: every *.yaml in it
     assert capsys.readouterr().out == ""

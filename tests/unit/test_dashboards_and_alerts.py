@@ -118,7 +118,8 @@ def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tm
     board = json.loads((CHART / "dashboards" / "rlfleet-fleet.json").read_text())
     assert monitoring_cli.main([str(CHART / "dashboards" / "rlfleet-fleet.json")]) == 0
     panel = next(p for p in board["panels"] if p.get("title") == "Health probes")
-    panel["targets"][0]["expr"] = panel["targets"][0]["expr"].replace("rlfleet_engine_probes_total", "rlfleet_probes_total")
+    panel["targets"][0]["expr"] = panel["targets"][0]["expr"].replace("rlfleet_engine_probes_total",
+                                                                      "rlfleet_probes_total")
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(board))
     capsys.readouterr()

@@ -62,6 +62,8 @@ def test_the_local_volume_is_on_tmpfs_when_there_is_room(tmp_path):
     assert chosen.parent == roomy / "rlfleet" and chosen.name.startswith("run-1-")
     assert default_local_volume(tmp_path / "run-1", tmpfs=roomy, min_free_bytes=1) == chosen
     assert default_local_volume(tmp_path / "run-2", tmpfs=roomy, min_free_bytes=1) != chosen
-    assert default_local_volume(tmp_path / "run-1", tmpfs=roomy, min_free_bytes=2**62) == tmp_path / "run-1" / "snapshots"
+    assert default_local_volume(tmp_path / "run-1", tmpfs=roomy,
+                                min_free_bytes=2**62) == tmp_path / "run-1" / "snapshots"
     assert default_local_volume(tmp_path / "run-1", tmpfs=tmp_path / "absent") == tmp_path / "run-1" / "snapshots"
-    assert is_scratch_volume(chosen, tmpfs=roomy) and not is_scratch_volume(tmp_path / "run-1" / "snapshots", tmpfs=roomy)
+    assert is_scratch_volume(chosen, tmpfs=roomy) and not is_scratch_volume(tmp_path / "run-1" / "snapshots",
+                                                                            tmpfs=roomy)

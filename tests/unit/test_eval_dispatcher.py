@@ -82,7 +82,8 @@ class ScriptedEvaluator:
                 raise self.raises[request.step]
             self.evaluated.append(request.step)
             return EvalOutcome(weight_version=request.weight_version,
-                               datasets={"d": DatasetScore("d", request.step / 100, samples=1, mixed_version_ratio=0.0)})
+                               datasets={"d": DatasetScore("d", request.step / 100, samples=1,
+                                                           mixed_version_ratio=0.0)})
         finally:
             self.running -= 1
 
@@ -159,7 +160,9 @@ async def test_points_evaluate_concurrently_up_to_what_the_evaluator_allows():
 
 
 async def test_every_settled_point_retires_exactly_one_snapshot_whatever_happened():
-    evaluator = ScriptedEvaluator(seconds=2, raises={2: RuntimeError("judge crashed"), 3: EvalSkip("judge_down", "502", engine_versions={"judge": "2"})})
+    evaluator = ScriptedEvaluator(seconds=2,
+                                  raises={2: RuntimeError("judge crashed"),
+                                          3: EvalSkip("judge_down", "502", engine_versions={"judge": "2"})})
 
     async def check(directory, step):
         if step == 5:

@@ -63,7 +63,8 @@ def test_ledger_marks_overlap_including_open_pauses():
 
 
 def test_temperature_file_lines():
-    assert parse_temperature_lines("# slot celsius\nrollout-0 85.5\n\nrollout-1 60\n") == {"rollout-0": 85.5, "rollout-1": 60.0}
+    assert parse_temperature_lines("# slot celsius\nrollout-0 85.5\n\nrollout-1 60\n") == {"rollout-0": 85.5,
+                                                                                           "rollout-1": 60.0}
     with pytest.raises(TemperatureReadError, match="line 2"):
         parse_temperature_lines("rollout-0 70\nrollout-1 hot\n")
     with pytest.raises(TemperatureReadError, match="line 1"):
@@ -78,7 +79,7 @@ DCGM_FI_DEV_GPU_TEMP{gpu="1",UUID="GPU-bbb",device="nvidia1",modelName="NVIDIA H
 # HELP DCGM_FI_DEV_SM_CLOCK SM clock frequency (in MHz).
 # TYPE DCGM_FI_DEV_SM_CLOCK gauge
 DCGM_FI_DEV_SM_CLOCK{gpu="0",UUID="GPU-aaa"} 1980
-"""
+"""  # noqa: E501 - verbatim dcgm-exporter lines
 
 
 def test_dcgm_exporter_text_by_gpu_index_and_by_pod():
@@ -194,7 +195,8 @@ async def test_a_refused_pause_is_retried_on_the_next_poll_and_read_errors_do_no
     await asyncio.sleep(5)
     assert engines.calls == [(5, "http://r0", HeatAction.PAUSE)]
     assert (REGISTRY.get_sample_value("rlfleet_heat_guard_action_errors_total",
-                                      {"fleet": "heat-test", "slot": "r0", "action": "pause"}) or 0) - errors_before == 1
+                                      {"fleet": "heat-test", "slot": "r0", "action": "pause"})
+            or 0) - errors_before == 1
     temps.broken = True  # no readings: stays paused until max_pause
     await asyncio.sleep(120)
     assert engines.calls[-1] == (125, "http://r0", HeatAction.RESUME)

@@ -103,8 +103,8 @@ async def test_retries_retryable_failures_with_the_same_rid_and_reports_each_fai
     assert len(script.sent) == 5
     assert {payload["rid"] for _, payload, _ in script.sent} == {"sample-7"}
     assert len(failures) == 4
-    gaps = [b[0] - a[0] for a, b in zip(script.sent, script.sent[1:])]
-    assert all(0 <= gap <= cap for gap, cap in zip(gaps, [1, 2, 4, 8]))
+    gaps = [b[0] - a[0] for a, b in zip(script.sent, script.sent[1:], strict=False)]
+    assert all(0 <= gap <= cap for gap, cap in zip(gaps, [1, 2, 4, 8], strict=False))
 
 
 @pytest.mark.looptime

@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from rlfleet.orchestrator.evaluation.api import CheckpointEvalFn, EvalOutcome, EvalRequest
 from rlfleet.orchestrator.evaluation.policy import mapping_scores
@@ -22,7 +23,8 @@ class ExternalEvaluator:
 
     async def evaluate(self, request: EvalRequest) -> EvalOutcome:
         assert request.checkpoint_dir is not None, "posture external evaluates snapshots"
-        method = self.fn.evaluate_checkpoint
+        # Declared async, but a plain function is accepted too (it runs in a thread).
+        method: Callable[..., Any] = self.fn.evaluate_checkpoint
         if inspect.iscoroutinefunction(method):
             result = await method(str(request.checkpoint_dir), request)
         else:  # a plain function: keep it off the event loop

@@ -112,17 +112,17 @@ class EvalFleet:
 
     async def _probe_and_mark_dead(self) -> None:
         backend = self.runtime.backend
-        alive = [e for e in backend.engines() if e.state is EngineState.ALIVE and e.url]
+        alive = [(e, e.url) for e in backend.engines() if e.state is EngineState.ALIVE and e.url]
         timeout = self.runtime.health_spec.timeout_seconds
 
-        async def probe(engine: EngineSlot) -> None:
+        async def probe(engine: EngineSlot, url: str) -> None:
             try:
-                await self.runtime.engine_client(engine.url).health_generate(timeout)  # type: ignore[arg-type]
+                await self.runtime.engine_client(url).health_generate(timeout)
             except CallError as exc:
                 await backend.mark_dead(engine.slot, f"eval pin probe failed: {exc}", cause=DeathCause.PROBE_FAILED,
                                         incarnation=engine.incarnation)
 
-        await asyncio.gather(*(probe(e) for e in alive))
+        await asyncio.gather(*(probe(e, url) for e, url in alive))
 
     async def _pin_engine(self, engine: EngineSlot, model_path: str, version: str) -> tuple[str | None, str | None]:
         """(version read back, error or None) after at most pinRetries attempts."""

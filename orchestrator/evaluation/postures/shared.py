@@ -43,12 +43,13 @@ class SharedEvaluator:
         self.pauses: list[tuple[float, float]] = []  # (paused at, resumed at), loop time
 
     async def _versions(self) -> dict[str, str]:
-        engines = [e for e in self.fleet.backend.engines() if e.state is EngineState.ALIVE and e.url]
+        engines = [(e.slot, e.url) for e in self.fleet.backend.engines() if e.state is EngineState.ALIVE and e.url]
         if not engines:
             raise EvalSkip("unhealthy", "no rollout engine is alive")
         try:
             async with asyncio.TaskGroup() as group:
-                reads = {str(e.slot): group.create_task(self.fleet.engine_client(e.url).weight_version()) for e in engines}
+                reads = {str(slot): group.create_task(self.fleet.engine_client(url).weight_version())
+                         for slot, url in engines}
         except* CallError as failed:
             raise EvalSkip("unhealthy", f"version read-back failed: {failed.exceptions[0]}") from None
         return {slot: task.result() for slot, task in reads.items()}

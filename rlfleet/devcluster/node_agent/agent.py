@@ -353,7 +353,7 @@ class PodWorker:
                       STOP_GRACE_CAP_S)
         procs = [p for p in self.procs.values() if p.proc is not None]
         for p in procs:
-            if p.returncode is None:
+            if p.returncode is None and p.pid is not None:
                 self.shm_files |= await asyncio.to_thread(mapped_shm_files, p.pid)
         await asyncio.gather(*(p.stop(grace_s=max(grace_s, 0.5)) for p in procs), return_exceptions=True)
         await self._remove_shm()
@@ -437,6 +437,7 @@ class NodeAgent:
         self.workers: dict[str, PodWorker] = {}
         self.http: aiohttp.ClientSession
         cfg = kube.api.configuration
+        assert cfg.host is not None, "the API client has no server address"
         self.api_server: str = cfg.host
         self.ca_data_b64: str | None = None
         api_ca_pem: str | None = None
@@ -531,6 +532,7 @@ class NodeAgent:
         log.info("node %s registered", self.node)
 
     async def _write_node_status(self, *, ready: bool) -> None:
+        assert self._ready_since is not None, "the node status is written only once registered"
         status = plan.node_status(ready=ready, now=now_iso(), since=self._ready_since, capacity=self._capacity,
                                   kubelet_port=self.log_port)
         await self.kube.merge_patch(NODES, self.node, {"status": status}, sub="status")
@@ -623,7 +625,8 @@ def _memory_bytes() -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m rlfleet.devcluster.node_agent.agent", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlfleet.devcluster.node_agent.agent",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--kubeconfig", required=True, help="kubeconfig of the API server (node credentials)")
     p.add_argument("--node", required=True, help="name of the Node object to register")
     p.add_argument("--data-dir", default=None, help="pod volumes and logs (default: ./.node-agent/<node>)")
@@ -645,10 +648,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    image_map = plan.ImageMap.from_json(Path(args.image_map).read_text()) if args.image_map else plan.ImageMap()
+    image_map = (plan.ImageMap.from_json(await asyncio.to_thread(Path(args.image_map).read_text))
+                 if args.image_map else plan.ImageMap())
     data_dir = Path(args.data_dir or Path(".node-agent") / args.node)
     labels = dict(item.split("=", 1) for item in args.label)
-    client_ca_pem = Path(args.client_ca).read_text() if args.client_ca else None
+    client_ca_pem = await asyncio.to_thread(Path(args.client_ca).read_text) if args.client_ca else None
     async with await KubeClient.load(args.kubeconfig) as kube:
         agent = NodeAgent(kube, args.node, data_dir, schedule=args.schedule, image_map=image_map,
                           pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels,

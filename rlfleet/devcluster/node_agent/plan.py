@@ -460,7 +460,8 @@ def node_object(name: str, *, labels: Mapping[str, str] | None = None, cpu: int,
 def node_status(*, ready: bool, now: str, since: str, capacity: Mapping[str, str],
                 kubelet_port: int | None = None) -> dict:
     """The Node status the agent writes. The API server reaches the agent's log endpoint (`kubectl logs`)
-    at the InternalIP address on `daemonEndpoints.kubeletEndpoint.Port` (rlfleet.devcluster.node_agent.container_logs)."""
+    at the InternalIP address on `daemonEndpoints.kubeletEndpoint.Port`
+    (rlfleet.devcluster.node_agent.container_logs)."""
     status = {
         "capacity": dict(capacity),
         "allocatable": dict(capacity),
