@@ -10,6 +10,7 @@ The names, labels and annotations the children carry are the contract in rlfleet
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
@@ -305,7 +306,7 @@ def network_peers(value: Any) -> list[dict]:
     return out
 
 
-def build_engine_network_policy(fleet: dict, *, metrics_from: list[dict] = (),
+def build_engine_network_policy(fleet: dict, *, metrics_from: Sequence[dict] = (),
                                 spec: FleetSpec | None = None) -> dict:
     """Ingress to the fleet's engine pods only from its router pods and the run's trainer pod.
 

@@ -310,7 +310,7 @@ class ChildAction:
 
 
 def decide_network_policy(fleet: dict, current: dict | None, *, enabled: bool,
-                          metrics_from: list[dict] = (), spec: FleetSpec | None = None) -> ChildAction | None:
+                          metrics_from: Sequence[dict] = (), spec: FleetSpec | None = None) -> ChildAction | None:
     """Converge the fleet's engine NetworkPolicy: exists and matches when enabled, absent when not.
 
     `current` is the policy observed now (labelled for this fleet), None when there is none.

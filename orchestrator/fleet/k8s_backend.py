@@ -385,7 +385,8 @@ async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, m
 async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, model_path: str, weight_version: str,
                              kind: str = "RolloutFleet") -> None:
     """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
-    patch = {"metadata": {"annotations": {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}}}
+    annotations = {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}
+    patch = {"metadata": {"annotations": annotations}}
     await kube.merge_patch(rlfleet_resource(kind), fleet, patch, namespace)
 
 

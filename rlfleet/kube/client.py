@@ -11,7 +11,6 @@ This wraps `kubernetes_asyncio.client.ApiClient` (kubeconfig / in-cluster auth, 
 from __future__ import annotations
 
 import asyncio
-import builtins
 import collections
 import json
 import os

@@ -218,8 +218,8 @@ class LocalProcesses:
 
     async def engines_many(self, model_path: str | os.PathLike, count: int, **kwargs) -> list[EngineProcess]:
         """Start count engines concurrently (all or nothing)."""
-        results = await asyncio.gather(*(start_engine(model_path, log_dir=self.log_dir, **kwargs) for _ in range(count)),
-                                       return_exceptions=True)
+        starts = (start_engine(model_path, log_dir=self.log_dir, **kwargs) for _ in range(count))
+        results = await asyncio.gather(*starts, return_exceptions=True)
         started = [r for r in results if isinstance(r, EngineProcess)]
         self.engines.extend(started)
         failures = [r for r in results if isinstance(r, BaseException)]
