@@ -168,10 +168,11 @@ class RolloutClient:
         if transport is None and session is None:
             raise ValueError("RolloutClient needs an HTTP session or a transport")
         if transport is None:
-            url = self.generate_url
+            assert session is not None
+            url, http = self.generate_url, session
 
             async def transport(payload: Mapping, timeout_s: float) -> dict:
-                return await post_generate(session, url, payload, timeout_s)
+                return await post_generate(http, url, payload, timeout_s)
         if probe is None and session is not None:
             health_url = router_url.rstrip("/") + "/health"
 

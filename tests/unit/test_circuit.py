@@ -46,7 +46,7 @@ def test_half_open_admits_exactly_one_probe_and_backs_off_while_it_fails():
         assert circuit.admit(now) is Admission.PROBE
         assert circuit.admit(now) is Admission.REJECT  # one probe at a time
         circuit.probe_result(False, now)
-    gaps = [b - a for a, b in zip([0.0, *retry_times], retry_times)]
+    gaps = [b - a for a, b in zip([0.0, *retry_times], retry_times, strict=False)]
     assert gaps == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]  # doubling, capped
     circuit.probe_result(True, now)
     assert circuit.state is CircuitState.CLOSED and circuit.admit(now) is Admission.SEND

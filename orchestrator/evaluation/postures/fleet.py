@@ -35,10 +35,11 @@ from rlfleet.orchestrator.fleet.membership import VersionNotPinned
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import call, expect_dict
+from rlfleet.sglang.router import ONE_TOKEN_PROBE
 
 log = logging.getLogger(__name__)
 
-ROUTER_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+ROUTER_PROBE = ONE_TOKEN_PROBE
 ROUTER_PROBE_INTERVAL_S = 1.0
 ROUTER_PROBE_CALL_S = 60.0
 PIN_RETRY_DELAY_S = 1.0
