@@ -49,6 +49,7 @@ class FleetRuntime:
         self.membership: RouterMembership | None = None
         self.weights: WeightSync | None = None
         self.router: RouterClient | None = None
+        self.router_restarts = 0  # restarts (or replacements) of the fleet's router seen so far
         self._unsubscribe = None
 
     def engine_client(self, url: str) -> EngineClient:
@@ -100,6 +101,7 @@ class FleetRuntime:
     async def router_restarted(self, url: str) -> None:
         """The fleet's router was restarted (at `url`, maybe a new address) and knows no worker:
         follow it and register every pinned engine there again."""
+        self.router_restarts += 1
         if url != self.router_url:
             self.move_router(url)
         if self.membership is not None:

@@ -11,7 +11,8 @@ A point is evaluated only on a fleet that provably serves its snapshot:
    versions are never produced;
 4. admit pinned engines to the eval router (read-back again there), then a one-token probe through the
    router until it answers from the pinned version (bounded; else skip `unhealthy`);
-5. generate and score every dataset through the router; every sample's version is recorded.
+5. generate and score every dataset through the router; every sample's version is recorded. A point
+   during which the eval router was restarted (it exited and was brought back) is skipped `unhealthy`.
 
 Points are pinned one at a time (the fleet serves one version at a time); the dispatcher may export
 and queue others meanwhile. A refused load does not kill an engine: it keeps serving its old weights
@@ -74,11 +75,15 @@ class EvalFleet:
         assert request.checkpoint_dir is not None, "posture fleet evaluates snapshots"
         async with self._lock:
             version = request.weight_version
+            restarts = self.runtime.router_restarts
             engine_versions = await self.pin(request.checkpoint_dir, version)
             await self.probe_router(version)
             scores = await evaluate_datasets(self.session, self.router_url, request.datasets,
                                              expected_version=version, timeout_s=self.generate_timeout_s,
                                              rid_prefix=f"eval-{request.run}-{request.step}")
+            if self.runtime.router_restarts != restarts:
+                # Its membership was rebuilt mid-way: the point is not scored on a path that changed under it.
+                raise EvalSkip("unhealthy", "the eval router restarted during the point")
         return EvalOutcome(weight_version=version, datasets=scores, engine_versions=engine_versions)
 
     # --- pinning -------------------------------------------------------------------------------------
