@@ -30,7 +30,7 @@ from rlfleet.observability import metrics
 from rlfleet.policy.circuit import Admission, CircuitBreaker, CircuitState
 from rlfleet.sglang.engine import finish_reason_type
 from rlfleet.sglang.errors import CallError, FailureKind, RequestAborted
-from rlfleet.sglang.http import call, expect_dict
+from rlfleet.sglang.http import call, expect_dict, is_connect_timeout
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ OK = "ok"  # attempt label of a success; failures are labelled by their FailureK
 DUPLICATE_RID = "duplicate_rid"  # a 400 while the engine still holds the previous attempt of this sample
 CIRCUIT_OPEN = "circuit_open"  # an attempt not sent because the circuit to the router is open
 PROBE_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 10.0
 
 
 class CircuitOpen(CallError):
@@ -131,8 +132,11 @@ class RolloutRequestFailed(Exception):
 
 
 async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mapping, timeout_s: float) -> dict:
-    """One POST /generate: the answer, or the classified CallError (an abort in a 200 included)."""
-    reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload))
+    """One POST /generate: the answer, or the classified CallError (an abort in a 200 included). The
+    connection itself must be made within CONNECT_TIMEOUT_S: a router that is gone without refusing
+    (a blackholed pod address, a stopped process) fails attempts in seconds, not at the deadline."""
+    reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload),
+                       connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s))
     body = expect_dict(reply, "generate")
     if finish_reason_type(body) == "abort":
         message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
@@ -217,7 +221,8 @@ class RolloutClient:
         """Tell the circuit what one sent attempt showed about the path."""
         if error is None or error.status is not None:
             self.circuit.record_success()  # the router answered (whatever it said): the path is up
-        elif error.kind is FailureKind.CONNECTION_REFUSED and self.circuit.record_failure(now):
+        elif (error.kind is FailureKind.CONNECTION_REFUSED or is_connect_timeout(error)) and \
+                self.circuit.record_failure(now):
             metrics.ROLLOUT_CIRCUIT_OPENS.labels(fleet=self.fleet).inc()
             log.warning("rollout circuit to %s opened after %d refused connections in a row; probing every "
                         "%.1f-%.1f s", self.generate_url, self.circuit.consecutive_failures,

@@ -219,7 +219,9 @@ class RunLoop:
                                                   on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(watchdog.run(), name="watchdog")]
+                background = []
+                if spec.watchdog.enabled:  # off: failures are still counted (metrics), nothing acts on them
+                    background.append(tasks.create_task(watchdog.run(), name="watchdog"))
                 if self.heat is not None:  # cancelled with the others: it resumes what it paused
                     background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
                 background += [tasks.create_task(coro) for coro in self._background()]

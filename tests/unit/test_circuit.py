@@ -155,3 +155,23 @@ async def test_a_cancelled_probe_does_not_leave_the_circuit_half_open():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert client.circuit.state is CircuitState.OPEN
+
+
+@pytest.mark.looptime
+async def test_connect_timeouts_open_the_circuit_like_refusals_but_answer_timeouts_do_not():
+    import aiohttp
+
+    def timeout(connecting: bool):
+        error = error_for(FailureKind.TIMEOUT, "timed out")
+        error.__cause__ = aiohttp.ConnectionTimeoutError() if connecting else TimeoutError()
+        return error
+
+    for connecting, opens in ((True, True), (False, False)):
+        async def send(payload, timeout_s, connecting=connecting):
+            raise timeout(connecting)
+
+        client = RolloutClient("http://router", None, transport=send, fleet="circuit-test",
+                               policy=RetryPolicy(max_attempts=10, backoff_base_s=0.1, backoff_max_s=0.1))
+        with pytest.raises(RolloutRequestFailed):
+            await client.generate("s", {"text": "hi"})
+        assert (client.circuit.opened == 1) is opens
