@@ -121,6 +121,8 @@ async def test_a_killed_eval_router_skips_the_point_in_flight_and_the_next_point
     assert "router restarted" in (points[0].get("detail") or ""), points[0]
     scored = [p for p in data["eval"] if not p["skipped"]]
     assert scored and min(p["step"] for p in scored) == 2, data["eval"]
+    assert all(p["weight_version"] == str(p["step"]) for p in scored), scored
+    assert "fleet eval: router restarted" in log.getvalue()
 
 
 # --- stopping with a dead or hung serving path (the CLI, as users run it) ------------------------------

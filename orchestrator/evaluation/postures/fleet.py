@@ -166,17 +166,28 @@ class EvalFleet:
         return served, error
 
     async def _admit(self, alive: list[EngineSlot], version: str) -> None:
+        """Register the pinned engines with the eval router. A router that refuses connections (it is
+        being restarted) is waited for, within routerProbeTimeoutSeconds."""
         membership = self.runtime.membership
         assert membership is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.router_probe_timeout_seconds
         for engine in alive:
             assert engine.url is not None
             if membership.is_member(engine.url):
                 membership.repin(engine.url, version)
                 continue
-            try:
-                await membership.admit(engine.url, version)
-            except (CallError, VersionNotPinned) as exc:
-                raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
+            while True:
+                try:
+                    await membership.admit(engine.url, version)
+                    break
+                except CallError as exc:
+                    router_down = exc.engine_gone and exc.url.startswith(self.router_url.rstrip("/"))
+                    if not router_down or loop.time() + ROUTER_PROBE_INTERVAL_S >= deadline:
+                        raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
+                    await asyncio.sleep(ROUTER_PROBE_INTERVAL_S)
+                except VersionNotPinned as exc:
+                    raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
 
     async def probe_router(self, version: str) -> None:
         """One-token generations through the eval router until one answers from `version` (bounded)."""
