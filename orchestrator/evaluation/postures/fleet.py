@@ -227,7 +227,9 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     if fleet_spec is None:
         raise ValueError("posture fleet needs eval.fleet")
     eval_dir = Path(run_dir) / "eval"
-    router = LocalRouter(eval_dir, name="eval-router")
+    router_spec = fleet_spec.router
+    router = LocalRouter(eval_dir, name="eval-router", health_interval_s=router_spec.health_check_interval_seconds,
+                         health_failure_threshold=router_spec.health_failure_threshold)
     router_url = await router.start()
     try:
         engine = fleet_spec.engine.model_copy(update={"model_path": str(launch_model)})
