@@ -37,6 +37,11 @@ class RouterSpec(ApiModel):
     health_failure_threshold: int = Field(
         2, ge=1, le=100, description="Failed router health checks before it stops routing to an engine."
     )
+    max_restarts: int = Field(
+        5, ge=0, le=1000,
+        description="Router restarts allowed per run (local runs restart the process, with the fleet's recovery "
+        "backoff; on Kubernetes, router pod replacements the trainer follows). One more exit fails the run.",
+    )
 
 
 MIN_READY_RULE = Rule(

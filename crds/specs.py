@@ -91,6 +91,17 @@ class WatchdogSpec(ApiModel):
     check_interval_seconds: int = Field(30, ge=1, le=86400, description="Seconds between checks.")
     limit: int = Field(100, ge=0, le=10_000_000, description="A check is a strike when the window holds more failures.")
     checks: int = Field(10, ge=1, le=10000, description="Strikes in a row that trip the watchdog.")
+    retrip_period_seconds: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="A trip within this many seconds of a recovery fails the run (recoveries are bounded); "
+        "unset: 2 x checks x checkIntervalSeconds.",
+    )
+
+    def retrip_period(self) -> int:
+        """Seconds after a recovery within which another trip fails the run."""
+        if self.retrip_period_seconds is not None:
+            return self.retrip_period_seconds
+        return 2 * self.checks * self.check_interval_seconds
 
     cel_rules = (
         Rule(

@@ -18,6 +18,17 @@ class FleetFailed(RuntimeError):
         self.log_tail = list(log_tail or [])
 
 
+ROUTER_FAILED_REASON = "RouterUnavailable"
+
+
+class RouterFailed(FleetFailed):
+    """A fleet's router exited (or its pod kept being replaced) and could not be brought back within
+    its restart budget: the run must fail. The message quotes the router's last log lines."""
+
+    def __init__(self, message: str, *, log_tail: list[str] | None = None):
+        super().__init__(message, reason=ROUTER_FAILED_REASON, log_tail=log_tail)
+
+
 class FleetNotReady(TimeoutError):
     """Fewer than minReadyEngines engines were alive when a bounded wait ran out."""
 

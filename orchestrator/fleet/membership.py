@@ -23,8 +23,12 @@ from rlfleet.orchestrator.fleet.backend import DeathEvent
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.router import RouterClient, RouterWorker, normalize_url
+from rlfleet.util.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+
+RECONCILE_WARN_EVERY_S = 30.0
 
 
 class VersionNotPinned(RuntimeError):
@@ -160,6 +164,20 @@ class RouterMembership:
                     await self.admit(url, version, wait_listed=False)
             return plan
 
+    async def reregister(self) -> int:
+        """The router was restarted and knows no worker: register every pinned engine again now (not
+        waiting for the reconcile loop, nor for registrations in progress). Returns how many were sent."""
+        sent = 0
+        async with self._reconcile_lock:
+            for url, version in list(self._pinned.items()):
+                try:
+                    await self.admit(url, version, wait_listed=False)
+                    sent += 1
+                except (CallError, VersionNotPinned) as exc:
+                    log.warning("fleet %s: re-registering %s with the restarted router: %s", self.fleet, url, exc)
+        log.info("fleet %s: %d pinned engine(s) registered with the restarted router", self.fleet, sent)
+        return sent
+
     # --- background loop ----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -167,16 +185,24 @@ class RouterMembership:
             self._task = asyncio.create_task(self._run(), name=f"membership-{self.fleet}")
 
     async def _run(self) -> None:
+        failing_since: float | None = None
+        last_warned = float("-inf")
         while True:
             try:
                 await self.reconcile()
+                if failing_since is not None:
+                    log.warning("fleet %s: router reconcile works again after %.0f s", self.fleet,
+                                time.monotonic() - failing_since)
+                failing_since = None
             except CallError as exc:
-                log.warning("fleet %s: router reconcile failed: %s", self.fleet, exc)
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - last_warned >= RECONCILE_WARN_EVERY_S:  # one line per half minute, not per interval
+                    last_warned = now
+                    log.warning("fleet %s: router reconcile failing for %.0f s: %s", self.fleet,
+                                now - failing_since, exc)
             await asyncio.sleep(self.interval_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)

@@ -42,6 +42,7 @@ from rlfleet.orchestrator.fleet.health import (
 )
 from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.probe import HealthProbeClient
+from rlfleet.util.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -226,12 +227,7 @@ class HealthMonitor:
 
     async def stop(self) -> None:
         """Cancel the loop and every probe; wait for dead callbacks already running to finish."""
-        tasks = [t for t in (self._loop_task, *self._probes.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait([self._loop_task, *self._probes.values()])
         self._loop_task = None
         if self._judging is not None:
             self._judging.cancel()

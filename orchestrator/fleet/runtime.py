@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, post_engine_action
 from rlfleet.orchestrator.guards.heat_sources import build_source
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
+from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.router import RouterClient, normalize_url
 from rlfleet.snapshot.format import SnapshotReference
 
@@ -47,6 +49,7 @@ class FleetRuntime:
         self.membership: RouterMembership | None = None
         self.weights: WeightSync | None = None
         self.router: RouterClient | None = None
+        self.router_restarts = 0  # restarts (or replacements) of the fleet's router seen so far
         self._unsubscribe: Callable[[], None] | None = None
 
     def engine_client(self, url: str) -> EngineClient:
@@ -94,6 +97,34 @@ class FleetRuntime:
         self.router_url = url
         if self.router is not None:
             self.router.base_url = normalize_url(url)
+
+    async def router_restarted(self, url: str) -> None:
+        """The fleet's router was restarted (at `url`, maybe a new address) and knows no worker:
+        follow it and register every pinned engine there again."""
+        self.router_restarts += 1
+        if url != self.router_url:
+            self.move_router(url)
+        if self.membership is not None:
+            await self.membership.reregister()
+
+    async def serves_through_router(self, *, within_s: float, call_timeout_s: float = 30.0,
+                                    retry_s: float = 1.0) -> str | None:
+        """One-token generations through the router until one answers (bounded by `within_s`).
+        None when one did; else the last error."""
+        assert self.router is not None, "FleetRuntime not started"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within_s
+        last = "no answer"
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                await self.router.probe(timeout_s=max(0.1, min(call_timeout_s, remaining)))
+                return None
+            except CallError as exc:
+                last = str(exc)
+            if loop.time() + retry_s >= deadline:
+                return last
+            await asyncio.sleep(retry_s)
 
     async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:  # noqa: ASYNC109 - see wait_all_alive
         """Wait for the engines to serve their launch weights, then admit them to the router."""

@@ -8,6 +8,12 @@ row, a dead engine strikes forever.
 
 `WatchdogRule` is pure (no clock, no I/O): the live task and `rlfleet watchdog replay` both drive it,
 so what a replay shows is what the run does.
+
+What is checked is the serving path, not the engines' states: after a trip's one recovery, the run
+goes on only if a one-token generation through the fleet's router succeeds. Recoveries are bounded
+(`RecoveryBound`, pure): a trip within `retripPeriodSeconds` of a recovery, or failures still above
+the limit one full window after it, fail the run; no sequence of events keeps a run in trip-recover
+cycles.
 """
 from __future__ import annotations
 
@@ -91,6 +97,40 @@ class WatchdogRule:
             failures.popleft()
 
 
+class RecoveryBound:
+    """After a recovery: does the run deserve another one? Pure; times on the watchdog's clock.
+
+    - a trip within `spec.retrip_period()` seconds of the last recovery fails the run;
+    - the first check whose window starts a full window after the recovery (`now - window >=
+      recovered_at + window`) must not be a strike: failures that continue past the next window
+      mean the recovery did not restore the path, whatever the probe said.
+    """
+
+    def __init__(self, spec: WatchdogSpec):
+        self.spec = spec
+        self.recovered_at: float | None = None
+        self._on_probation = False
+
+    def recovered(self, at: float) -> None:
+        self.recovered_at = at
+        self._on_probation = True
+
+    def verdict(self, result: CheckResult) -> str | None:
+        """None while the run may go on; else why it must fail now."""
+        if self.recovered_at is None:
+            return None
+        since = result.at - self.recovered_at
+        if result.tripped and since <= self.spec.retrip_period():
+            return (f"the watchdog tripped again {since:.0f} s after a recovery (within retripPeriodSeconds "
+                    f"{self.spec.retrip_period()} s)")
+        if self._on_probation and since >= 2 * self.spec.window_seconds:
+            self._on_probation = False
+            if result.strike:
+                return (f"failures continued past the next window after the recovery ({result.failures_in_window} "
+                        f"in the {self.spec.window_seconds} s ending {since:.0f} s after it, limit {self.spec.limit})")
+        return None
+
+
 class RolloutEnginesUnavailable(Exception):
     """The watchdog tripped and recovery left no engine able to serve: the run must fail.
 
@@ -105,12 +145,15 @@ class RolloutEnginesUnavailable(Exception):
         self.engine_logs = {k: list(v) for k, v in (engine_logs or {}).items()}
 
 
+NO_SERVE = "recovery left no engine able to serve through the router"
+
+
 def unavailable_message(spec: WatchdogSpec, last: CheckResult, engine_logs: Mapping[str, Sequence[str]],
-                        *, lines_per_engine: int = 5) -> str:
-    """The failure message: what the watchdog saw, then each engine's own last log lines."""
+                        *, lines_per_engine: int = 5, why: str = NO_SERVE) -> str:
+    """The failure message: what the watchdog saw and why it gave up, then each engine's (and the
+    router's) own last log lines."""
     head = (f"more than {spec.limit} failed rollout requests in each of {spec.checks} checks in a row "
-            f"(last check: {last.failures_in_window} in {spec.window_seconds} s); recovery left no "
-            f"engine able to serve")
+            f"(last check: {last.failures_in_window} in {spec.window_seconds} s); {why}")
     if not engine_logs:
         return head + "; no engine log available"
     parts = [head + "."]
@@ -131,9 +174,11 @@ class WatchdogTask:
     """Runs the rule on the event-loop clock and acts on a trip.
 
     Failed requests are reported with `record_failure()` (any coroutine on the same loop). `run()`
-    checks every `checkIntervalSeconds`; on a trip it calls `recover()` once, then asks `can_serve()`.
-    If an engine serves, the rule starts over; if not, `run()` raises RolloutEnginesUnavailable with
-    the engines' last log lines from `engine_logs()`. Cancel the task to stop it.
+    checks every `checkIntervalSeconds`; on a trip it calls `recover()` once, then asks `can_serve()`
+    (an end-to-end probe: a one-token generation through the fleet's router). If it passes, the rule
+    starts over under `RecoveryBound`; if not, or if the bound says the last recovery did not hold,
+    `run()` raises RolloutEnginesUnavailable with the last log lines from `engine_logs()` (the
+    engines' and the router's). Cancel the task to stop it.
     """
 
     def __init__(self, spec: WatchdogSpec, *, recover: RecoverFn, can_serve: CanServeFn,
@@ -146,11 +191,15 @@ class WatchdogTask:
         self._engine_logs = engine_logs
         self._recovery_timeout_s = recovery_timeout_s
         self.trips = 0
+        self.recoveries = 0
+        self.bound = RecoveryBound(spec)
         self.last_check: CheckResult | None = None
         metrics.WATCHDOG_STRIKES_TO_TRIP.labels(fleet=fleet).set(spec.checks)
         # Counters exist at 0 from the start, so increase() sees the first strike and the first trip.
         metrics.WATCHDOG_STRIKES.labels(fleet=fleet)
         metrics.WATCHDOG_TRIPS.labels(fleet=fleet)
+        for verdict in ("ok", "failed"):
+            metrics.WATCHDOG_RECOVERIES.labels(fleet=fleet, verdict=verdict)
 
     def record_failure(self, at: float | None = None) -> None:
         """Timestamp one failed rollout request (default: now on the running loop's clock)."""
@@ -173,13 +222,18 @@ class WatchdogTask:
                 log.warning("watchdog strike %d/%d: %d failed rollout requests in the last %d s (limit %d)",
                             result.strikes_in_a_row, self.spec.checks, result.failures_in_window,
                             self.spec.window_seconds, self.spec.limit)
+            why = self.bound.verdict(result)
+            if result.tripped:
+                self.trips += 1
+                metrics.WATCHDOG_TRIPS.labels(fleet=self.fleet).inc()
+            if why is not None:
+                log.error("watchdog: %s; the run fails", why)
+                await self._fail(result, why)
             if result.tripped:
                 await self._on_trip(result)
                 next_check = loop.time() + interval
 
     async def _on_trip(self, result: CheckResult) -> None:
-        self.trips += 1
-        metrics.WATCHDOG_TRIPS.labels(fleet=self.fleet).inc()
         log.error("watchdog tripped after %d strikes in a row; trying one recovery", result.strikes_in_a_row)
         try:
             async with asyncio.timeout(self._recovery_timeout_s):
@@ -193,11 +247,19 @@ class WatchdogTask:
             log.error("watchdog serve check failed: %s", exc)
             serving = False
         if serving:
-            log.warning("watchdog: an engine serves again after recovery; counting starts over")
+            self.recoveries += 1
+            metrics.WATCHDOG_RECOVERIES.labels(fleet=self.fleet, verdict="ok").inc()
+            log.warning("watchdog: a generation through the router succeeds after recovery; counting starts over "
+                        "(another trip within %d s fails the run)", self.spec.retrip_period())
             self.rule.reset()
+            self.bound.recovered(asyncio.get_running_loop().time())
             metrics.WATCHDOG_STRIKES_IN_A_ROW.labels(fleet=self.fleet).set(0)
             return
+        metrics.WATCHDOG_RECOVERIES.labels(fleet=self.fleet, verdict="failed").inc()
+        await self._fail(result, NO_SERVE)
+
+    async def _fail(self, result: CheckResult, why: str) -> None:
         logs = self._engine_logs()
         if inspect.isawaitable(logs):
             logs = await logs
-        raise RolloutEnginesUnavailable(unavailable_message(self.spec, result, logs), engine_logs=logs)
+        raise RolloutEnginesUnavailable(unavailable_message(self.spec, result, logs, why=why), engine_logs=logs)

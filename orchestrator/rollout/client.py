@@ -7,6 +7,9 @@ Miles retries any error 60 times at a fixed 1 s, which turns a dead fleet into a
 - retries are few (`max_attempts`) with exponential backoff and full jitter, and the whole request has
   a deadline that no attempt or backoff sleep may cross;
 - every failed attempt is timestamped into the 503 watchdog, which fails the run if they never stop;
+- a circuit (rlfleet.policy.circuit) opens on consecutive refused connections: while the router is
+  down no request is sent, one probe (`GET /health`) now and then tells when it is back, and the
+  attempts that were not sent fail fast and still reach the watchdog, so its timing is unchanged;
 - the sample's id is its rid on every attempt, so one engine never runs the same sample twice at once,
   and `generate()` returns at most one answer per sample: an attempt is cancelled (connection closed,
   which makes SGLang abort it) before the next one starts. `RolloutLedger` enforces exactly-once
@@ -15,6 +18,7 @@ Miles retries any error 60 times at a fixed 1 s, which turns a dead fleet into a
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,15 +27,26 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rlfleet.observability import metrics
+from rlfleet.policy.circuit import Admission, CircuitBreaker, CircuitState
 from rlfleet.sglang.engine import finish_reason_type
 from rlfleet.sglang.errors import CallError, FailureKind, RequestAborted
-from rlfleet.sglang.http import call, expect_dict
+from rlfleet.sglang.http import call, expect_dict, is_connect_timeout
 
 log = logging.getLogger(__name__)
 
 
 OK = "ok"  # attempt label of a success; failures are labelled by their FailureKind
 DUPLICATE_RID = "duplicate_rid"  # a 400 while the engine still holds the previous attempt of this sample
+CIRCUIT_OPEN = "circuit_open"  # an attempt not sent because the circuit to the router is open
+PROBE_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 10.0
+
+
+class CircuitOpen(CallError):
+    """An attempt that was not sent: the router refused the last connections and has not answered a
+    probe since. Retryable like the refusal it stands for."""
+
+    kind = FailureKind.CONNECTION_REFUSED
 
 # What another try can fix: the engine or router is gone, busy, slow, or aborted the request (a pause
 # or weight update answers in-flight requests with an HTTP 200 abort).
@@ -48,6 +63,8 @@ def is_duplicate_rid(error: CallError) -> bool:
 
 def attempt_label(error: CallError) -> str:
     """The metric label of a failed attempt."""
+    if isinstance(error, CircuitOpen):
+        return CIRCUIT_OPEN
     return DUPLICATE_RID if is_duplicate_rid(error) else error.kind.value
 
 
@@ -115,8 +132,11 @@ class RolloutRequestFailed(Exception):
 
 
 async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mapping, timeout_s: float) -> dict:
-    """One POST /generate: the answer, or the classified CallError (an abort in a 200 included)."""
-    reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload))
+    """One POST /generate: the answer, or the classified CallError (an abort in a 200 included). The
+    connection itself must be made within CONNECT_TIMEOUT_S: a router that is gone without refusing
+    (a blackholed pod address, a stopped process) fails attempts in seconds, not at the deadline."""
+    reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload),
+                       connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s))
     body = expect_dict(reply, "generate")
     if finish_reason_type(body) == "abort":
         message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
@@ -128,6 +148,17 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mappi
 FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure
 # Sends one attempt: (payload, timeout_s) -> answer, raising CallError. The default posts to the router.
 Transport = Callable[[Mapping, float], Awaitable[dict]]
+# Probes an open circuit's path: (timeout_s) -> does the router answer? The default: GET {router}/health.
+PathProbe = Callable[[float], Awaitable[bool]]
+
+
+async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
+    """Does anything serve HTTP at `url` (any answer counts: the path is up)?"""
+    try:
+        await call(session, "GET", url, timeout_s=timeout_s)
+    except CallError as exc:
+        return exc.status is not None
+    return True
 
 
 class RolloutClient:
@@ -135,20 +166,71 @@ class RolloutClient:
 
     def __init__(self, router_url: str, session: aiohttp.ClientSession | None, *,
                  policy: RetryPolicy | None = None, on_failure: FailureSink | None = None,
-                 fleet: str = "rollout", rng: random.Random | None = None, transport: Transport | None = None):
+                 fleet: str = "rollout", rng: random.Random | None = None, transport: Transport | None = None,
+                 circuit: CircuitBreaker | None = None, probe: PathProbe | None = None):
         self.generate_url = router_url.rstrip("/") + "/generate"
+        if transport is None and session is None:
+            raise ValueError("RolloutClient needs an HTTP session or a transport")
         if transport is None:
-            if session is None:
-                raise ValueError("RolloutClient needs an HTTP session or a transport")
-            url = self.generate_url
+            assert session is not None
+            url, http = self.generate_url, session
 
             async def transport(payload: Mapping, timeout_s: float) -> dict:
-                return await post_generate(session, url, payload, timeout_s)
+                return await post_generate(http, url, payload, timeout_s)
+        if probe is None and session is not None:
+            health_url = router_url.rstrip("/") + "/health"
+
+            async def probe(timeout_s: float) -> bool:
+                return await probe_health(session, health_url, timeout_s)
+        elif probe is None:  # a custom transport without a probe: the next attempt is the probe
+
+            async def probe(timeout_s: float) -> bool:
+                return True
         self._send = transport
+        self._probe = probe
         self.policy = policy or RetryPolicy()
         self.on_failure = on_failure
         self.fleet = fleet
         self.rng = rng or random.Random()
+        self.circuit = circuit or CircuitBreaker()
+        self.attempts: collections.Counter[str] = collections.Counter()  # attempt label -> count, this client
+        metrics.ROLLOUT_CIRCUIT_OPEN.labels(fleet=fleet).set(0)
+        metrics.ROLLOUT_CIRCUIT_OPENS.labels(fleet=fleet)
+
+    async def _admit(self, now: float) -> CallError | None:
+        """None when the attempt may be sent; else the CircuitOpen error it fails with at once."""
+        admission = self.circuit.admit(now)
+        if admission is Admission.SEND:
+            return None
+        if admission is Admission.PROBE:
+            ok = False
+            try:
+                ok = await self._probe(PROBE_TIMEOUT_S)
+            finally:  # a cancelled probe is a failed one: the circuit never stays half-open
+                loop = asyncio.get_running_loop()
+                self.circuit.probe_result(ok, loop.time())
+                metrics.ROLLOUT_CIRCUIT_PROBES.labels(fleet=self.fleet, result="ok" if ok else "failed").inc()
+                self._circuit_gauge()
+            if ok:
+                log.info("rollout circuit to %s closed: the router answers again", self.generate_url)
+                return None
+        return CircuitOpen(f"circuit open: the router refused {self.circuit.settings.threshold} connections in a row "
+                           f"and has not answered a probe since", method="POST", url=self.generate_url)
+
+    def _note(self, error: CallError | None, now: float) -> None:
+        """Tell the circuit what one sent attempt showed about the path."""
+        if error is None or error.status is not None:
+            self.circuit.record_success()  # the router answered (whatever it said): the path is up
+        elif (error.kind is FailureKind.CONNECTION_REFUSED or is_connect_timeout(error)) and \
+                self.circuit.record_failure(now):
+            metrics.ROLLOUT_CIRCUIT_OPENS.labels(fleet=self.fleet).inc()
+            log.warning("rollout circuit to %s opened after %d refused connections in a row; probing every "
+                        "%.1f-%.1f s", self.generate_url, self.circuit.consecutive_failures,
+                        self.circuit.settings.open_base_s, self.circuit.settings.open_max_s)
+        self._circuit_gauge()
+
+    def _circuit_gauge(self) -> None:
+        metrics.ROLLOUT_CIRCUIT_OPEN.labels(fleet=self.fleet).set(0 if self.circuit.state is CircuitState.CLOSED else 1)
 
     async def generate(self, sample_id: str, payload: Mapping) -> dict:
         """The answer for one sample (its JSON body), or RolloutRequestFailed."""
@@ -162,9 +244,19 @@ class RolloutClient:
             budget = self.policy.deadline_s - elapsed
             timeout = budget if self.policy.attempt_timeout_s is None else min(budget, self.policy.attempt_timeout_s)
             try:
-                answer = await self._send(request, timeout)
+                refused = await self._admit(loop.time())
+                if refused is not None:
+                    raise refused
+                try:
+                    answer = await self._send(request, timeout)
+                except CallError as sent_error:
+                    self._note(sent_error, loop.time())
+                    raise
+                self._note(None, loop.time())
             except CallError as error:
-                metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=attempt_label(error)).inc()
+                label = attempt_label(error)
+                self.attempts[label] += 1
+                metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=label).inc()
                 if self.on_failure is not None:
                     self.on_failure(loop.time())
                 step = next_step(self.policy, attempt, error, loop.time() - started, self.rng)
@@ -175,6 +267,7 @@ class RolloutClient:
                           step.delay_s)
                 await asyncio.sleep(step.delay_s)
                 continue
+            self.attempts[OK] += 1
             metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=OK).inc()
             self._settle(OK, started)
             return answer

@@ -8,16 +8,22 @@ evaluation on the shared engines and weight syncs see a quiet fleet when they ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
+from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.trainer.grpo import Sample, sample_from_generate
+from rlfleet.util.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+# After a lost group a worker waits before its next one (doubling per group lost in a row, capped), so
+# a dead path is not hammered by new groups as fast as the old ones fail.
+LOST_GROUP_BACKOFF_BASE_S = 0.5
+LOST_GROUP_BACKOFF_MAX_S = 4.0
 
 RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected answer) -> reward
 Encode = Callable[[str], list[int]]
@@ -62,6 +68,7 @@ class RolloutProducer:
         self._idle = asyncio.Condition()
         self._task: asyncio.Task | None = None
         self.failures: list[RolloutRequestFailed] = []
+        self.lost_in_a_row = 0
 
     # --- control -----------------------------------------------------------------------------
 
@@ -69,11 +76,8 @@ class RolloutProducer:
         self._task = asyncio.create_task(self._run(), name="rollout-producer")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     async def pause(self) -> None:
         """Start no new group; return once every group in flight has finished and been queued."""
@@ -114,7 +118,12 @@ class RolloutProducer:
                 async with self._idle:
                     self._idle.notify_all()
             if group is not None:
+                self.lost_in_a_row = 0
                 await self.queue.put(group)
+            else:
+                self.lost_in_a_row += 1
+                await asyncio.sleep(exponential_backoff(self.lost_in_a_row - 1, LOST_GROUP_BACKOFF_BASE_S,
+                                                        LOST_GROUP_BACKOFF_MAX_S))
 
     async def _generate_group(self, group_id: str, prompt: str, answer: str) -> list[Sample] | None:
         payload = {
@@ -139,7 +148,7 @@ class RolloutProducer:
             # The tasks raise RolloutRequestFailed themselves: the group holds no nested groups.
             self.failures.extend(e for e in lost.exceptions if isinstance(e, RolloutRequestFailed))
             self.stats.groups_failed += 1
-            log.warning("group %s lost: %s", group_id, lost.exceptions[0])
+            log.warning("group %s lost (%d in a row): %s", group_id, self.lost_in_a_row + 1, lost.exceptions[0])
             return None
         samples = []
         for task in tasks:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -79,7 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",
                        manifest_dir=Path(args.file).resolve().parent)
-    return _finish(lambda: LocalRun(run, options).execute())
+    local = LocalRun(run, options)
+    return _finish(local.execute,
+                   force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None))
+
+
+def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:
+    """The last resort of a stop that ran past its bound: SIGKILL every process group of the run (each
+    child logs under run_dir) and remove the scratch volume. Runs in a thread: the loop may be stuck."""
+    from rlfleet.util.procs import groups_writing_under
+
+    for group in groups_writing_under(run_dir):
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, sig)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _options(args, run_dir: Path, *, host: str, manifest_dir: Path | None, summary: Path | None = None) -> RunOptions:
@@ -125,28 +143,53 @@ async def _run_in_cluster(args) -> RunSummary:
             raise
 
 
+# A stop (SIGTERM, SIGHUP, Ctrl-C) cancels the run, which stops its engines and routers (each within
+# its grace period, all at once) and removes its scratch volume: about 10 s. Whatever the serving
+# path is doing, the process exits within STOP_BOUND_S of the signal: past it, what is left of the run
+# is SIGKILLed and the process exits at once.
+STOP_BOUND_S = 20.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
 class Terminated(Exception):
-    """SIGTERM or SIGHUP arrived: the run was cancelled and cleaned up."""
+    """SIGTERM, SIGHUP or SIGINT arrived: the run was cancelled and cleaned up."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-async def _until_signal(execute: Callable[[], Awaitable[RunSummary]]) -> RunSummary:
-    """Run `execute()`; the first SIGTERM/SIGHUP cancels it (engines, routers and scratch volumes are
-    cleaned up on the way out, as for Ctrl-C), later ones are ignored so cleanup is not cut short."""
+async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
+                        stop_bound_s: float = STOP_BOUND_S) -> RunSummary:
+    """Run `execute()`; the first SIGTERM/SIGHUP/SIGINT cancels it (engines, routers and scratch volumes
+    are cleaned up on the way out); later ones are ignored so cleanup is not cut short, but the whole
+    stop is bounded: after `stop_bound_s` a thread (the loop may be stuck) calls `force_stop()` and
+    exits the process with 128 + the signal number."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None, "called from a task"
     received: list[int] = []
+    deadline: list[threading.Timer] = []
+
+    def force(signum: int) -> None:
+        print(f"rlfleet run: stop took longer than {stop_bound_s:g} s; killing what is left of the run",
+              file=sys.stderr, flush=True)
+        try:
+            if force_stop is not None:
+                force_stop()
+        finally:
+            os._exit(128 + signum)
 
     def on_signal(signum: int) -> None:
         if not received:
             received.append(signum)
+            timer = threading.Timer(stop_bound_s, force, args=(signum,))
+            timer.daemon = True
+            timer.start()
+            deadline.append(timer)
             task.cancel()
 
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         return await execute()
@@ -155,13 +198,15 @@ async def _until_signal(execute: Callable[[], Awaitable[RunSummary]]) -> RunSumm
             raise Terminated(received[0]) from None
         raise
     finally:
-        for signum in (signal.SIGTERM, signal.SIGHUP):
+        for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
+        for timer in deadline:
+            timer.cancel()
 
 
-def _finish(execute) -> int:
+def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None) -> int:
     try:
-        summary = asyncio.run(_until_signal(execute))
+        summary = asyncio.run(_until_signal(execute, force_stop=force_stop))
     except RunFailed as exc:
         print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
         return 1
@@ -169,12 +214,19 @@ def _finish(execute) -> int:
         print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)
         return 130
     except Terminated as exc:
-        print(f"rlfleet run: stopped by {exc}; engines and router stopped", file=sys.stderr)
+        if exc.signum == signal.SIGINT:
+            print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)
+        else:
+            print(f"rlfleet run: stopped by {exc}; engines and router stopped", file=sys.stderr)
         return 128 + exc.signum
     data = summary.to_dict()
     print(f"rlfleet run: {data['steps_completed']}/{data['steps_planned']} steps, reward "
           f"{data['reward_mean_first']} -> {data['reward_mean_last']}, engines recreated "
           f"{data['engines_recreated']}, {data['wall_seconds']:.0f} s", file=sys.stderr)
+    restarts = {fleet: n for fleet, n in data.get("router_restarts", {}).items() if n}
+    if restarts:
+        print("rlfleet run: router restarts " + ", ".join(f"{fleet} {n}" for fleet, n in sorted(restarts.items())),
+              file=sys.stderr)
     if data["eval"]:
         scored = [p for p in data["eval"] if not p["skipped"]]
         skipped = [f"{p['step']}:{p['skipped']}" for p in data["eval"] if p["skipped"]]

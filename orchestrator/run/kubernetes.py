@@ -28,7 +28,9 @@ from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRun
 from rlfleet.kube.client import ApiError, KubeClient
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
+from rlfleet.orchestrator.fleet.errors import RouterFailed
 from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunLoop, RunOptions
@@ -46,13 +48,16 @@ class KubernetesRun(RunLoop):
         self._pending_retire: Path | None = None
         self._eval_runtime: FleetRuntime | None = None
         self._router_ports: dict[str, int] = {}
+        self._router_budgets: dict[str, int] = {}
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
                                                timeout=spec.rollout.health.startup_timeout_seconds)
-        self._router_ports[self.rollout_fleet] = FleetSpec.model_validate(obj["spec"]).router.port
+        rollout_router = FleetSpec.model_validate(obj["spec"]).router
+        self._router_ports[self.rollout_fleet] = rollout_router.port
+        self._router_budgets[self.rollout_fleet] = rollout_router.max_restarts
         self.progress.event(f"rollout fleet {self.rollout_fleet}: router {url}", self.state)
         # Replacements start from the trainer's own copy of the launch weights from now on.
         await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet,
@@ -73,6 +78,7 @@ class KubernetesRun(RunLoop):
                                                    timeout=self.spec.rollout.health.startup_timeout_seconds)
             fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
             self._router_ports[name] = fleet_spec.router.port
+            self._router_budgets[name] = fleet_spec.router.max_restarts
             runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
             await runtime.start()
             self._eval_runtime = runtime
@@ -92,8 +98,14 @@ class KubernetesRun(RunLoop):
 
     async def _follow_router(self, runtime: FleetRuntime, fleet: str) -> None:
         """A replaced router pod has a new address: move the fleet's clients there (the Deployment
-        recreates the pod; the membership re-registers the engines)."""
+        recreates the pod; the membership re-registers the engines). More replacements than the
+        router's maxRestarts fail the run (RouterFailed), as a local router's exits do."""
         interval = max(1.0, runtime.health_spec.interval_seconds)
+        budget = self._router_budgets.get(fleet, 0)
+        label = "eval" if fleet != self.rollout_fleet else "rollout"
+        metrics.ROUTER_RESTART_BUDGET.labels(fleet=label).set(budget)
+        metrics.ROUTER_RESTARTS.labels(fleet=label)
+        moves = 0
         while True:
             await asyncio.sleep(interval)
             try:
@@ -103,8 +115,15 @@ class KubernetesRun(RunLoop):
                 log.warning("looking up the router of %s: %s", fleet, exc)
                 continue
             if url is not None and url != runtime.router_url:
-                self.progress.event(f"fleet {fleet}: router moved {runtime.router_url} -> {url}", self.state)
-                runtime.move_router(url)
+                moves += 1
+                if moves > budget:
+                    raise RouterFailed(f"fleet {fleet}: the router pod was replaced {moves} times, more than its "
+                                       f"maxRestarts {budget}; last address {runtime.router_url}, new {url}")
+                self._on_router_event(label, f"router moved {runtime.router_url} -> {url} (replacement {moves} "
+                                             f"of {budget})")
+                metrics.ROUTER_RESTARTS.labels(fleet=label).inc()
+                self.summary.router_restarts[label] = moves
+                await runtime.router_restarted(url)
 
     async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
         # Both are best effort: an API hiccup must not stop training. A stale pin only means a replacement

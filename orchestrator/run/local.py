@@ -2,7 +2,8 @@
 
 The training loop is `RunLoop`'s; this starts the router and the engines (one process group each, on
 its own 127.0.0.N), the eval fleet of posture fleet likewise, and, with `--chaos`, kills an engine now
-and then so recovery can be watched.
+and then so recovery can be watched. Each fleet's router is supervised like its engines: restarted
+when it exits, within `router.maxRestarts`, its engines registered again (RouterSupervisor).
 """
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import random
 import signal
 from pathlib import Path
 
-from rlfleet.crds.derive import rollout_engine
+from rlfleet.crds.derive import eval_fleet_spec, rollout_engine
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
-from rlfleet.orchestrator.fleet.local_router import LocalRouter
+from rlfleet.orchestrator.fleet.local_router import LocalRouter, RouterSupervisor
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
 from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
@@ -32,13 +33,19 @@ class LocalRun(RunLoop):
         super().__init__(run, options, snapshots=snapshots,
                          scratch_volume=local_path is None and is_scratch_volume(snapshots))
         self.backend: LocalBackend | None = None
+        self.router: LocalRouter | None = None
+        self.eval_router: LocalRouter | None = None
+        self.eval_runtime: FleetRuntime | None = None
+        self.supervisors: dict[str, RouterSupervisor] = {}
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
         self._phase("starting the router")
-        router = LocalRouter(self.options.run_dir)
+        router = LocalRouter(self.options.run_dir, health_interval_s=spec.rollout.router.health_check_interval_seconds,
+                             health_failure_threshold=spec.rollout.router.health_failure_threshold)
         router_url = await router.start()
         stack.push_async_callback(router.stop)
+        self.router = router
 
         self._phase(f"starting {spec.rollout.replicas} engines")
         engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
@@ -53,13 +60,42 @@ class LocalRun(RunLoop):
         from rlfleet.orchestrator.evaluation.postures.fleet import start_local_eval_fleet
 
         async def start(launch_model: Path):
-            return await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
-                                                run_dir=self.options.run_dir, python=self.options.eval_engine_python)
+            fleet, router = await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
+                                                         run_dir=self.options.run_dir,
+                                                         python=self.options.eval_engine_python)
+            assert isinstance(router, LocalRouter)
+            self.eval_router, self.eval_runtime = router, fleet.runtime
+            return fleet, router
 
         return start
 
     def _background(self) -> list:
-        return [self._chaos()] if self.options.chaos else []
+        spec = self.spec
+        assert self.router is not None and self.fleet is not None
+        tasks = [self._supervise("rollout", self.router, self.fleet, spec.rollout.router.max_restarts,
+                                 spec.rollout.recovery)]
+        fleet_spec = eval_fleet_spec(self.name or "", spec) if spec.eval is not None else None
+        if self.eval_router is not None and self.eval_runtime is not None and fleet_spec is not None:
+            tasks.append(self._supervise("eval", self.eval_router, self.eval_runtime, fleet_spec.router.max_restarts,
+                                         fleet_spec.recovery))
+        if self.options.chaos:
+            tasks.append(self._chaos())
+        return tasks
+
+    def _supervise(self, fleet: str, router: LocalRouter, runtime: FleetRuntime, max_restarts: int, recovery):
+        supervisor = RouterSupervisor(router, fleet=fleet, max_restarts=max_restarts, recovery=recovery,
+                                      on_restart=runtime.router_restarted,
+                                      on_event=lambda message: self._on_router_event(fleet, message))
+        self.supervisors[fleet] = supervisor
+        return supervisor.run()
+
+    def _count_recoveries(self) -> None:
+        super()._count_recoveries()
+        self.summary.router_restarts = {fleet: s.restored for fleet, s in self.supervisors.items()}
+
+    def _router_logs(self) -> dict[str, list[str]]:
+        routers = (("rollout", self.router), ("eval", self.eval_router))
+        return {f"{name} router": router.tail() for name, router in routers if router is not None}
 
     async def _chaos(self) -> None:
         rng = random.Random()

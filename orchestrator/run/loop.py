@@ -34,7 +34,7 @@ from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, Weight
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
-from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate, probe_health
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
@@ -111,12 +111,13 @@ class RunLoop:
         self.state = ProgressState(steps=self.spec.trainer.steps, engines_total=self.spec.rollout.replicas)
         self.summary = RunSummary(steps_planned=self.spec.trainer.steps)
         self.snapshots = Path(snapshots)
-        self._scratch_volume = scratch_volume  # removed when the run ends
+        self.scratch_volume = scratch_volume  # removed when the run ends
         self.current_snapshot: Path | None = None
         self.backend: FleetBackend | None = None
         self.fleet: FleetRuntime | None = None
         self.evaluation: RunEvaluation | None = None
         self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
+        self._client: RolloutClient | None = None
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -135,10 +136,12 @@ class RunLoop:
             self.summary.failure = f"{reason}: {error}"
             raise RunFailed(reason, str(error)) from None
         finally:
-            if self._scratch_volume:
+            if self.scratch_volume:
                 await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
             self.summary.wall_seconds = time.monotonic() - started
             self._count_recoveries()
+            if self._client is not None:
+                self.summary.rollout_attempts = dict(self._client.attempts)
             if self.options.summary_path is not None:
                 self.summary.write(self.options.summary_path)
             self.progress.close()
@@ -198,12 +201,16 @@ class RunLoop:
             async def to_router(payload, timeout_s: float) -> dict:  # follows the router if it moves
                 return await post_generate(session, fleet.router_url.rstrip("/") + "/generate", payload, timeout_s)
 
+            async def router_answers(timeout_s: float) -> bool:  # the open circuit's probe, same router
+                return await probe_health(session, fleet.router_url.rstrip("/") + "/health", timeout_s)
+
             client = RolloutClient(
-                router_url, session, on_failure=watchdog.record_failure, transport=to_router,
+                router_url, session, on_failure=watchdog.record_failure, transport=to_router, probe=router_answers,
                 policy=RetryPolicy(max_attempts=spec.rollout.max_retries + 1,
                                    deadline_s=spec.rollout.request_timeout_seconds),
                 rng=random.Random(spec.trainer.seed),
             )
+            self._client = client
             producer = self._producer(client, trainer)
             producer.start()
             stack.push_async_callback(producer.stop)
@@ -216,7 +223,9 @@ class RunLoop:
                                                   on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
-                background = [tasks.create_task(watchdog.run(), name="watchdog")]
+                background = []
+                if spec.watchdog.enabled:  # off: failures are still counted (metrics), nothing acts on them
+                    background.append(tasks.create_task(watchdog.run(), name="watchdog"))
                 if self.heat is not None:  # cancelled with the others: it resumes what it paused
                     background.append(tasks.create_task(self.heat.run(), name="heat-guard"))
                 background += [tasks.create_task(coro) for coro in self._background()]
@@ -336,7 +345,24 @@ class RunLoop:
         await self.fleet.sync_weights(self.current_snapshot, step)
 
     async def _can_serve(self) -> bool:
-        return self._ready_engines() > 0
+        """The serving path, end to end: a one-token generation through the rollout router answers
+        (retried for up to one check interval, so a router coming back meanwhile counts)."""
+        assert self.fleet is not None
+        error = await self.fleet.serves_through_router(within_s=float(self.spec.watchdog.check_interval_seconds))
+        if error is not None:
+            log.error("watchdog: no generation through the rollout router: %s", error)
+            self.progress.event(f"watchdog: the rollout router does not serve: {error[:200]}", self.state)
+            return False
+        return True
+
+    def _on_router_event(self, fleet: str, message: str) -> None:
+        """A fleet's router exited or was restarted."""
+        self.summary.router_events.append(f"{fleet}: {message}")
+        self.progress.event(f"fleet {fleet}: {message}", self.state)
+
+    def _router_logs(self) -> dict[str, list[str]]:
+        """The routers' last log lines, for the watchdog's failure message (where they can be read)."""
+        return {}
 
     # --- platform hooks ------------------------------------------------------------------------
 
@@ -357,7 +383,7 @@ class RunLoop:
         return []
 
     def _engine_logs(self) -> dict[str, list[str]]:
-        """The engines' last log lines, for the watchdog's failure message."""
+        """The engines' (and routers') last log lines, for the watchdog's failure message."""
         assert self.backend is not None
         logs: dict[str, list[str]] = {}
         for e in self.backend.engines():
@@ -365,6 +391,7 @@ class RunLoop:
                 logs[f"slot {e.slot}"] = tail_file(Path(e.log_path), 8)
             elif e.last_failure:
                 logs[f"slot {e.slot}"] = e.last_failure.splitlines()[-8:]
+        logs.update(self._router_logs())
         return logs
 
     def _on_heat_event(self, event: HeatEvent) -> None:

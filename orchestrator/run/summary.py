@@ -31,6 +31,9 @@ class RunSummary:
     eval: list[dict[str, Any]] = field(default_factory=list)
     eval_snapshots_left: int | None = None
     failure: str | None = None
+    router_restarts: dict[str, int] = field(default_factory=dict)  # fleet -> router restarts
+    router_events: list[str] = field(default_factory=list)  # "<fleet>: <what happened>", in order
+    rollout_attempts: dict[str, int] = field(default_factory=dict)  # attempt result -> count (ok, circuit_open, ...)
 
     def to_dict(self) -> dict[str, Any]:
         first, last = reward_means_first_last(self.steps)
@@ -51,6 +54,9 @@ class RunSummary:
             "eval": self.eval,
             "eval_snapshots_left": self.eval_snapshots_left,
             "failure": self.failure,
+            "router_restarts": dict(self.router_restarts),
+            "router_events": list(self.router_events),
+            "rollout_attempts": dict(self.rollout_attempts),
         }
 
     def write(self, path: str | os.PathLike) -> None:

@@ -83,6 +83,20 @@ ROUTER_MEMBERSHIP_CHANGES = Counter(
 ROUTER_WORKERS = Gauge(
     "rlfleet_router_workers", "Workers the router listed at the last reconcile.", ["fleet"], registry=REGISTRY
 )
+# A fleet's router process exited (local runs) or its pod was replaced (Kubernetes) and was brought back.
+ROUTER_RESTARTS = Counter(
+    "rlfleet_router_restarts_total", "Router restarts (local process restarted, or router pod replaced).",
+    ["fleet"], registry=REGISTRY,
+)
+# The router spec's maxRestarts, so dashboards and alerts can compare restarts with it.
+ROUTER_RESTART_BUDGET = Gauge(
+    "rlfleet_router_restart_budget", "Router restarts allowed per run (router maxRestarts).", ["fleet"],
+    registry=REGISTRY,
+)
+# 1 while the fleet's router answers, 0 from its exit until it serves again.
+ROUTER_UP = Gauge(
+    "rlfleet_router_up", "1 while the fleet's router process runs and answers.", ["fleet"], registry=REGISTRY
+)
 
 
 # --- Rollout request path -------------------------------------------------------------------------
@@ -103,6 +117,21 @@ ROLLOUT_REQUEST_DURATION = Histogram(
     ["fleet"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800), registry=REGISTRY,
 )
 
+# The rollout client's circuit on the router path: open while the router refuses connections (no
+# request is sent then; the attempts it would have made fail fast and still count for the watchdog).
+ROLLOUT_CIRCUIT_OPEN = Gauge(
+    "rlfleet_rollout_circuit_open", "1 while the rollout circuit to the router is open (or half-open).", ["fleet"],
+    registry=REGISTRY,
+)
+ROLLOUT_CIRCUIT_OPENS = Counter(
+    "rlfleet_rollout_circuit_opens_total", "Times the rollout circuit opened on consecutive connection failures.",
+    ["fleet"], registry=REGISTRY,
+)
+ROLLOUT_CIRCUIT_PROBES = Counter(
+    "rlfleet_rollout_circuit_probes_total", "Probes of an open rollout circuit by result (ok, failed).",
+    ["fleet", "result"], registry=REGISTRY,
+)
+
 # --- 503 watchdog ---------------------------------------------------------------------------------
 WATCHDOG_STRIKES = Counter(
     "rlfleet_watchdog_strikes_total", "Watchdog checks whose window held more failures than the limit.", ["fleet"],
@@ -119,6 +148,11 @@ WATCHDOG_STRIKES_IN_A_ROW = Gauge(
 WATCHDOG_STRIKES_TO_TRIP = Gauge(
     "rlfleet_watchdog_strikes_to_trip", "Strikes in a row that trip the watchdog (spec checks).", ["fleet"],
     registry=REGISTRY,
+)
+# Recoveries after a trip by verdict: ok (the probe through the router passed), failed.
+WATCHDOG_RECOVERIES = Counter(
+    "rlfleet_watchdog_recoveries_total", "Watchdog recoveries by verdict of the probe through the router.",
+    ["fleet", "verdict"], registry=REGISTRY,
 )
 WATCHDOG_WINDOW_FAILURES = Gauge(
     "rlfleet_watchdog_window_failures", "Failed rollout requests in the window at the last check.", ["fleet"],

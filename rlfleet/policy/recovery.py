@@ -22,15 +22,20 @@ from enum import StrEnum
 from rlfleet.crds.specs import RecoverySpec
 
 
+def exponential_backoff(n: int, base: float, cap: float) -> float:
+    """base, 2*base, 4*base, ... for n = 0, 1, 2, ..., capped at `cap` (the one backoff rule)."""
+    if n < 0:
+        raise ValueError(f"restarts must be >= 0, got {n}")
+    exponent = min(n, 60)  # 2**60 * base overflows any sane cap long before
+    return min(cap, base * (2 ** exponent))
+
+
 def backoff_delay(restarts: int, spec: RecoverySpec) -> float:
     """Seconds to wait before recreating a slot that has been recreated `restarts` times already.
 
     base, 2*base, 4*base, ... capped at backoff_max_seconds.
     """
-    if restarts < 0:
-        raise ValueError(f"restarts must be >= 0, got {restarts}")
-    exponent = min(restarts, 60)  # 2**60 * base overflows any sane cap long before
-    return min(spec.backoff_max_seconds, spec.backoff_base_seconds * (2 ** exponent))
+    return exponential_backoff(restarts, spec.backoff_base_seconds, spec.backoff_max_seconds)
 
 
 def backoff_schedule(spec: RecoverySpec, recreations: int) -> list[float]:
@@ -114,6 +119,30 @@ def plan_recovery(slots: Iterable[SlotView], *, spec: RecoverySpec, run_restarts
         plan.serviceable += 1
     plan.fleet_failed = plan.serviceable < min_ready
     return plan
+
+
+@dataclass(frozen=True)
+class RouterRestart:
+    """Restart the router after `delay_s` (its `attempt`-th restart in this run)."""
+
+    delay_s: float
+    attempt: int
+
+
+@dataclass(frozen=True)
+class RouterGiveUp:
+    why: str
+
+
+def plan_router_restart(restarts: int, *, max_restarts: int, spec: RecoverySpec) -> RouterRestart | RouterGiveUp:
+    """A fleet's router exited after `restarts` restarts so far: restart it (when) or give up.
+
+    The budget is the router spec's maxRestarts; the backoff is the fleet's recovery backoff.
+    """
+    if restarts >= max_restarts:
+        return RouterGiveUp(f"the router used its restart budget ({max_restarts} per run)" if max_restarts
+                            else "the router may not be restarted (maxRestarts 0)")
+    return RouterRestart(delay_s=0.0 if restarts == 0 else backoff_delay(restarts - 1, spec), attempt=restarts + 1)
 
 
 # Lines that carry an engine's own error (Python exceptions, SGLang's fatal messages).

@@ -39,18 +39,20 @@ class Reply:
 
 async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout_s: float,
                json_body: Any = None, params: dict[str, str] | None = None,
-               accept: Collection[int] = ()) -> Reply:
+               accept: Collection[int] = (), connect_timeout_s: float | None = None) -> Reply:
     """Send one request bounded by timeout_s and return the Reply.
 
     A 2xx is returned; so is any status listed in `accept` (for APIs whose 400 carries a result the
-    caller must read). Anything else raises the classified CallError.
+    caller must read). Anything else raises the classified CallError. `connect_timeout_s` bounds the
+    connection alone (a peer that is gone without refusing: a blackholed address, a stopped process).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     started = time.monotonic()
     context = {"method": method, "url": url}
     try:
-        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s), "params": params}
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s),
+                                  "params": params}
         if json_body is not None:
             kwargs["json"] = json_body
         async with session.request(method, url, **kwargs) as response:
@@ -62,7 +64,9 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout
         if kind is None:
             raise
         detail = str(exc) or type(exc).__name__
-        if kind is FailureKind.TIMEOUT:
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            detail = f"no connection within {connect_timeout_s:g} s"
+        elif kind is FailureKind.TIMEOUT:
             detail = f"no complete answer within {timeout_s:g} s"
         raise error_for(kind, detail, elapsed_s=time.monotonic() - started, **context) from exc
     failure = classify_status(reply.status)
@@ -70,6 +74,11 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout
         raise error_for(failure, reply.text[:BODY_EXCERPT_CHARS] or "(empty body)", status=reply.status,
                         body=reply.text, elapsed_s=reply.elapsed_s, **context)
     return reply
+
+
+def is_connect_timeout(error: BaseException) -> bool:
+    """Did this call time out before a connection was made (see `connect_timeout_s`)?"""
+    return isinstance(error.__cause__, aiohttp.ConnectionTimeoutError)
 
 
 def expect_dict(reply: Reply, what: str) -> dict[str, Any]:

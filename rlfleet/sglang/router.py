@@ -14,6 +14,10 @@ import aiohttp
 from rlfleet.sglang.errors import BadResponse, CallTimeout, ClientErrorStatus
 from rlfleet.sglang.http import Reply, call, expect_dict
 
+# A one-token generation: the cheapest request that proves the whole serving path (router, a worker,
+# its model) answers.
+ONE_TOKEN_PROBE: dict[str, Any] = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
 
 def normalize_url(url: str) -> str:
     """The form worker URLs are compared in (the router echoes them without a trailing slash)."""
@@ -105,6 +109,11 @@ class RouterClient:
                 raise CallTimeout(f"worker {target} not {state} after {timeout_s:g} s",
                                   method="GET", url=self.base_url + "/workers")
             await asyncio.sleep(poll_s)
+
+    async def probe(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """One one-token generation through the router; its answer (meta_info.weight_version tells
+        which weights served it). Raises CallError when the path does not serve."""
+        return await self.generate(dict(ONE_TOKEN_PROBE), timeout_s=timeout_s)
 
     async def generate(self, payload: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
         """POST /generate through the router (policy picks the worker)."""

@@ -101,7 +101,8 @@ def test_reset_forgets_failures_and_strikes():
 # --- the task ---------------------------------------------------------------------------------------
 
 class Fleet:
-    """What the task needs from the orchestrator, recorded."""
+    """What the task needs from the orchestrator, recorded. `can_serve` stands for the one-token
+    generation through the router."""
 
     def __init__(self, serves_after_recovery: bool):
         self.serves_after_recovery = serves_after_recovery
@@ -160,7 +161,7 @@ async def test_successful_recovery_starts_the_count_over():
     task = WatchdogTask(SPEC, recover=fleet.recover, can_serve=fleet.can_serve,
                         engine_logs=fleet.engine_logs, fleet="wd-test")
     loop = asyncio.get_running_loop()
-    feeder = asyncio.create_task(storm(task, 50, until=400))  # recovery "works": storm ends at 400 s
+    feeder = asyncio.create_task(storm(task, 50, until=340))  # recovery works: the storm dies down by 340 s
     runner = asyncio.create_task(task.run())
     await asyncio.sleep(2000)
     assert not runner.done()
@@ -207,3 +208,96 @@ async def test_a_hanging_recovery_is_bounded():
         await task.run()
     assert asyncio.get_running_loop().time() == 30 + 60
     assert "no engine log available" in info.value.message
+
+
+def spec_logs():
+    return {"rollout-0": ["serving"], "router": ["ERROR connection refused", "router exited"]}
+
+
+@pytest.mark.looptime
+async def test_a_recovery_that_does_not_restore_the_router_probe_fails_the_run():
+    """The engines are fine (the recovery's weight sync works) but nothing answers through the router."""
+    synced = []
+
+    async def recover() -> None:
+        synced.append(asyncio.get_running_loop().time())
+
+    async def probe_through_router() -> bool:
+        return False
+
+    task = WatchdogTask(SPEC, recover=recover, can_serve=probe_through_router, engine_logs=spec_logs, fleet="wd-test")
+    failed_before = REGISTRY.get_sample_value("rlfleet_watchdog_recoveries_total",
+                                              {"fleet": "wd-test", "verdict": "failed"}) or 0.0
+    feeder = asyncio.create_task(storm(task, 50, until=10_000))
+    with pytest.raises(RolloutEnginesUnavailable) as info:
+        await task.run()
+    feeder.cancel()
+    assert synced == [300] and asyncio.get_running_loop().time() == 300
+    assert "through the router" in info.value.message
+    assert "[router] last log lines:" in info.value.message and "router exited" in info.value.message
+    assert REGISTRY.get_sample_value("rlfleet_watchdog_recoveries_total",
+                                     {"fleet": "wd-test", "verdict": "failed"}) - failed_before == 1
+
+
+@pytest.mark.looptime
+async def test_failures_continuing_past_the_next_window_after_a_recovery_fail_the_run():
+    """The probe passed once, but the storm goes on: the run fails one window after the next, not never."""
+    fleet = Fleet(serves_after_recovery=True)
+    task = WatchdogTask(SPEC, recover=fleet.recover, can_serve=fleet.can_serve, engine_logs=spec_logs, fleet="wd-test")
+    feeder = asyncio.create_task(storm(task, 50, until=100_000))
+    with pytest.raises(RolloutEnginesUnavailable) as info:
+        await task.run()
+    feeder.cancel()
+    assert fleet.recoveries == [300]
+    # Recovered at 305; checks every 30 s from there; the first whose window starts 60 s after it is at 425.
+    assert asyncio.get_running_loop().time() == 425
+    assert "failures continued past the next window" in info.value.message
+
+
+@pytest.mark.looptime
+async def test_two_trips_within_the_period_fail_the_run():
+    fleet = Fleet(serves_after_recovery=True)
+    task = WatchdogTask(SPEC, recover=fleet.recover, can_serve=fleet.can_serve, engine_logs=spec_logs, fleet="wd-test")
+    assert SPEC.retrip_period() == 2 * 10 * 30
+
+    async def two_storms() -> None:
+        await storm(task, 50, until=300)  # trips at 300, recovered at 305
+        await asyncio.sleep(130)  # quiet long enough to pass the next-window check at 425
+        await storm(task, 50, until=100_000)  # from 430 on: strikes again, trips at 725
+
+    feeder = asyncio.create_task(two_storms())
+    with pytest.raises(RolloutEnginesUnavailable) as info:
+        await task.run()
+    feeder.cancel()
+    assert fleet.recoveries == [300] and task.trips == 2
+    assert asyncio.get_running_loop().time() == 725
+    assert "tripped again 420 s after a recovery" in info.value.message
+
+
+@pytest.mark.looptime
+async def test_a_trip_after_the_period_gets_its_own_recovery():
+    fleet = Fleet(serves_after_recovery=True)
+    spec = WatchdogSpec(retrip_period_seconds=400)
+    task = WatchdogTask(spec, recover=fleet.recover, can_serve=fleet.can_serve, engine_logs=spec_logs, fleet="wd-test")
+
+    async def two_storms() -> None:
+        await storm(task, 50, until=300)
+        await asyncio.sleep(130)
+        await storm(task, 50, until=760)  # trips again at 725 (420 s after the recovery at 305 > 400)
+
+    feeder = asyncio.create_task(two_storms())
+    runner = asyncio.create_task(task.run())
+    await asyncio.sleep(1500)
+    assert not runner.done(), runner
+    assert fleet.recoveries == [300, 725] and task.trips == 2 and task.recoveries == 2
+    runner.cancel()
+    feeder.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+
+
+def test_the_retrip_period_defaults_to_twice_the_time_to_trip_and_is_validated():
+    assert WatchdogSpec(checks=4, check_interval_seconds=15, window_seconds=30).retrip_period() == 120
+    assert WatchdogSpec(retrip_period_seconds=50).retrip_period() == 50
+    with pytest.raises(ValidationError):
+        WatchdogSpec.model_validate({"retripPeriodSeconds": 0})

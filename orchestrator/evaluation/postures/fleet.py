@@ -11,7 +11,8 @@ A point is evaluated only on a fleet that provably serves its snapshot:
    versions are never produced;
 4. admit pinned engines to the eval router (read-back again there), then a one-token probe through the
    router until it answers from the pinned version (bounded; else skip `unhealthy`);
-5. generate and score every dataset through the router; every sample's version is recorded.
+5. generate and score every dataset through the router; every sample's version is recorded. A point
+   during which the eval router was restarted (it exited and was brought back) is skipped `unhealthy`.
 
 Points are pinned one at a time (the fleet serves one version at a time); the dispatcher may export
 and queue others meanwhile. A refused load does not kill an engine: it keeps serving its old weights
@@ -35,10 +36,11 @@ from rlfleet.orchestrator.fleet.membership import VersionNotPinned
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import call, expect_dict
+from rlfleet.sglang.router import ONE_TOKEN_PROBE
 
 log = logging.getLogger(__name__)
 
-ROUTER_PROBE = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+ROUTER_PROBE = ONE_TOKEN_PROBE
 ROUTER_PROBE_INTERVAL_S = 1.0
 ROUTER_PROBE_CALL_S = 60.0
 PIN_RETRY_DELAY_S = 1.0
@@ -73,11 +75,15 @@ class EvalFleet:
         assert request.checkpoint_dir is not None, "posture fleet evaluates snapshots"
         async with self._lock:
             version = request.weight_version
+            restarts = self.runtime.router_restarts
             engine_versions = await self.pin(request.checkpoint_dir, version)
             await self.probe_router(version)
             scores = await evaluate_datasets(self.session, self.router_url, request.datasets,
                                              expected_version=version, timeout_s=self.generate_timeout_s,
                                              rid_prefix=f"eval-{request.run}-{request.step}")
+            if self.runtime.router_restarts != restarts:
+                # Its membership was rebuilt mid-way: the point is not scored on a path that changed under it.
+                raise EvalSkip("unhealthy", "the eval router restarted during the point")
         return EvalOutcome(weight_version=version, datasets=scores, engine_versions=engine_versions)
 
     # --- pinning -------------------------------------------------------------------------------------
@@ -160,17 +166,28 @@ class EvalFleet:
         return served, error
 
     async def _admit(self, alive: list[EngineSlot], version: str) -> None:
+        """Register the pinned engines with the eval router. A router that refuses connections (it is
+        being restarted) is waited for, within routerProbeTimeoutSeconds."""
         membership = self.runtime.membership
         assert membership is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.router_probe_timeout_seconds
         for engine in alive:
             assert engine.url is not None
             if membership.is_member(engine.url):
                 membership.repin(engine.url, version)
                 continue
-            try:
-                await membership.admit(engine.url, version)
-            except (CallError, VersionNotPinned) as exc:
-                raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
+            while True:
+                try:
+                    await membership.admit(engine.url, version)
+                    break
+                except CallError as exc:
+                    router_down = exc.engine_gone and exc.url.startswith(self.router_url.rstrip("/"))
+                    if not router_down or loop.time() + ROUTER_PROBE_INTERVAL_S >= deadline:
+                        raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
+                    await asyncio.sleep(ROUTER_PROBE_INTERVAL_S)
+                except VersionNotPinned as exc:
+                    raise EvalSkip("unhealthy", f"eval router did not take slot {engine.slot}: {exc}") from exc
 
     async def probe_router(self, version: str) -> None:
         """One-token generations through the eval router until one answers from `version` (bounded)."""
@@ -210,7 +227,9 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     if fleet_spec is None:
         raise ValueError("posture fleet needs eval.fleet")
     eval_dir = Path(run_dir) / "eval"
-    router = LocalRouter(eval_dir, name="eval-router")
+    router_spec = fleet_spec.router
+    router = LocalRouter(eval_dir, name="eval-router", health_interval_s=router_spec.health_check_interval_seconds,
+                         health_failure_threshold=router_spec.health_failure_threshold)
     router_url = await router.start()
     try:
         engine = fleet_spec.engine.model_copy(update={"model_path": str(launch_model)})
