@@ -23,6 +23,7 @@ from rlfleet.orchestrator.fleet.backend import DeathEvent
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.router import RouterClient, RouterWorker, normalize_url
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,5 @@ class RouterMembership:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None

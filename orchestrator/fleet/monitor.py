@@ -42,6 +42,7 @@ from rlfleet.orchestrator.fleet.health import (
 )
 from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.probe import HealthProbeClient
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,8 @@ class HealthMonitor:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            with contextlib.suppress(Exception):
+                await stop_task(task)
         self._loop_task = None
         if self._judging is not None:
             self._judging.cancel()
@@ -326,7 +327,7 @@ class HealthMonitor:
                 probe = asyncio.get_running_loop().create_future()
                 probe.set_exception(exc)
         else:
-            probe = asyncio.ensure_future(self._bounded_probe(target))
+            probe = asyncio.create_task(self._bounded_probe(target))
         self._probes[key] = probe
         probe.add_done_callback(functools.partial(self._settle, target, health, ticket))
 

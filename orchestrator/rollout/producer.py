@@ -8,14 +8,14 @@ evaluation on the shared engines and weight syncs see a quiet fleet when they ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
 from rlfleet.trainer.grpo import Sample, sample_from_generate
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,7 @@ class RolloutProducer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None
 
     async def pause(self) -> None:
@@ -149,7 +147,3 @@ class RolloutProducer:
         self.stats.samples += len(samples)
         self.stats.groups_done += 1
         return samples
-
-
-def group_versions(group: Sequence[Sample]) -> set[str]:
-    return {s.weight_version for s in group}
