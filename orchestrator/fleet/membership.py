@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -53,7 +52,7 @@ def plan_membership(listed: Iterable[RouterWorker], desired: Iterable[str]) -> M
 class MembershipChange:
     change: str  # "add" | "remove"
     url: str
-    at: float  # monotonic
+    at: float  # the event loop's clock
     version: str | None = None
     reason: str = ""
 
@@ -81,7 +80,7 @@ class RouterMembership:
         return dict(self._pinned)
 
     def _record(self, change: str, url: str, version: str | None = None, reason: str = "") -> None:
-        self.history.append(MembershipChange(change, url, time.monotonic(), version, reason))
+        self.history.append(MembershipChange(change, url, asyncio.get_running_loop().time(), version, reason))
         metrics.ROUTER_MEMBERSHIP_CHANGES.labels(fleet=self.fleet, change=change).inc()
 
     async def admit(self, url: str, expected_version: str, *, wait_listed: bool = True) -> str:
@@ -95,7 +94,7 @@ class RouterMembership:
         worker_id = await self.router.add_worker(url)
         newly = url not in self._ids
         self._ids[url] = worker_id
-        self._added_at[url] = time.monotonic()
+        self._added_at[url] = asyncio.get_running_loop().time()
         if newly:
             self._record("add", url, version)
             log.info("fleet %s: router add %s (version %s read back)", self.fleet, url, version)
@@ -152,9 +151,10 @@ class RouterMembership:
                 with contextlib.suppress(CallError):
                     if await self.router.remove_worker(worker.id):
                         self._record("remove", worker.url, reason="reconcile: not an alive pinned engine")
+            now = asyncio.get_running_loop().time()
             for url in plan.add:
                 version = self._pinned.get(url)
-                registering = time.monotonic() - self._added_at.get(url, float("-inf")) < self.registration_timeout_s
+                registering = now - self._added_at.get(url, float("-inf")) < self.registration_timeout_s
                 if version is None or registering:
                     continue  # evicted meanwhile, or its registration is still in progress
                 with contextlib.suppress(CallError, VersionNotPinned):

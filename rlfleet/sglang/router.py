@@ -5,7 +5,6 @@ through the listing. The old `/add_worker` and `/remove_worker` routes are gone 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,13 +93,14 @@ class RouterClient:
                           poll_s: float = 0.2) -> float:
         """Wait until url is (or is no longer) in `GET /workers`; returns the seconds waited."""
         target = normalize_url(url)
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         deadline = started + timeout_s
         while True:
             listed = target in {w.url for w in await self.list_workers()}
             if listed == present:
-                return time.monotonic() - started
-            if time.monotonic() >= deadline:
+                return loop.time() - started
+            if loop.time() >= deadline:
                 state = "listed" if present else "gone"
                 raise CallTimeout(f"worker {target} not {state} after {timeout_s:g} s",
                                   method="GET", url=self.base_url + "/workers")
