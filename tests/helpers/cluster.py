@@ -22,7 +22,7 @@ from rlfleet.util.binaries import tool_path
 from rlfleet.util.ports import free_port
 from rlfleet.util.procs import group_alive, kill_pod_process_groups, tail_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
 SYSTEM_NS = "rlfleet-system"
 OPERATOR_SA = "rlfleet-operator"
