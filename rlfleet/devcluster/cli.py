@@ -25,6 +25,8 @@ from rlfleet.util.binaries import CACHE_DIR, MissingTool, tool_path
 from rlfleet.util.procs import group_pids, pod_process_groups, tail_file
 
 DEFAULT_NAME = "dev"
+# The supervisor runs this module; its command line is how `down` knows a recorded PID is still ours.
+SUPERVISOR_MODULE = "rlfleet.devcluster.cli"
 STATE_FILE = "state.json"
 SUPERVISOR_LOG = "supervisor.log"
 # The supervisor's own stop is bounded: node agent (devnode.STOP_GRACE_S) + three components (10 s each).
@@ -87,7 +89,7 @@ def _leftovers(state: dict) -> list[str]:
     """Recorded processes (supervisor, each component's whole process group, the pods') still alive."""
     left = []
     supervisor = state.get("supervisor_pid")
-    if supervisor and _is_ours(supervisor, "devcluster_cli"):
+    if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
         left.append(f"supervisor pid {supervisor}")
     for component in state.get("components", []):
         for pid in group_pids(component["pid"]):
@@ -132,7 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     directory.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-P", "-m", "rlfleet.devcluster.cli", "_serve", "--name", args.name,
+    argv = [sys.executable, "-P", "-m", SUPERVISOR_MODULE, "_serve", "--name", args.name,
             "--dir", str(directory), "--timeout", str(args.timeout),
             "--node-agent" if args.node_agent else "--no-node-agent", "--node", args.node]
     if args.first_host is not None:
@@ -211,12 +213,12 @@ def _force_stop(state: dict) -> list[str]:
     """
     supervisor = state.get("supervisor_pid")
     left = _leftovers(state)
-    if supervisor and _is_ours(supervisor, "devcluster_cli"):
+    if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
         with contextlib.suppress(ProcessLookupError):
             os.kill(supervisor, signal.SIGTERM)
         left = _wait_gone(state, STOP_TIMEOUT_S)
     if left:
-        if supervisor and _is_ours(supervisor, "devcluster_cli"):
+        if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(supervisor, signal.SIGKILL)
         groups = [c["pid"] for c in state.get("components", []) if group_pids(c["pid"])]
