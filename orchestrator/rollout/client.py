@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rlfleet.observability import metrics
-from rlfleet.sglang.engine import finish_reason_type
-from rlfleet.sglang.errors import CallError, FailureKind, RequestAborted
+from rlfleet.sglang.engine import raise_if_aborted
+from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.http import call, expect_dict
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,7 @@ class RolloutRequestFailed(Exception):
 async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mapping, timeout_s: float) -> dict:
     """One POST /generate: the answer, or the classified CallError (an abort in a 200 included)."""
     reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload))
-    body = expect_dict(reply, "generate")
-    if finish_reason_type(body) == "abort":
-        message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
-        raise RequestAborted(message, method="POST", url=url, status=reply.status, body=reply.text,
-                             elapsed_s=reply.elapsed_s)
-    return body
+    return raise_if_aborted(reply, expect_dict(reply, "generate"))
 
 
 FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure

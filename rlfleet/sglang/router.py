@@ -82,13 +82,6 @@ class RouterClient:
             raise
         return True
 
-    async def remove_worker_by_url(self, url: str) -> bool:
-        """Remove the worker registered under url; False when it is not registered."""
-        worker_id = (await self.worker_ids_by_url()).get(normalize_url(url))
-        if worker_id is None:
-            return False
-        return await self.remove_worker(worker_id)
-
     async def wait_listed(self, url: str, *, present: bool = True, timeout_s: float = 30.0,
                           poll_s: float = 0.2) -> float:
         """Wait until url is (or is no longer) in `GET /workers`; returns the seconds waited."""
