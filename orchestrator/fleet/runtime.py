@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
@@ -80,6 +81,9 @@ class FleetRuntime:
         # Probes go through the monitor's own keep-alive client (GET /health_generate), not the session.
         self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, on_dead=self._on_probe_dead,
                                      fleet=self.fleet)
+        if isinstance(self._reference, (str, Path)):
+            # Without a manifest this reads every safetensors header of the served model: off the loop.
+            self._reference = await asyncio.to_thread(SnapshotReference.from_dir, self._reference)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference)

@@ -138,7 +138,7 @@ class RunLoop:
             self.summary.wall_seconds = time.monotonic() - started
             self._count_recoveries()
             if self.options.summary_path is not None:
-                self.summary.write(self.options.summary_path)
+                await asyncio.to_thread(self.summary.write, self.options.summary_path)
             self.progress.close()
         return self.summary
 
@@ -200,7 +200,7 @@ class RunLoop:
                                    deadline_s=spec.rollout.request_timeout_seconds),
                 rng=random.Random(spec.trainer.seed),
             )
-            producer = self._producer(client, trainer)
+            producer = await self._producer(client, trainer)
             producer.start()
             stack.push_async_callback(producer.stop)
             if self.evaluation is not None:  # eval
@@ -224,12 +224,13 @@ class RunLoop:
             self._phase("done")
             self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
 
-    def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
+    async def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
         from rlfleet.trainer.tasks import load_reward_fn, load_task
 
         t = self.spec.trainer
-        task = load_task(t.task)
-        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        # Loading a task or a reward function imports user code, a tokenizer reads files: off the loop.
+        task = await asyncio.to_thread(load_task, t.task)
+        reward_fn = await asyncio.to_thread(load_reward_fn, t.reward_function) if t.reward_function else task.reward
         problems = iter(task.problems(t.seed))
 
         def prompts():
@@ -240,7 +241,7 @@ class RunLoop:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, trainer.model_dir)
         eos = tokenizer.eos_token_id
         return RolloutProducer(
             client, prompts(), reward_fn,
@@ -272,7 +273,7 @@ class RunLoop:
             result = await self.fleet.sync_weights(path, step)
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
-            self._retire_snapshot(previous)
+            await self._retire_snapshot(previous)
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
                 await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
@@ -406,9 +407,10 @@ class RunLoop:
             await self.evaluation.close()
         finally:
             self.summary.eval = self.evaluation.summary_points()
-            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
+            self.summary.eval_snapshots_left = await asyncio.to_thread(self.evaluation.snapshots_left)
 
-    def _retire_snapshot(self, path: Path | None) -> None:
-        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""
+    async def _retire_snapshot(self, path: Path | None) -> None:
+        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights).
+        Removed in a thread: a full model on a network volume takes a while."""
         if path is not None and path.name != "step_0":
-            shutil.rmtree(path, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, path, ignore_errors=True)
