@@ -100,8 +100,7 @@ class WeightSync:
         self._engine_client = engine_client
         self._reference = SnapshotReference.from_dir(reference) if isinstance(reference, (str, Path)) else reference
         self._lock = asyncio.Lock()
-        self.last_result: WeightSyncResult | None = None
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # of the last sync (None after a successful one)
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
@@ -138,7 +137,7 @@ class WeightSync:
                 result.total_s = time.monotonic() - started
                 self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 outcome = result.outcome
-                self.last_result, self.last_error = result, None
+                self.last_error = None
                 log.info("fleet %s: synced version %s to %d engine(s) in %.2f s (load %.2f s)", self.fleet,
                          version, len(result.synced), result.total_s, result.load_s)
                 return result

@@ -32,7 +32,7 @@ from rlfleet.orchestrator.evaluation.run import EvalSetupError, RunEvaluation
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask
+from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
@@ -208,8 +208,9 @@ class RunLoop:
                                        stop_token_ids=producer.sampling.stop_token_ids)
             # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
             if spec.heat_guard.enabled:
-                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
-                                                  on_event=self._on_heat_event)
+                self.heat = heat_guard_for(self.fleet, spec.heat_guard,
+                                           gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                           on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
                 background = [tasks.create_task(watchdog.run(), name="watchdog")]
