@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -238,7 +239,7 @@ class RunLoop:
             for p in problems:
                 yield p.prompt, p.answer
 
-        tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
+        tokenizer: Any = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
         if tokenizer is None:
             from transformers import AutoTokenizer
 
