@@ -24,6 +24,7 @@ import aiohttp
 
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import LastEvalStatus, now_rfc3339
+from rlfleet.errors import RunError
 from rlfleet.orchestrator.evaluation.api import (
     EvaluatorLoadError,
     import_checkpoint_eval_class,
@@ -45,8 +46,10 @@ log = logging.getLogger(__name__)
 StartEvalFleet = Callable[[Path], Awaitable[tuple[Any, Any]]]
 
 
-class EvalSetupError(ValueError):
+class EvalSetupError(RunError):
     """The eval spec cannot work (a dataset cannot be read, the evaluator class cannot be loaded)."""
+
+    reason = "EvalInvalid"
 
 
 class RunEvaluation:

@@ -27,20 +27,19 @@ import aiohttp
 
 from rlfleet.crds.derive import parse_tiny_model
 from rlfleet.crds.models import TrainingRun
+from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
-from rlfleet.orchestrator.evaluation.run import EvalSetupError, RunEvaluation
+from rlfleet.orchestrator.evaluation.run import RunEvaluation
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
-from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
-from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.orchestrator.guards.watchdog import WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 from rlfleet.util.binaries import CACHE_DIR
@@ -49,16 +48,15 @@ from rlfleet.util.procs import tail_file
 log = logging.getLogger(__name__)
 
 
-# What ends a run with a reason rather than a traceback (the watchdog's trip, a crash-looping fleet, ...).
-FLEET_ERRORS = (RolloutEnginesUnavailable, FleetFailed, FleetNotReady, SnapshotInvalid, WeightSyncFailed)
+class RunFailed(RunError):
+    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions.
 
-
-class RunFailed(RuntimeError):
-    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions."""
+    What the run loop raises: any other RunError (the watchdog's trip, a crash-looping fleet, an
+    invalid snapshot, ...) ends the run as a RunFailed with that error's reason and message.
+    """
 
     def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        super().__init__(f"{reason}: {message}", reason=reason)
         self.message = message
 
 
@@ -128,11 +126,12 @@ class RunLoop:
             exc = group.exceptions[0]
             self.summary.failure = f"{exc.reason}: {exc.message}"
             raise exc from None
-        except* FLEET_ERRORS as group:
-            exc = group.exceptions[0]
-            reason = exc.reason if isinstance(exc, FleetFailed) else type(exc).__name__
-            self.summary.failure = f"{reason}: {exc}"
-            raise RunFailed(reason, str(exc)) from None
+        except* RunError as group:
+            error = group.exceptions[0]
+            while isinstance(error, BaseExceptionGroup):  # raised inside a nested task group
+                error = error.exceptions[0]
+            self.summary.failure = f"{error.reason}: {error}"
+            raise RunFailed(error.reason, str(error)) from None
         finally:
             if self._scratch_volume:
                 await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
@@ -173,10 +172,7 @@ class RunLoop:
                 self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, manifest_dir=opts.manifest_dir,
                                                 start_eval_fleet=self._eval_fleet_factory(), on_point=self._on_eval)
                 stack.push_async_callback(self._close_evaluation)
-                try:
-                    await self.evaluation.launch(self.current_snapshot)
-                except EvalSetupError as exc:
-                    raise RunFailed("EvalInvalid", str(exc)) from None
+                await self.evaluation.launch(self.current_snapshot)  # EvalSetupError: reason EvalInvalid
             # --- end eval ---
             router_url = await self._start_rollout(stack)
             assert self.backend is not None and self.fleet is not None
