@@ -335,4 +335,4 @@ class TrainerSnapshotExporter:
             self._write(state, directory)
             return time.monotonic() - began
 
-        return blocked, asyncio.ensure_future(asyncio.to_thread(write))
+        return blocked, asyncio.create_task(asyncio.to_thread(write))
