@@ -230,18 +230,20 @@ class HealthMonitor:
         tasks = [t for t in (self._loop_task, *self._probes.values()) if t is not None]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(Exception):
-                await stop_task(task)
-        self._loop_task = None
-        if self._judging is not None:
-            self._judging.cancel()
-            self._judging, self._lagged_timeouts = None, []
-        for pending in self._pending_reports.values():
-            pending.cancel()
-        self._pending_reports.clear()
-        if self.client is not None:
-            self.client.close()
+        try:
+            for task in tasks:
+                with contextlib.suppress(Exception):
+                    await stop_task(task)
+        finally:  # also when the caller is cancelled meanwhile (the cancellation goes on after this)
+            self._loop_task = None
+            if self._judging is not None:
+                self._judging.cancel()
+                self._judging, self._lagged_timeouts = None, []
+            for pending in self._pending_reports.values():
+                pending.cancel()
+            self._pending_reports.clear()
+            if self.client is not None:
+                self.client.close()
         if self._callbacks:
             await asyncio.gather(*self._callbacks, return_exceptions=True)
 
