@@ -29,7 +29,7 @@ from rlfleet.crds.specs import EngineSpec, RecoverySpec
 from rlfleet.orchestrator.evaluation.api import CheckpointEvalFn, EvalOutcome, EvalRequest, EvalSkip
 from rlfleet.orchestrator.evaluation.generate import evaluate_datasets
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
-from rlfleet.sglang.engine import EngineClient, EngineTimeouts
+from rlfleet.sglang.engine import EngineClient, EngineTimeouts, pin_weights
 from rlfleet.sglang.errors import CallError
 
 URL_ENV = "RLFLEET_EXTERNAL_EVAL_URL"
@@ -120,15 +120,16 @@ class ExternalSglangEval(CheckpointEvalFn):
         last = "no attempt"
         for _attempt in range(self.pin_retries):
             try:
-                result = await client.update_weights_from_disk(checkpoint_dir, version, timeout_s=self.pin_timeout_s)
-                served = await client.weight_version()
+                # Nothing generates on this server between points: no pause; a refused load is tried again whole.
+                pinned = await pin_weights(client, checkpoint_dir, version, load_timeout_s=self.pin_timeout_s,
+                                           flush_attempts=0)
             except CallError as exc:
                 last = str(exc)
                 if exc.engine_gone:
                     break
                 continue
-            if result.success and served == version:
-                self.pinned.append(served)
-                return served
-            last = result.message if not result.success else f"reports version {served!r}"
+            if pinned.serves(version):
+                self.pinned.append(version)
+                return version
+            last = pinned.load.message if not pinned.load.success else f"reports version {pinned.served!r}"
         raise EvalSkip("pin_violation", f"version {version} not pinned on {client.base_url}: {last}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from prometheus_client import start_http_server
 
 from rlfleet.operator import builders as b
 from rlfleet.operator.reconcile import Settings
+from rlfleet.util.aio import stop_task
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,7 +83,7 @@ async def amain(args: argparse.Namespace) -> int:
                         network_policy_metrics_from=tuple(args.network_policy_metrics_from))
     memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
     flag: asyncio.Future[None] = asyncio.Future()
-    stop_task = asyncio.create_task(_set_when(stop, flag))
+    setter = asyncio.create_task(_set_when(stop, flag))
     try:
         await kopf.operator(
             clusterwide=args.all_namespaces,
@@ -96,9 +96,7 @@ async def amain(args: argparse.Namespace) -> int:
             stop_flag=flag,
         )
     finally:
-        stop_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await stop_task
+        await stop_task(setter)
     return 0
 
 

@@ -92,6 +92,12 @@ def load_checkpoint_eval_fn(class_path: str, args: Mapping[str, Any] | None = No
     `search_dirs` (the manifest's directory for `rlfleet run`) are looked in after sys.path, so a class
     next to the manifest is found.
     """
+    return instantiate_checkpoint_eval_fn(import_checkpoint_eval_class(class_path, search_dirs=search_dirs),
+                                          class_path, args)
+
+
+def import_checkpoint_eval_class(class_path: str, *, search_dirs: Sequence[Path] = ()) -> type[CheckpointEvalFn]:
+    """Import `module:Class` and check it is a CheckpointEvalFn subclass (blocking: imports user code)."""
     module_name, sep, attr = class_path.partition(":")
     if not sep or not module_name or not attr:
         raise EvaluatorLoadError(f"external.classPath must read module:Class, got {class_path!r}")
@@ -109,6 +115,12 @@ def load_checkpoint_eval_fn(class_path: str, args: Mapping[str, Any] | None = No
             raise EvaluatorLoadError(f"{module_name!r} has no {attr!r}")
     if not (inspect.isclass(cls) and issubclass(cls, CheckpointEvalFn)):
         raise EvaluatorLoadError(f"{class_path} is not a CheckpointEvalFn subclass")
+    return cls
+
+
+def instantiate_checkpoint_eval_fn(cls: type[CheckpointEvalFn], class_path: str,
+                                   args: Mapping[str, Any] | None = None) -> CheckpointEvalFn:
+    """`cls(**args)`, checked (run it on the event loop: a constructor may create loop-bound objects)."""
     try:
         instance = cls(**dict(args or {}))
     except TypeError as exc:

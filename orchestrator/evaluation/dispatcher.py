@@ -131,7 +131,6 @@ class EvalDispatcher:
         self.ledger = SnapshotLedger(keep=keep_snapshots)
         self.points: list[EvalPoint] = []
         self.backpressure_wait_s = 0.0  # total time the training loop waited on full slots
-        self.export_blocking_s = 0.0  # total time the training loop waited for weight capture
         self._current_step = current_step
         self._on_settled = on_settled
         self._check_snapshot = check_snapshot
@@ -184,7 +183,6 @@ class EvalDispatcher:
                 await self._record(EvalPoint(step=step, posture=self.evaluator.posture, skipped="export_failed",
                                              detail=f"{type(exc).__name__}: {exc}", lag_steps=0))
                 return
-            self.export_blocking_s += blocked
             metrics.EVAL_EXPORT_BLOCKING.labels(run=self.run).observe(blocked)
         task = asyncio.create_task(self._run_point(step, directory, write, dispatched_at), name=f"eval-step-{step}")
         self._pending.append(_Pending(step, task))
@@ -254,9 +252,11 @@ class EvalDispatcher:
                 point.seconds = loop.time() - started
             point.lag_steps = max(0, self._current_step() - step)
             if directory is not None:
-                if write is not None and not write.done():
-                    # Never delete a directory a writer thread is still filling.
-                    with contextlib.suppress(BaseException):
+                # Never delete a directory a writer thread is still filling. The write is unfinished only
+                # when this point was cancelled while waiting for it, so the task ends cancelled anyway:
+                # wait the writer out, through a further cancel too; the write's own failure is not ours.
+                while write is not None and not write.done():
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
                         await asyncio.shield(write)
                 await self._retire(step, usable=point.skipped not in UNUSABLE_SNAPSHOT_REASONS)
             await self._record(point)
@@ -337,4 +337,4 @@ class TrainerSnapshotExporter:
             self._write(state, directory)
             return time.monotonic() - began
 
-        return blocked, asyncio.ensure_future(asyncio.to_thread(write))
+        return blocked, asyncio.create_task(asyncio.to_thread(write))

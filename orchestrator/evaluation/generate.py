@@ -15,7 +15,8 @@ import aiohttp
 from rlfleet.orchestrator.evaluation.api import EvalSkip
 from rlfleet.orchestrator.evaluation.datasets import EvalDataset
 from rlfleet.orchestrator.evaluation.policy import DatasetScore, SampleOutcome, score_dataset
-from rlfleet.sglang.errors import CallError, ClientErrorStatus
+from rlfleet.sglang.engine import raise_if_aborted
+from rlfleet.sglang.errors import CallError, ClientErrorStatus, RequestAborted
 from rlfleet.sglang.http import call, expect_dict
 
 log = logging.getLogger(__name__)
@@ -29,16 +30,13 @@ async def _generate_one(session: aiohttp.ClientSession, url: str, payload: dict,
     for attempt in range(ATTEMPTS):
         try:
             reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=payload)
-            body = expect_dict(reply, "generate")
+            return raise_if_aborted(reply, expect_dict(reply, "generate"))
         except ClientErrorStatus:
             raise  # the request is wrong; another try cannot help
+        except RequestAborted as exc:
+            last = RuntimeError(f"generation aborted: {exc.message}")
         except CallError as exc:
             last = exc
-        else:
-            finish = (body.get("meta_info") or {}).get("finish_reason") or {}
-            if not (isinstance(finish, dict) and finish.get("type") == "abort"):
-                return body
-            last = RuntimeError(f"generation aborted: {finish.get('message')}")
         await asyncio.sleep(RETRY_DELAY_S * (attempt + 1))
     raise EvalSkip("unhealthy", f"{url}: no answer after {ATTEMPTS} attempts: {last}")
 

@@ -11,8 +11,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# Reasons the system itself records; an evaluator may raise EvalSkip with any other word.
-SKIP_REASONS = ("busy", "export_failed", "ckpt_missing", "unhealthy", "pin_violation", "crashed", "cancelled")
 # Skips whose snapshot is garbage: deleted at once instead of joining the kept, consumed ones.
 UNUSABLE_SNAPSHOT_REASONS = frozenset({"export_failed", "ckpt_missing"})
 

@@ -12,6 +12,7 @@ The run loop calls, in order:
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -23,7 +24,12 @@ import aiohttp
 
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import LastEvalStatus, now_rfc3339
-from rlfleet.orchestrator.evaluation.api import EvaluatorLoadError, load_checkpoint_eval_fn
+from rlfleet.errors import RunError
+from rlfleet.orchestrator.evaluation.api import (
+    EvaluatorLoadError,
+    import_checkpoint_eval_class,
+    instantiate_checkpoint_eval_fn,
+)
 from rlfleet.orchestrator.evaluation.datasets import DatasetError, resolve_datasets
 from rlfleet.orchestrator.evaluation.dispatcher import (
     EVAL_DIR,
@@ -41,8 +47,10 @@ log = logging.getLogger(__name__)
 StartEvalFleet = Callable[[Path], Awaitable[tuple[Any, Any]]]
 
 
-class EvalSetupError(ValueError):
+class EvalSetupError(RunError):
     """The eval spec cannot work (a dataset cannot be read, the evaluator class cannot be loaded)."""
+
+    reason = "EvalInvalid"
 
 
 class RunEvaluation:
@@ -74,9 +82,13 @@ class RunEvaluation:
         return list(self.dispatcher.points) if self.dispatcher else []
 
     async def launch(self, launch_model: Path) -> None:
-        """Check the datasets and load the user's class (EvalSetupError), start the eval fleet."""
+        """Check the datasets and load the user's class (EvalSetupError), start the eval fleet.
+
+        Reading the datasets and importing the user's module run in a thread; the class is instantiated
+        on the loop."""
         try:
-            self.datasets = resolve_datasets(self.eval_spec.datasets, self.spec.trainer, base_dir=self.manifest_dir)
+            self.datasets = await asyncio.to_thread(resolve_datasets, self.eval_spec.datasets, self.spec.trainer,
+                                                    base_dir=self.manifest_dir)
         except DatasetError as exc:
             raise EvalSetupError(f"eval dataset: {exc}") from None
         if self.posture == "fleet":
@@ -90,7 +102,8 @@ class RunEvaluation:
             assert external is not None
             search = [self.manifest_dir] if self.manifest_dir else []
             try:
-                fn = load_checkpoint_eval_fn(external.class_path, external.args, search_dirs=search)
+                cls = await asyncio.to_thread(import_checkpoint_eval_class, external.class_path, search_dirs=search)
+                fn = instantiate_checkpoint_eval_fn(cls, external.class_path, external.args)
             except EvaluatorLoadError as exc:
                 raise EvalSetupError(str(exc)) from None
             self.evaluator = ExternalEvaluator(fn)

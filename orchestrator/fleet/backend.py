@@ -14,9 +14,10 @@ import inspect
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.observability import metrics
@@ -77,7 +78,7 @@ class DeathEvent:
     started_at: float | None = None  # event-loop clock when the incarnation was launched
 
 
-DeathListener = Callable[[DeathEvent], Awaitable[None] | None]
+DeathListener = Callable[[DeathEvent], Coroutine[Any, Any, None] | None]
 
 
 def fleet_not_ready(backend: FleetBackend, alive: int, waited_s: float) -> FleetNotReady:
@@ -113,8 +114,8 @@ class DeathListeners:
             except Exception:
                 log.exception("death listener failed for slot %d", event.slot)
                 continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
+            if inspect.iscoroutine(result):
+                task = asyncio.create_task(result)
                 self._tasks.add(task)
                 task.add_done_callback(self._done)
 

@@ -74,7 +74,6 @@ class EngineHealth:
         self.origin = origin  # grid origin: when monitoring (re)started
         self.state = HealthState.HEALTHY
         self.consecutive_failures = 0
-        self.total_failures = 0
         self.last_failure: str | None = None
         self.epoch = 0
         self.paused = paused
@@ -129,7 +128,6 @@ class EngineHealth:
         if not self._settle(ticket):
             return False
         self.consecutive_failures += 1
-        self.total_failures += 1
         self.last_failure = reason
         if refused or self.consecutive_failures >= self.spec.failure_threshold:
             self.state = HealthState.DEAD
@@ -145,7 +143,6 @@ class EngineHealth:
         if not self.probing or self.in_flight is not None:
             return False  # paused or held on purpose, already dead, or a probe's own outcome decides
         self.consecutive_failures += 1
-        self.total_failures += 1
         self.last_failure = reason
         self.state = HealthState.DEAD
         return True

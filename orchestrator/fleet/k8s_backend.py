@@ -326,7 +326,7 @@ class KubernetesBackend(FleetBackend):
         if pod is None or view_pod(pod).restarts + 1 != incarnation:
             return
         patch = {"metadata": {"annotations": {conventions.ANN_WEIGHT_VERSION: version}}}
-        task = asyncio.ensure_future(self._patch_quietly(pod["metadata"]["name"], patch))
+        task = asyncio.create_task(self._patch_quietly(pod["metadata"]["name"], patch))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

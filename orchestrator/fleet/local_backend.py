@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
 
 import aiohttp
@@ -108,7 +107,8 @@ class LocalBackend(SlotFleetBackend):
         """Poll /health_generate until it answers 200 (alive) or the startup bound runs out."""
         assert rec.url is not None
         client = self._client(rec.url)
-        deadline = time.monotonic() + self.startup_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.startup_timeout_s
         last_error = "no answer yet"
         while rec.incarnation == inc and rec.state is EngineState.STARTING:
             try:
@@ -121,7 +121,7 @@ class LocalBackend(SlotFleetBackend):
                     incarnation.shm_files |= await asyncio.to_thread(shm_files_of_group, incarnation.process.pid)
                 self._set_alive(rec.slot, inc)
                 return
-            if time.monotonic() >= deadline:
+            if loop.time() >= deadline:
                 await self.mark_dead(rec.slot, f"not ready after {self.startup_timeout_s:g} s (last probe: "
                                      f"{last_error})", cause=DeathCause.STARTUP_TIMEOUT, incarnation=inc)
                 return

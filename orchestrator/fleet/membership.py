@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from rlfleet.orchestrator.fleet.backend import DeathEvent
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.router import RouterClient, RouterWorker, normalize_url
-from rlfleet.util.tasks import cancel_and_wait
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ def plan_membership(listed: Iterable[RouterWorker], desired: Iterable[str]) -> M
 class MembershipChange:
     change: str  # "add" | "remove"
     url: str
-    at: float  # monotonic
+    at: float  # the event loop's clock
     version: str | None = None
     reason: str = ""
 
@@ -84,7 +83,7 @@ class RouterMembership:
         return dict(self._pinned)
 
     def _record(self, change: str, url: str, version: str | None = None, reason: str = "") -> None:
-        self.history.append(MembershipChange(change, url, time.monotonic(), version, reason))
+        self.history.append(MembershipChange(change, url, asyncio.get_running_loop().time(), version, reason))
         metrics.ROUTER_MEMBERSHIP_CHANGES.labels(fleet=self.fleet, change=change).inc()
 
     async def admit(self, url: str, expected_version: str, *, wait_listed: bool = True) -> str:
@@ -98,7 +97,7 @@ class RouterMembership:
         worker_id = await self.router.add_worker(url)
         newly = url not in self._ids
         self._ids[url] = worker_id
-        self._added_at[url] = time.monotonic()
+        self._added_at[url] = asyncio.get_running_loop().time()
         if newly:
             self._record("add", url, version)
             log.info("fleet %s: router add %s (version %s read back)", self.fleet, url, version)
@@ -155,9 +154,10 @@ class RouterMembership:
                 with contextlib.suppress(CallError):
                     if await self.router.remove_worker(worker.id):
                         self._record("remove", worker.url, reason="reconcile: not an alive pinned engine")
+            now = asyncio.get_running_loop().time()
             for url in plan.add:
                 version = self._pinned.get(url)
-                registering = time.monotonic() - self._added_at.get(url, float("-inf")) < self.registration_timeout_s
+                registering = now - self._added_at.get(url, float("-inf")) < self.registration_timeout_s
                 if version is None or registering:
                     continue  # evicted meanwhile, or its registration is still in progress
                 with contextlib.suppress(CallError, VersionNotPinned):
@@ -185,6 +185,7 @@ class RouterMembership:
             self._task = asyncio.create_task(self._run(), name=f"membership-{self.fleet}")
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         failing_since: float | None = None
         last_warned = float("-inf")
         while True:
@@ -192,10 +193,10 @@ class RouterMembership:
                 await self.reconcile()
                 if failing_since is not None:
                     log.warning("fleet %s: router reconcile works again after %.0f s", self.fleet,
-                                time.monotonic() - failing_since)
+                                loop.time() - failing_since)
                 failing_since = None
             except CallError as exc:
-                now = time.monotonic()
+                now = loop.time()
                 failing_since = now if failing_since is None else failing_since
                 if now - last_warned >= RECONCILE_WARN_EVERY_S:  # one line per half minute, not per interval
                     last_warned = now
@@ -204,5 +205,6 @@ class RouterMembership:
             await asyncio.sleep(self.interval_s)
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        if self._task is not None:
+            await stop_task(self._task)
+            self._task = None

@@ -42,7 +42,7 @@ from rlfleet.orchestrator.fleet.health import (
 )
 from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.probe import HealthProbeClient
-from rlfleet.util.tasks import cancel_and_wait
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -227,16 +227,23 @@ class HealthMonitor:
 
     async def stop(self) -> None:
         """Cancel the loop and every probe; wait for dead callbacks already running to finish."""
-        await cancel_and_wait([self._loop_task, *self._probes.values()])
-        self._loop_task = None
-        if self._judging is not None:
-            self._judging.cancel()
-            self._judging, self._lagged_timeouts = None, []
-        for pending in self._pending_reports.values():
-            pending.cancel()
-        self._pending_reports.clear()
-        if self.client is not None:
-            self.client.close()
+        tasks = [t for t in (self._loop_task, *self._probes.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        try:
+            for task in tasks:
+                with contextlib.suppress(Exception):
+                    await stop_task(task)
+        finally:  # also when the caller is cancelled meanwhile (the cancellation goes on after this)
+            self._loop_task = None
+            if self._judging is not None:
+                self._judging.cancel()
+                self._judging, self._lagged_timeouts = None, []
+            for pending in self._pending_reports.values():
+                pending.cancel()
+            self._pending_reports.clear()
+            if self.client is not None:
+                self.client.close()
         if self._callbacks:
             await asyncio.gather(*self._callbacks, return_exceptions=True)
 
@@ -322,7 +329,7 @@ class HealthMonitor:
                 probe = asyncio.get_running_loop().create_future()
                 probe.set_exception(exc)
         else:
-            probe = asyncio.ensure_future(self._bounded_probe(target))
+            probe = asyncio.create_task(self._bounded_probe(target))
         self._probes[key] = probe
         probe.add_done_callback(functools.partial(self._settle, target, health, ticket))
 

@@ -5,25 +5,23 @@
 - Every death (probe, process exit, failed load) reaches the membership at once, which removes the
   engine from the router, and the monitor, which stops probing that incarnation.
 - Weight syncs pause the monitor, recover, load, read back and admit replacements.
-- The heat guard (optional) pauses hot engines; the monitor holds their probes meanwhile.
+- The heat guard (optional, orchestrator/guards/heat_guard.py `heat_guard_for`) pauses hot engines;
+  the monitor holds their probes meanwhile.
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 
-from rlfleet.crds.specs import HealthSpec, HeatGuardSpec, WeightSyncSpec
+from rlfleet.crds.specs import HealthSpec, WeightSyncSpec
 from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend
 from rlfleet.orchestrator.fleet.membership import RouterMembership
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
-from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, post_engine_action
-from rlfleet.orchestrator.guards.heat_sources import build_source
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.router import RouterClient, normalize_url
@@ -83,6 +81,9 @@ class FleetRuntime:
         # Probes go through the monitor's own keep-alive client (GET /health_generate), not the session.
         self.monitor = HealthMonitor(self.health_spec, targets=self._probe_targets, on_dead=self._on_probe_dead,
                                      fleet=self.fleet)
+        if isinstance(self._reference, (str, Path)):
+            # Without a manifest this reads every safetensors header of the served model: off the loop.
+            self._reference = await asyncio.to_thread(SnapshotReference.from_dir, self._reference)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference)
@@ -141,32 +142,6 @@ class FleetRuntime:
     async def sync_weights(self, snapshot_dir: str | Path, step: int) -> WeightSyncResult:
         assert self.weights is not None
         return await self.weights.sync(snapshot_dir, step)
-
-    def heat_slot(self, slot: int) -> str:
-        """The heat guard's name of a slot, as temperature files and metrics spell it: `<fleet>-<slot>`."""
-        return f"{self.fleet}-{slot}"
-
-    def heat_guard(self, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
-                   on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
-        """A heat guard for this fleet's alive engines (run it as a task; cancelling it resumes what it
-        paused). While it holds an engine paused, the monitor holds that engine's probes."""
-        assert self.session is not None and self.monitor is not None, "FleetRuntime not started"
-        slots = {self.heat_slot(slot): slot for slot in range(self.backend.replicas)}
-        # NVML: slot n is taken to run on GPUs n*gpusPerEngine.. (the first one is read).
-        source = build_source(spec.source, session=self.session,
-                              slot_by_gpu_index={slot * max(1, gpus_per_engine): name for name, slot in slots.items()})
-        if source is None:
-            raise ValueError("an enabled heat guard needs a temperature source other than none")
-        monitor = self.monitor
-
-        def engines() -> dict[str, str]:
-            return {self.heat_slot(e.slot): e.url for e in self.backend.engines()
-                    if e.state is EngineState.ALIVE and e.url}
-
-        return HeatGuardTask(spec, source, engines=engines,
-                             call_engine=functools.partial(post_engine_action, self.session),
-                             fleet=self.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
-                             on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)
 
     async def stop(self) -> None:
         try:

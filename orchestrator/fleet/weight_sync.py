@@ -29,7 +29,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, FleetBack
 from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
 from rlfleet.orchestrator.fleet.membership import RouterMembership, VersionNotPinned
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor
-from rlfleet.sglang.engine import EngineClient, PauseMode
+from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
 
@@ -100,8 +100,7 @@ class WeightSync:
         self._engine_client = engine_client
         self._reference = SnapshotReference.from_dir(reference) if isinstance(reference, (str, Path)) else reference
         self._lock = asyncio.Lock()
-        self.last_result: WeightSyncResult | None = None
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # of the last sync (None after a successful one)
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
@@ -138,7 +137,7 @@ class WeightSync:
                 result.total_s = time.monotonic() - started
                 self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 outcome = result.outcome
-                self.last_result, self.last_error = result, None
+                self.last_error = None
                 log.info("fleet %s: synced version %s to %d engine(s) in %.2f s (load %.2f s)", self.fleet,
                          version, len(result.synced), result.total_s, result.load_s)
                 return result
@@ -225,42 +224,24 @@ class WeightSync:
         An engine whose probes the monitor holds (the heat guard paused it) is left paused: the
         guard resumes it when its GPU has cooled.
         """
-        await client.pause_generation(self.pause_mode)
-        try:
-            result = await client.update_weights_from_disk(model_path, version,
-                                                           timeout_s=self.spec.transfer_timeout_seconds)
-            if result.swapped_but_not_flushed:
-                await self._flush(client)
-                result = await client.update_weights_from_disk(model_path, version,
-                                                               timeout_s=self.spec.transfer_timeout_seconds)
-            if not result.success:
-                raise _LoadRefused(f"update_weights_from_disk refused: {result.message}")
-            served = await client.weight_version()
-            if served != version:
-                raise _LoadRefused(f"engine reports weight version {served!r} after loading {version!r}")
-            return served
-        finally:
+        def keep_paused() -> bool:
             if self.monitor is not None and self.monitor.is_held(slot):
                 log.info("fleet %s slot %d: left paused after the load (held: %s)", self.fleet, slot,
                          self.monitor.held().get(slot))
-            else:
-                try:
-                    await client.continue_generation()
-                except CallError as exc:
-                    log.warning("continue_generation on %s failed: %s", client.base_url, exc)
+                return True
+            return False
 
-    async def _flush(self, client: EngineClient) -> None:
-        last: CallError | None = None
-        for _ in range(FLUSH_ATTEMPTS):
-            try:
-                await client.flush_cache()
-                return
-            except CallError as exc:
-                if exc.engine_gone:
-                    raise
-                last = exc
-                await asyncio.sleep(FLUSH_RETRY_S)
-        raise _LoadRefused(f"weights swapped but the cache could not be flushed: {last}")
+        try:
+            pinned = await pin_weights(client, model_path, version, load_timeout_s=self.spec.transfer_timeout_seconds,
+                                       pause=self.pause_mode, keep_paused=keep_paused, flush_attempts=FLUSH_ATTEMPTS,
+                                       flush_retry_s=FLUSH_RETRY_S, read_back_refused=False)
+        except CacheNotFlushed as exc:
+            raise _LoadRefused(str(exc)) from exc
+        if not pinned.load.success:
+            raise _LoadRefused(f"update_weights_from_disk refused: {pinned.load.message}")
+        if pinned.served != version:
+            raise _LoadRefused(f"engine reports weight version {pinned.served!r} after loading {version!r}")
+        return pinned.served
 
 
 class _LoadRefused(Exception):

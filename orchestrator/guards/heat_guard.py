@@ -7,6 +7,7 @@ whatever the temperature, so a GPU that never cools still makes progress between
 
 `EngineHeat` is the pure per-engine decision; `PauseLedger` remembers pause intervals so steps that
 overlapped one can be marked; `HeatGuardTask` reads a temperature source and applies decisions.
+`heat_guard_for` builds the task for a started FleetRuntime (its engines, session and monitor).
 Temperature sources live in heat_sources.py.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 from collections import deque
@@ -24,21 +26,14 @@ import aiohttp
 
 from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.observability import metrics
-from rlfleet.orchestrator.guards.heat_sources import TemperatureSource
+from rlfleet.orchestrator.fleet.backend import EngineState
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.guards.heat_sources import TemperatureSource, build_source
 from rlfleet.sglang.engine import EngineClient, PauseMode
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODE: PauseMode = "retract"  # keeps requests (abort would fail them; in_place leaves a stale cache)
-
-
-def check_heat_spec(spec: HeatGuardSpec) -> None:
-    """Reject settings that would make the guard flap or never resume."""
-    if spec.resume_at_c >= spec.pause_at_c:
-        raise ValueError(f"heat guard: resumeAtC ({spec.resume_at_c}) must be below pauseAtC ({spec.pause_at_c})")
-    if spec.min_pause_seconds > spec.max_pause_seconds:
-        raise ValueError(f"heat guard: minPauseSeconds ({spec.min_pause_seconds}) must not exceed "
-                         f"maxPauseSeconds ({spec.max_pause_seconds})")
 
 
 class HeatAction(enum.StrEnum):
@@ -116,9 +111,6 @@ class PauseLedger:
         """Slots that were paused at any moment of [start, end]."""
         return {i.slot for i in self._intervals if i.start <= end and (i.end is None or i.end >= start)}
 
-    def intervals(self) -> list[PauseInterval]:
-        return list(self._intervals)
-
 
 @dataclass(frozen=True)
 class HeatEvent:
@@ -159,7 +151,8 @@ class HeatGuardTask:
                  fleet: str = "rollout", poll_interval_s: float | None = None,
                  on_pause: Callable[[str], None] | None = None, on_resume: Callable[[str], None] | None = None,
                  on_event: Callable[[HeatEvent], None] | None = None, keep_events: int = 10_000):
-        check_heat_spec(spec)
+        # Settings that would flap or never resume (resumeAtC >= pauseAtC, minPause > maxPause) are
+        # rejected by HeatGuardSpec's own rules.
         self.spec = spec
         self.source = source
         self.fleet = fleet
@@ -279,3 +272,30 @@ async def post_engine_action(session: aiohttp.ClientSession, url: str, action: H
         await client.pause_generation(PAUSE_MODE, timeout_s=timeout_s)
     else:
         await client.continue_generation(timeout_s=timeout_s)
+
+
+def heat_slot(fleet: str, slot: int) -> str:
+    """The heat guard's name of a fleet's slot, as temperature files and metrics spell it: `<fleet>-<slot>`."""
+    return f"{fleet}-{slot}"
+
+
+def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
+                   on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
+    """A heat guard for a started fleet's alive engines (run it as a task; cancelling it resumes what it
+    paused). While it holds an engine paused, the fleet's monitor holds that engine's probes."""
+    assert runtime.session is not None and runtime.monitor is not None, "FleetRuntime not started"
+    backend, session, monitor = runtime.backend, runtime.session, runtime.monitor
+    slots = {heat_slot(runtime.fleet, slot): slot for slot in range(backend.replicas)}
+    # NVML: slot n is taken to run on GPUs n*gpusPerEngine.. (the first one is read).
+    source = build_source(spec.source, session=session,
+                          slot_by_gpu_index={slot * max(1, gpus_per_engine): name for name, slot in slots.items()})
+    if source is None:
+        raise ValueError("an enabled heat guard needs a temperature source other than none")
+
+    def engines() -> dict[str, str]:
+        return {heat_slot(runtime.fleet, e.slot): e.url for e in backend.engines()
+                if e.state is EngineState.ALIVE and e.url}
+
+    return HeatGuardTask(spec, source, engines=engines, call_engine=functools.partial(post_engine_action, session),
+                         fleet=runtime.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
+                         on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rlfleet.crds.specs import WatchdogSpec
+from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class RecoveryBound:
         return None
 
 
-class RolloutEnginesUnavailable(Exception):
+class RolloutEnginesUnavailable(RunError):
     """The watchdog tripped and recovery left no engine able to serve: the run must fail.
 
     `reason` is the TrainingRun condition reason; `message` quotes the engines' last log lines.

@@ -28,8 +28,8 @@ import aiohttp
 
 from rlfleet.observability import metrics
 from rlfleet.policy.circuit import Admission, CircuitBreaker, CircuitState
-from rlfleet.sglang.engine import finish_reason_type
-from rlfleet.sglang.errors import CallError, FailureKind, RequestAborted
+from rlfleet.sglang.engine import raise_if_aborted
+from rlfleet.sglang.errors import CallError, FailureKind
 from rlfleet.sglang.http import call, expect_dict, is_connect_timeout
 
 log = logging.getLogger(__name__)
@@ -137,12 +137,7 @@ async def post_generate(session: aiohttp.ClientSession, url: str, payload: Mappi
     (a blackholed pod address, a stopped process) fails attempts in seconds, not at the deadline."""
     reply = await call(session, "POST", url, timeout_s=timeout_s, json_body=dict(payload),
                        connect_timeout_s=min(CONNECT_TIMEOUT_S, timeout_s))
-    body = expect_dict(reply, "generate")
-    if finish_reason_type(body) == "abort":
-        message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
-        raise RequestAborted(message, method="POST", url=url, status=reply.status, body=reply.text,
-                             elapsed_s=reply.elapsed_s)
-    return body
+    return raise_if_aborted(reply, expect_dict(reply, "generate"))
 
 
 FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure

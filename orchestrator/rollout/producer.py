@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
 from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.trainer.grpo import Sample, sample_from_generate
-from rlfleet.util.tasks import cancel_and_wait
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ class RolloutProducer:
         self._task = asyncio.create_task(self._run(), name="rollout-producer")
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        if self._task is not None:
+            await stop_task(self._task)
+            self._task = None
 
     async def pause(self) -> None:
         """Start no new group; return once every group in flight has finished and been queued."""
@@ -159,7 +160,3 @@ class RolloutProducer:
         self.stats.samples += len(samples)
         self.stats.groups_done += 1
         return samples
-
-
-def group_versions(group: Sequence[Sample]) -> set[str]:
-    return {s.weight_version for s in group}

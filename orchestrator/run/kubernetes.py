@@ -135,11 +135,11 @@ class KubernetesRun(RunLoop):
             log.warning("pinning %s to %s: %s", self.rollout_fleet, snapshot, exc)
         await self._write_status(step=step, weightVersion=str(step), rewardMean=round(float(stats["reward_mean"]), 6))
 
-    def _retire_snapshot(self, path: Path | None) -> None:
+    async def _retire_snapshot(self, path: Path | None) -> None:
         # A replacement pod created just before the pin moved on may still be starting from the previous
         # snapshot: keep it one step longer.
         previous, self._pending_retire = self._pending_retire, path
-        super()._retire_snapshot(previous)
+        await super()._retire_snapshot(previous)
 
     def _on_eval(self, point: EvalPoint) -> None:
         super()._on_eval(point)

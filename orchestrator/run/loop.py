@@ -21,25 +21,25 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from rlfleet.crds.derive import parse_tiny_model
 from rlfleet.crds.models import TrainingRun
+from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
-from rlfleet.orchestrator.evaluation.run import EvalSetupError, RunEvaluation
+from rlfleet.orchestrator.evaluation.run import RunEvaluation
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
-from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask
-from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
+from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
+from rlfleet.orchestrator.guards.watchdog import WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate, probe_health
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
-from rlfleet.snapshot.format import SnapshotInvalid
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 from rlfleet.util.binaries import CACHE_DIR
@@ -48,16 +48,15 @@ from rlfleet.util.procs import tail_file
 log = logging.getLogger(__name__)
 
 
-# What ends a run with a reason rather than a traceback (the watchdog's trip, a crash-looping fleet, ...).
-FLEET_ERRORS = (RolloutEnginesUnavailable, FleetFailed, FleetNotReady, SnapshotInvalid, WeightSyncFailed)
+class RunFailed(RunError):
+    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions.
 
-
-class RunFailed(RuntimeError):
-    """The run could not finish; `reason` is a CamelCase word as in Kubernetes conditions."""
+    What the run loop raises: any other RunError (the watchdog's trip, a crash-looping fleet, an
+    invalid snapshot, ...) ends the run as a RunFailed with that error's reason and message.
+    """
 
     def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        super().__init__(f"{reason}: {message}", reason=reason)
         self.message = message
 
 
@@ -130,11 +129,12 @@ class RunLoop:
             assert isinstance(exc, RunFailed), "a RunFailed is raised at most one task group deep"
             self.summary.failure = f"{exc.reason}: {exc.message}"
             raise exc from None
-        except* FLEET_ERRORS as group:
+        except* RunError as group:
             error = group.exceptions[0]
-            reason = error.reason if isinstance(error, FleetFailed) else type(error).__name__
-            self.summary.failure = f"{reason}: {error}"
-            raise RunFailed(reason, str(error)) from None
+            while isinstance(error, BaseExceptionGroup):  # raised inside a nested task group
+                error = error.exceptions[0]
+            self.summary.failure = f"{error.reason}: {error}"
+            raise RunFailed(error.reason, str(error)) from None
         finally:
             if self.scratch_volume:
                 await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
@@ -143,7 +143,7 @@ class RunLoop:
             if self._client is not None:
                 self.summary.rollout_attempts = dict(self._client.attempts)
             if self.options.summary_path is not None:
-                self.summary.write(self.options.summary_path)
+                await asyncio.to_thread(self.summary.write, self.options.summary_path)
             self.progress.close()
         return self.summary
 
@@ -179,10 +179,7 @@ class RunLoop:
                 self.evaluation = RunEvaluation(self.name, spec, volume=self.snapshots, manifest_dir=opts.manifest_dir,
                                                 start_eval_fleet=self._eval_fleet_factory(), on_point=self._on_eval)
                 stack.push_async_callback(self._close_evaluation)
-                try:
-                    await self.evaluation.launch(self.current_snapshot)
-                except EvalSetupError as exc:
-                    raise RunFailed("EvalInvalid", str(exc)) from None
+                await self.evaluation.launch(self.current_snapshot)  # EvalSetupError: reason EvalInvalid
             # --- end eval ---
             router_url = await self._start_rollout(stack)
             assert self.backend is not None and self.fleet is not None
@@ -211,7 +208,7 @@ class RunLoop:
                 rng=random.Random(spec.trainer.seed),
             )
             self._client = client
-            producer = self._producer(client, trainer)
+            producer = await self._producer(client, trainer)
             producer.start()
             stack.push_async_callback(producer.stop)
             if self.evaluation is not None:  # eval
@@ -219,8 +216,9 @@ class RunLoop:
                                        stop_token_ids=producer.sampling.stop_token_ids)
             # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
             if spec.heat_guard.enabled:
-                self.heat = self.fleet.heat_guard(spec.heat_guard, gpus_per_engine=spec.rollout.engine.gpus_per_engine,
-                                                  on_event=self._on_heat_event)
+                self.heat = heat_guard_for(self.fleet, spec.heat_guard,
+                                           gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                           on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
                 background = []
@@ -237,23 +235,24 @@ class RunLoop:
             self._phase("done")
             self.progress.event(f"run {self.name} finished {len(self.summary.steps)} steps", self.state)
 
-    def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
+    async def _producer(self, client: RolloutClient, trainer) -> RolloutProducer:
         from rlfleet.trainer.tasks import load_reward_fn, load_task
 
         t = self.spec.trainer
-        task = load_task(t.task)
-        reward_fn = load_reward_fn(t.reward_function) if t.reward_function else task.reward
+        # Loading a task or a reward function imports user code, a tokenizer reads files: off the loop.
+        task = await asyncio.to_thread(load_task, t.task)
+        reward_fn = await asyncio.to_thread(load_reward_fn, t.reward_function) if t.reward_function else task.reward
         problems = iter(task.problems(t.seed))
 
         def prompts():
             for p in problems:
                 yield p.prompt, p.answer
 
-        tokenizer = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
+        tokenizer: Any = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, trainer.model_dir)
         eos = tokenizer.eos_token_id
         return RolloutProducer(
             client, prompts(), reward_fn,
@@ -286,7 +285,7 @@ class RunLoop:
             result = await self.fleet.sync_weights(path, step)
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
-            self._retire_snapshot(previous)
+            await self._retire_snapshot(previous)
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
                 await self.evaluation.after_step(step)
             seconds = time.monotonic() - step_started
@@ -438,9 +437,10 @@ class RunLoop:
             await self.evaluation.close()
         finally:
             self.summary.eval = self.evaluation.summary_points()
-            self.summary.eval_snapshots_left = self.evaluation.snapshots_left()
+            self.summary.eval_snapshots_left = await asyncio.to_thread(self.evaluation.snapshots_left)
 
-    def _retire_snapshot(self, path: Path | None) -> None:
-        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights)."""
+    async def _retire_snapshot(self, path: Path | None) -> None:
+        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights).
+        Removed in a thread: a full model on a network volume takes a while."""
         if path is not None and path.name != "step_0":
-            shutil.rmtree(path, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, path, ignore_errors=True)

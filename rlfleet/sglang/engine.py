@@ -4,16 +4,24 @@ Facts it relies on: control routes (pause/continue/abort) need a JSON body, a bo
 400; `/update_weights_from_disk` answers 400 with `success:false` for a refused load, and an
 `in_place` pause makes a successful load answer 400 "Weights were updated, but the cache was not
 flushed"; an aborted generation is an HTTP 200 whose `finish_reason.type` is "abort".
+
+`pin_weights` is the one "pause -> load -> flush -> read back -> continue" routine: the weight sync,
+the eval fleet and external evaluators load a snapshot through it.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
 
-from rlfleet.sglang.errors import BadResponse, RequestAborted
+from rlfleet.sglang.errors import BadResponse, CallError, RequestAborted
 from rlfleet.sglang.http import Reply, call, expect_dict
+
+log = logging.getLogger(__name__)
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
@@ -26,7 +34,7 @@ CACHE_NOT_FLUSHED_MARKER = "cache was not flushed"
 class EngineTimeouts:
     """Bounds (seconds) on each kind of engine call."""
 
-    control: float = 10.0  # model_info, pause, continue, flush, abort, weights_checker
+    control: float = 10.0  # model_info, pause, continue, flush
     health: float = 5.0
     generate: float = 120.0
     load: float = 600.0  # update_weights_from_disk
@@ -59,6 +67,16 @@ def finish_reason_type(body: dict[str, Any]) -> str | None:
     return reason.get("type") if isinstance(reason, dict) else None
 
 
+def raise_if_aborted(reply: Reply, body: dict[str, Any]) -> dict[str, Any]:
+    """The body of a `/generate` answer, or RequestAborted when it is an abort answered with HTTP 200
+    (`finish_reason.type` "abort": the engine or router dropped the request, no text was generated)."""
+    if finish_reason_type(body) == "abort":
+        message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
+        raise RequestAborted(message, method=reply.method or "POST", url=reply.url, status=reply.status,
+                             body=reply.text, elapsed_s=reply.elapsed_s)
+    return body
+
+
 class EngineClient:
     """Calls one engine at `base_url` over a shared aiohttp session."""
 
@@ -83,11 +101,7 @@ class EngineClient:
         """POST /generate (non-streaming, single prompt). An abort-in-200 raises RequestAborted."""
         reply = await self._call("POST", "/generate", timeout_s or self.timeouts.generate, json_body=payload)
         body = expect_dict(reply, "generate")
-        if raise_on_abort and finish_reason_type(body) == "abort":
-            message = (body.get("meta_info") or {}).get("finish_reason", {}).get("message") or "aborted"
-            raise RequestAborted(message, method="POST", url=self.base_url + "/generate", status=reply.status,
-                                 body=reply.text, elapsed_s=reply.elapsed_s)
-        return body
+        return raise_if_aborted(reply, body) if raise_on_abort else body
 
     async def model_info(self, timeout_s: float | None = None) -> ModelInfo:
         reply = await self._call("GET", "/model_info", timeout_s or self.timeouts.control)
@@ -135,17 +149,70 @@ class EngineClient:
         reply = await self._call("POST", "/flush_cache", timeout_s or self.timeouts.control)
         return reply.text
 
-    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False,
-                            timeout_s: float | None = None) -> None:
-        if rid is None and not abort_all:
-            raise ValueError("abort_request needs a rid or abort_all=True")
-        body: dict[str, Any] = {"abort_all": abort_all}
-        if rid is not None:
-            body["rid"] = rid
-        await self._call("POST", "/abort_request", timeout_s or self.timeouts.control, json_body=body)
 
-    async def weights_checker(self, action: str = "checksum", timeout_s: float | None = None) -> dict[str, Any]:
-        """Per-tensor checksums (action "checksum"): proves a load landed, independent of the label."""
-        reply = await self._call("POST", "/weights_checker", timeout_s or self.timeouts.control,
-                                 json_body={"action": action})
-        return expect_dict(reply, "weights_checker")
+class CacheNotFlushed(Exception):
+    """A load swapped the weights but the prefix cache could not be flushed (the engine kept refusing)."""
+
+    def __init__(self, last: CallError | None):
+        super().__init__(f"weights swapped but the cache could not be flushed: {last}")
+        self.last = last
+
+
+@dataclass(frozen=True)
+class PinResult:
+    """What a pin ended with: the last load's answer and the version read back afterwards."""
+
+    load: UpdateWeightsResult
+    served: str | None  # from /model_info; None when it was not read (a refused load, read_back_refused=False)
+
+    def serves(self, version: str) -> bool:
+        """The load succeeded and the engine reports `version`."""
+        return self.load.success and self.served == version
+
+
+async def pin_weights(client: EngineClient, model_path: str, version: str, *, load_timeout_s: float | None = None,
+                      pause: PauseMode | None = None, keep_paused: Callable[[], bool] | None = None,
+                      flush_attempts: int = 1, flush_retry_s: float = 0.5,
+                      read_back_refused: bool = True) -> PinResult:
+    """Pause -> load -> flush -> read back -> continue, on one engine.
+
+    - `pause`: pause generation in this mode first and continue it at the end (also on failure),
+      unless `keep_paused()` says otherwise then; a failing continue is logged, not raised. None: no pause.
+    - A load that swapped the weights but could not flush the prefix cache (the engine was paused
+      in_place) flushes and loads again: up to `flush_attempts` flushes, `flush_retry_s` apart; a flush
+      that found the engine gone raises its CallError, one that kept being refused CacheNotFlushed.
+      0: no flush, the refused answer is returned.
+    - The version is read back from `/model_info`; after a refused load only if `read_back_refused`.
+
+    A refused load is returned (check `PinResult.serves`), not raised; failed calls raise CallError.
+    """
+    if pause is not None:
+        await client.pause_generation(pause)
+    try:
+        result = await client.update_weights_from_disk(model_path, version, timeout_s=load_timeout_s)
+        if result.swapped_but_not_flushed and flush_attempts > 0:
+            await _flush(client, flush_attempts, flush_retry_s)
+            result = await client.update_weights_from_disk(model_path, version, timeout_s=load_timeout_s)
+        served = await client.weight_version() if result.success or read_back_refused else None
+        return PinResult(result, served)
+    finally:
+        if pause is not None and not (keep_paused is not None and keep_paused()):
+            try:
+                await client.continue_generation()
+            except CallError as exc:
+                log.warning("continue_generation on %s failed: %s", client.base_url, exc)
+
+
+async def _flush(client: EngineClient, attempts: int, retry_s: float) -> None:
+    last: CallError | None = None
+    for attempt in range(attempts):
+        if attempt:
+            await asyncio.sleep(retry_s)
+        try:
+            await client.flush_cache()
+            return
+        except CallError as exc:
+            if exc.engine_gone:
+                raise
+            last = exc
+    raise CacheNotFlushed(last)

@@ -5,7 +5,6 @@ through the listing. The old `/add_worker` and `/remove_worker` routes are gone 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,24 +86,18 @@ class RouterClient:
             raise
         return True
 
-    async def remove_worker_by_url(self, url: str) -> bool:
-        """Remove the worker registered under url; False when it is not registered."""
-        worker_id = (await self.worker_ids_by_url()).get(normalize_url(url))
-        if worker_id is None:
-            return False
-        return await self.remove_worker(worker_id)
-
     async def wait_listed(self, url: str, *, present: bool = True, timeout_s: float = 30.0,
                           poll_s: float = 0.2) -> float:
         """Wait until url is (or is no longer) in `GET /workers`; returns the seconds waited."""
         target = normalize_url(url)
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         deadline = started + timeout_s
         while True:
             listed = target in {w.url for w in await self.list_workers()}
             if listed == present:
-                return time.monotonic() - started
-            if time.monotonic() >= deadline:
+                return loop.time() - started
+            if loop.time() >= deadline:
                 state = "listed" if present else "gone"
                 raise CallTimeout(f"worker {target} not {state} after {timeout_s:g} s",
                                   method="GET", url=self.base_url + "/workers")

@@ -24,9 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.errors import RunError
 
-class SnapshotInvalid(ValueError):
-    """A weight snapshot failed validation; no engine was told to load it."""
+
+class SnapshotInvalid(RunError):
+    """A weight snapshot failed validation; no engine was told to load it.
+
+    Not a ValueError: the `except ValueError` around file parsing here must not catch it by accident.
+    """
+
+    reason = "SnapshotInvalid"
 
     def __init__(self, snapshot_dir: str, problem: str):
         super().__init__(f"snapshot {snapshot_dir} is invalid: {problem}")

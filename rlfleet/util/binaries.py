@@ -6,7 +6,6 @@ an environment variable RLFLEET_<NAME> (e.g. RLFLEET_KUBE_APISERVER) may point a
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +63,3 @@ def tool_path(name: str) -> Path:
 def python_executable() -> str:
     """The interpreter that runs SGLang, the router and rlfleet subprocesses: this one."""
     return sys.executable
-
-
-def which_or_none(name: str) -> str | None:
-    return shutil.which(name)

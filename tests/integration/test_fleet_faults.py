@@ -29,6 +29,7 @@ from rlfleet.orchestrator.fleet.health import hang_detection_bound
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.guards.heat_guard import heat_guard_for
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import SnapshotInvalid, finalize_snapshot, snapshot_dir_for
 from rlfleet.util.procs import group_alive
@@ -294,7 +295,7 @@ async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, 
     temps.write_text("rollout-0 60\nrollout-1 60\n")
     spec = HeatGuardSpec(enabled=True, min_pause_seconds=1, max_pause_seconds=600, poll_interval_seconds=0.2,
                          source={"type": "file", "path": str(temps)})
-    guard = runtime.heat_guard(spec)
+    guard = heat_guard_for(runtime, spec)
     runner = asyncio.create_task(guard.run())
     hot = backend.engines()[1]
     deaths_before = len(fleet.deaths.events)

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from rlfleet.orchestrator.fleet.membership import plan_membership
-from rlfleet.sglang.engine import EngineClient
+from rlfleet.sglang.engine import EngineClient, raise_if_aborted
 from rlfleet.sglang.errors import (
     CallTimeout,
     ClientErrorStatus,
@@ -26,7 +26,7 @@ from rlfleet.sglang.errors import (
     ServiceUnavailable,
     classify_status,
 )
-from rlfleet.sglang.http import call
+from rlfleet.sglang.http import Reply, call
 from rlfleet.sglang.router import RouterWorker, parse_workers
 
 
@@ -130,6 +130,18 @@ async def test_abort_in_200_is_an_error_for_generate(session, http_server):
     with pytest.raises(RequestAborted, match="Aborted"):
         await client.generate({"text": "a"})
     assert (await client.generate({"text": "a"}, raise_on_abort=False))["text"] == "ab"
+
+
+def test_raise_if_aborted_is_the_one_abort_in_200_rule():
+    reply = Reply(status=200, text="{}", elapsed_s=0.1, headers={}, method="POST", url="http://e:1/generate")
+    answered = {"text": "ab", "meta_info": {"finish_reason": {"type": "length"}}}
+    assert raise_if_aborted(reply, answered) is answered
+    assert raise_if_aborted(reply, {"text": "ab", "meta_info": {"finish_reason": None}})["text"] == "ab"
+    with pytest.raises(RequestAborted, match="Aborted by pause") as info:
+        raise_if_aborted(reply, {"meta_info": {"finish_reason": {"type": "abort", "message": "Aborted by pause"}}})
+    assert info.value.status == 200 and info.value.url == "http://e:1/generate"
+    with pytest.raises(RequestAborted, match="aborted"):
+        raise_if_aborted(reply, {"meta_info": {"finish_reason": {"type": "abort"}}})
 
 
 async def test_update_weights_400_is_a_result(session, http_server):

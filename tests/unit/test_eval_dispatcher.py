@@ -215,6 +215,25 @@ async def test_cancel_settles_pending_points_as_cancelled_and_retires_their_snap
     assert dispatcher.pending_steps == []
 
 
+async def test_a_snapshot_still_being_written_is_not_deleted_even_if_its_point_is_cancelled_twice():
+    evaluator = ScriptedEvaluator(seconds=1)
+    dispatcher, volume, state = make(evaluator, steps=10, keep=0, exporter_kwargs={"write_s": 50.0})
+    state["step"] = 1
+    await dispatcher.after_step(1)
+    (pending,) = dispatcher._pending
+    await asyncio.sleep(1)
+    pending.task.cancel()  # the point now waits for the writer before it retires the directory
+    await asyncio.sleep(1)
+    pending.task.cancel()
+    await asyncio.sleep(1)
+    assert volume.removed == [] and not pending.task.done()
+    await asyncio.wait([pending.task])
+    assert pending.task.cancelled()
+    assert asyncio.get_running_loop().time() >= 50
+    assert volume.removed == [str(volume.directory(1))]
+    assert [p.skipped for p in dispatcher.points] == ["cancelled"]
+
+
 async def test_a_snapshot_posture_needs_a_volume():
     with pytest.raises(ValueError, match="volume"):
         EvalDispatcher(run="x", evaluator=ScriptedEvaluator(), max_in_flight=1, overflow_policy="skip",

@@ -5,9 +5,10 @@ import asyncio
 
 import pytest
 from prometheus_client import REGISTRY
+from pydantic import ValidationError
 
 from rlfleet.crds.specs import HeatGuardSpec
-from rlfleet.orchestrator.guards.heat_guard import EngineHeat, HeatAction, HeatGuardTask, PauseLedger, check_heat_spec
+from rlfleet.orchestrator.guards.heat_guard import EngineHeat, HeatAction, HeatGuardTask, PauseLedger
 from rlfleet.orchestrator.guards.heat_sources import (
     FileSource,
     TemperatureReadError,
@@ -46,8 +47,8 @@ def test_resumes_after_max_pause_whatever_the_temperature():
 
 @pytest.mark.parametrize("bad", [dict(pause_at_c=80, resume_at_c=80), dict(min_pause_seconds=200)])
 def test_settings_that_would_flap_or_never_resume_are_rejected(bad):
-    with pytest.raises(ValueError):
-        check_heat_spec(HeatGuardSpec(**bad))
+    with pytest.raises(ValidationError, match="resumeAtC must be below pauseAtC|minPauseSeconds must not exceed"):
+        HeatGuardSpec(**bad)
 
 
 def test_ledger_marks_overlap_including_open_pauses():

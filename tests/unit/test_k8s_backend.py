@@ -4,6 +4,7 @@ import asyncio
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.operator import builders as b
 from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
+from rlfleet.orchestrator.fleet.errors import FleetNotReady
 from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, fleet_failure, slot_view
 
 
@@ -84,7 +85,7 @@ async def test_wait_all_alive_is_bounded_and_says_why():
     await backend._on_pods_listed([pod(0, ready=False)])
     try:
         await backend.wait_all_alive(timeout=0.1)
-    except TimeoutError as e:
+    except FleetNotReady as e:
         assert "0 of 1 engines alive" in str(e) and "slot 0: starting" in str(e)
     else:
         raise AssertionError("expected FleetNotReady")

@@ -34,6 +34,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineSta
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.orchestrator.fleet.membership import VersionNotPinned
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.sglang.engine import CacheNotFlushed, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import call, expect_dict
 from rlfleet.sglang.router import ONE_TOKEN_PROBE
@@ -142,13 +143,13 @@ class EvalFleet:
                 await asyncio.sleep(PIN_RETRY_DELAY_S)
             try:
                 async with asyncio.timeout(timeout):
-                    result = await client.update_weights_from_disk(model_path, version, timeout_s=timeout)
-                    if result.swapped_but_not_flushed:
-                        await client.flush_cache()
-                        result = await client.update_weights_from_disk(model_path, version, timeout_s=timeout)
-                    served = await client.weight_version()
+                    pinned = await pin_weights(client, model_path, version, load_timeout_s=timeout)
+                served = pinned.served
             except TimeoutError:
                 error = f"load and read-back took longer than {timeout:g} s"
+                continue
+            except CacheNotFlushed as exc:
+                error = str(exc.last)
                 continue
             except CallError as exc:
                 error = str(exc)
@@ -157,10 +158,10 @@ class EvalFleet:
                                                          cause=DeathCause.UNREACHABLE, incarnation=engine.incarnation)
                     break
                 continue
-            if result.success and served == version:
-                self.runtime.backend.record_weight_version(engine.slot, engine.incarnation, served)
-                return served, None
-            error = (f"update_weights_from_disk refused: {result.message}" if not result.success
+            if pinned.serves(version):
+                self.runtime.backend.record_weight_version(engine.slot, engine.incarnation, version)
+                return version, None
+            error = (f"update_weights_from_disk refused: {pinned.load.message}" if not pinned.load.success
                      else f"reports weight version {served!r} after loading {version!r}")
         log.warning("eval fleet slot %d: version %s not pinned: %s", engine.slot, version, error)
         return served, error

@@ -48,6 +48,7 @@ from rlfleet.kube.client import (
     KubeClient,
     list_and_watch,
 )
+from rlfleet.util.aio import stop_task
 from rlfleet.util.procs import ManagedProcess, mapped_shm_files, tail_file
 
 log = logging.getLogger("rlfleet.node_agent")
@@ -658,11 +659,16 @@ async def amain(args: argparse.Namespace) -> int:
                           pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels,
                           client_ca_pem=client_ca_pem)
         task = asyncio.create_task(agent.run())
+        stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+            loop.add_signal_handler(sig, stopping.set)
+        signalled = asyncio.create_task(stopping.wait())
+        try:
+            await asyncio.wait((task, signalled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await stop_task(signalled)
+            await stop_task(task)  # a signal stops the agent; an error it ended with is raised
     return 0
 
 

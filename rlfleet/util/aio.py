@@ -1,0 +1,30 @@
+"""asyncio helpers shared by every layer."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+async def stop_task(task: asyncio.Future[Any] | None) -> None:
+    """Cancel `task` (a task or any future) and wait until it is done.
+
+    - The task ending cancelled (the normal outcome) returns None.
+    - An exception the task ended with (before or while it was being cancelled) is raised here, as
+      awaiting the task would raise it; callers that do not care suppress `Exception`.
+    - The caller's own cancellation is never swallowed: if the caller is cancelled while it waits,
+      CancelledError propagates (the task, already cancelled, finishes on its own). This is the
+      difference from `task.cancel(); with suppress(CancelledError): await task`, which cannot tell
+      the task's cancellation from the caller's.
+    """
+    if task is None:
+        return
+    task.cancel()
+    if not task.done():
+        # asyncio.wait neither raises the task's outcome nor cancels the task when the caller is
+        # cancelled, so a CancelledError out of it is always the caller's own.
+        await asyncio.wait((task,))
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        raise exc
