@@ -1,4 +1,4 @@
-"""The heat guard (seed 002): pause generation on an engine whose GPU runs hot, resume when it cools.
+"""The heat guard: pause generation on an engine whose GPU runs hot, resume when it cools.
 
 Per engine: at or above `pauseAtC` pause generation (`/pause_generation {"mode": "retract"}`, which
 keeps in-flight requests and makes new ones wait instead of failing); resume (`/continue_generation`)

@@ -1,4 +1,4 @@
-"""The 503-storm watchdog (seed 002): a pure rule and the async task that acts on it.
+"""The 503-storm watchdog: a pure rule and the async task that acts on it.
 
 A run whose rollout engines all died keeps sending requests and collecting 503s forever. The rule
 tells that apart from the bursts of a healthy but busy run by time, not by count: every

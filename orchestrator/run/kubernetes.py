@@ -70,7 +70,7 @@ class KubernetesRun(RunLoop):
         return url
 
     def _eval_fleet_factory(self):
-        from rlfleet.orchestrator.evaluation.postures.fleet import EvalFleet
+        from rlfleet.orchestrator.evaluation.postures.fleet import PinnedEvalFleet
 
         async def start(launch_model: Path):
             name = conventions.eval_fleet_name(self.name)
@@ -83,7 +83,7 @@ class KubernetesRun(RunLoop):
             await runtime.start()
             self._eval_runtime = runtime
             assert self.spec.eval is not None, "the eval fleet starts only for a run with eval"
-            evaluator = EvalFleet(runtime, self.spec.eval,
+            evaluator = PinnedEvalFleet(runtime, self.spec.eval,
                                   wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
             return evaluator, None
 

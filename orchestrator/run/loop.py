@@ -371,7 +371,7 @@ class RunLoop:
         raise NotImplementedError
 
     def _eval_fleet_factory(self):
-        """`async (launch_model) -> (EvalFleet, router or None)` for posture fleet."""
+        """`async (launch_model) -> (PinnedEvalFleet, router or None)` for posture fleet."""
         raise NotImplementedError
 
     async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:

@@ -47,7 +47,7 @@ ROUTER_PROBE_CALL_S = 60.0
 PIN_RETRY_DELAY_S = 1.0
 
 
-class EvalFleet:
+class PinnedEvalFleet:
     posture = "fleet"
     uses_snapshots = True
     concurrency = 1
@@ -217,7 +217,7 @@ class EvalFleet:
 
 
 async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run_dir: Path,
-                                 python: str | None = None) -> tuple[EvalFleet, object]:
+                                 python: str | None = None) -> tuple[PinnedEvalFleet, object]:
     """Start the eval router and the eval engines as local processes (not waited for: the first pin
     waits). Returns the fleet and the router (stop both: fleet.close(), router.stop())."""
     from rlfleet.crds.derive import eval_fleet_spec
@@ -243,5 +243,5 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     except BaseException:
         await router.stop()
         raise
-    fleet = EvalFleet(runtime, spec.eval, wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
+    fleet = PinnedEvalFleet(runtime, spec.eval, wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
     return fleet, router
