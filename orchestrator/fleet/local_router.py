@@ -49,7 +49,6 @@ class LocalRouter:
         self.python = python or python_executable()
         self.process: ManagedProcess | None = None
         self.url: str | None = None
-        self.metrics_url: str | None = None
         self.stopping = False
         self.starts = 0
 
@@ -71,7 +70,6 @@ class LocalRouter:
         self.starts += 1
         await self.process.start()
         self.url = f"http://{host}:{port}"
-        self.metrics_url = f"http://{host}:{metrics_port}/metrics"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         last = "no answer yet"

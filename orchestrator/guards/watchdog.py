@@ -194,7 +194,6 @@ class WatchdogTask:
         self.trips = 0
         self.recoveries = 0
         self.bound = RecoveryBound(spec)
-        self.last_check: CheckResult | None = None
         metrics.WATCHDOG_STRIKES_TO_TRIP.labels(fleet=fleet).set(spec.checks)
         # Counters exist at 0 from the start, so increase() sees the first strike and the first trip.
         metrics.WATCHDOG_STRIKES.labels(fleet=fleet)
@@ -215,7 +214,6 @@ class WatchdogTask:
             await asyncio.sleep(max(0.0, next_check - loop.time()))
             next_check += interval
             result = self.rule.check(loop.time())
-            self.last_check = result
             metrics.WATCHDOG_WINDOW_FAILURES.labels(fleet=self.fleet).set(result.failures_in_window)
             metrics.WATCHDOG_STRIKES_IN_A_ROW.labels(fleet=self.fleet).set(result.strikes_in_a_row)
             if result.strike:
