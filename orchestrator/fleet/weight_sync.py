@@ -29,7 +29,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, FleetBack
 from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
 from rlfleet.orchestrator.fleet.membership import RouterMembership, VersionNotPinned
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor
-from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, pin_weights
+from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
 
@@ -189,13 +189,20 @@ class WeightSync:
         outcome = EngineSyncOutcome(slot=engine.slot, incarnation=engine.incarnation, url=engine.url)
         client = self._engine_client(engine.url)
         started = time.monotonic()
-        for attempt in range(1 + self.spec.load_retries):
-            outcome.attempts = attempt + 1
+        attempts_left = 1 + self.spec.load_retries
+        reused_connection_retry = True  # one extra attempt when a closed connection was not a death
+        while attempts_left > 0:
+            attempts_left -= 1
+            outcome.attempts += 1
             try:
                 outcome.version = await self._load_once(client, model_path, version, engine.slot)
             except CallError as exc:
                 outcome.error = str(exc)
                 if exc.engine_gone:
+                    if reused_connection_retry and not await gone_for_good(client, exc):
+                        reused_connection_retry = False
+                        attempts_left += 1
+                        continue
                     outcome.marked_dead = await self.backend.mark_dead(
                         engine.slot, f"died during weight load: {exc}", cause=DeathCause.UNREACHABLE,
                         incarnation=engine.incarnation)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from rlfleet.sglang.errors import BadResponse, CallError, RequestAborted
+from rlfleet.sglang.errors import BadResponse, CallError, FailureKind, RequestAborted
 from rlfleet.sglang.http import Reply, call, expect_dict
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,8 @@ PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 # The marker SGLang puts in the 400 of an update that did swap the weights but could not flush.
 CACHE_NOT_FLUSHED_MARKER = "cache was not flushed"
+# How long `gone_for_good` waits for an engine whose connection closed to answer on a new one.
+CONFIRM_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,22 @@ class PinResult:
     def serves(self, version: str) -> bool:
         """The load succeeded and the engine reports `version`."""
         return self.load.success and self.served == version
+
+
+async def gone_for_good(client: EngineClient, error: CallError, timeout_s: float = CONFIRM_TIMEOUT_S) -> bool:
+    """Did `error` show that the engine is gone? A refused connection does. A connection closed without
+    an answer may be a kept-alive connection the engine's server closed just as it was reused (uvicorn
+    closes idle ones after a few seconds), so the engine is asked again, on a new connection, what it
+    serves (GET /model_info answers while generation is paused): gone only if that fails too."""
+    if error.kind is not FailureKind.CONNECTION_CLOSED:
+        return error.engine_gone
+    try:
+        await client.model_info(timeout_s)
+    except CallError:
+        return True
+    log.warning("%s: connection closed without an answer, but the engine answers again: not dead (%s)",
+                client.base_url, error)
+    return False
 
 
 async def pin_weights(client: EngineClient, model_path: str, version: str, *, load_timeout_s: float | None = None,

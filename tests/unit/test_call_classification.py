@@ -185,3 +185,23 @@ def test_router_worker_listing_and_membership_plan():
     plan = plan_membership(workers, ["http://127.0.0.2:1", "http://127.0.0.4:1/"])
     assert plan.add == ("http://127.0.0.4:1",)
     assert [w.id for w in plan.remove] == ["b"]
+
+
+async def test_a_closed_connection_is_a_death_only_if_the_engine_does_not_answer_again(session, http_server):
+    """A connection closed without an answer (e.g. a kept-alive connection the engine's server closed as it
+    was reused) is not proof of death: the engine is asked again. A refused connection is proof."""
+    from rlfleet.sglang.engine import gone_for_good
+
+    async def model_info(request):
+        return web.json_response({"weight_version": "7", "model_path": "/m"})
+
+    answering = EngineClient(session, await http_server([web.get("/model_info", model_info)]))
+    closed = ConnectionClosed("connection reset by peer", method="POST", url=answering.base_url + "/pause_generation")
+    assert closed.engine_gone
+    assert await gone_for_good(answering, closed) is False
+
+    silent = EngineClient(session, f"http://127.0.0.1:{unused_port()}")
+    assert await gone_for_good(silent, ConnectionClosed("reset", method="POST", url=silent.base_url)) is True
+
+    refused = ConnectionRefused("refused", method="POST", url=answering.base_url + "/pause_generation")
+    assert await gone_for_good(answering, refused) is True  # not asked again: a refusal is proof

@@ -34,7 +34,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineSta
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
 from rlfleet.orchestrator.fleet.membership import VersionNotPinned
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.sglang.engine import CacheNotFlushed, pin_weights
+from rlfleet.sglang.engine import CacheNotFlushed, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import call, expect_dict
 from rlfleet.sglang.router import ONE_TOKEN_PROBE
@@ -153,7 +153,7 @@ class PinnedEvalFleet:
                 continue
             except CallError as exc:
                 error = str(exc)
-                if exc.engine_gone:
+                if exc.engine_gone and await gone_for_good(client, exc):
                     await self.runtime.backend.mark_dead(engine.slot, f"died loading the eval snapshot: {exc}",
                                                          cause=DeathCause.UNREACHABLE, incarnation=engine.incarnation)
                     break
