@@ -27,7 +27,7 @@ class ListingRouter(RouterClient):
     as a router that drops the registration)."""
 
     def __init__(self, listed_after_s: float | None = 0.0):
-        super().__init__(None, "http://router.invalid")  # type: ignore[arg-type]
+        super().__init__(None, "http://router.invalid")  # type: ignore[arg-type]  # a fake: no session is ever used
         self.listed_after_s = listed_after_s
         self.added: list[tuple[float, str]] = []  # (loop time, url) of every POST /workers
         self._listed_at: dict[str, float] = {}
@@ -60,7 +60,7 @@ class FixedVersion:
 
 
 def membership(router: ListingRouter, *, registration_timeout_s: float = 30.0) -> RouterMembership:
-    return RouterMembership(router, engine_client=lambda url: FixedVersion("3"),  # type: ignore[arg-type,return-value]
+    return RouterMembership(router, engine_client=lambda url: FixedVersion("3"),  # type: ignore[arg-type,return-value]  # fakes
                             alive_urls=lambda: [ENGINE], registration_timeout_s=registration_timeout_s)
 
 
