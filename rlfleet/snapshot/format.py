@@ -9,7 +9,9 @@ reader never sees a half-written manifest or a marker before the files it vouche
 Why validate: a real SGLang engine told to load a truncated, garbage or wrong-shape safetensors file
 dies (no HTTP answer) instead of refusing with a 400; so `validate_snapshot` checks the marker, the
 checksums written at export, every safetensors header (read from the file, no tensor is loaded) and
-the tensor names and shapes against the snapshot being served.
+the tensor names, shapes and dtypes against the snapshot being served. A snapshot holds regular
+files only: a symbolic link, or a manifest entry outside the directory, makes it invalid, and no file
+is read through one.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rlfleet.errors import RunError
@@ -46,7 +48,7 @@ MARKER_NAME = ".complete"
 MANIFEST_FORMAT = "rlfleet-snapshot/1"
 INDEX_NAME = "model.safetensors.index.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library refuses a larger header
 HASH_CHUNK = 1 << 20
 
 # Bytes per element of each safetensors dtype.
@@ -97,17 +99,76 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, where: str) -> Manifest:
         try:
-            if data.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-            return cls(
-                step=int(data["step"]),
-                files={n: FileInfo(size=int(f["size"]), sha256=str(f["sha256"])) for n, f in data["files"].items()},
-                tensors={n: TensorInfo(dtype=str(t["dtype"]), shape=tuple(int(d) for d in t["shape"]),
-                                       file=str(t["file"])) for n, t in data["tensors"].items()},
-                config=dict(data.get("config") or {}),
-            )
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            return cls._parse(data)
+        except ValueError as exc:
             raise SnapshotInvalid(where, f"{MANIFEST_NAME} is malformed: {exc}") from exc
+
+    @classmethod
+    def _parse(cls, data: Any) -> Manifest:
+        """Raises ValueError naming the first field of the wrong type."""
+        data = _object(data, "the manifest")
+        if data.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        files = {name: FileInfo(size=_int(entry.get("size"), f"files[{name!r}].size"),
+                                sha256=_str(entry.get("sha256"), f"files[{name!r}].sha256"))
+                 for name, entry in _objects(data.get("files"), "files")}
+        tensors = {name: TensorInfo(dtype=_str(entry.get("dtype"), f"tensors[{name!r}].dtype"),
+                                    shape=_shape(entry.get("shape"), f"tensors[{name!r}].shape"),
+                                    file=_str(entry.get("file"), f"tensors[{name!r}].file"))
+                   for name, entry in _objects(data.get("tensors"), "tensors")}
+        config = data.get("config")
+        return cls(step=_int(data.get("step"), "step"), files=files, tensors=tensors,
+                   config=dict(_object(config, "config")) if config else {})
+
+
+# --- JSON of the expected types ------------------------------------------------------------------------
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "null")
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is {_kind(value)}, expected a JSON object")
+    return value
+
+
+def _objects(value: Any, what: str) -> list[tuple[str, dict[str, Any]]]:
+    """The entries of an object whose values are all objects."""
+    return [(name, _object(entry, f"{what}[{name!r}]")) for name, entry in _object(value, what).items()]
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} is {_kind(value)}, expected an integer")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is {_kind(value)}, expected a string")
+    return value
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} is {_kind(value)}, expected a list of integers")
+    return tuple(_int(d, f"{what}[{i}]") for i, d in enumerate(value))
+
+
+def parse_json_object(raw: bytes, name: str, where: str) -> dict[str, Any]:
+    """Pure: the JSON object in a snapshot file's bytes; SnapshotInvalid naming the file otherwise."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise SnapshotInvalid(where, f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SnapshotInvalid(where, f"{name} is {_kind(data)}, expected a JSON object")
+    return data
 
 
 # --- safetensors headers ------------------------------------------------------------------------------
@@ -138,12 +199,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            _check_metadata(entry)
             continue
         try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (TypeError, KeyError, ValueError) as exc:
+            entry = _object(entry, "entry")
+            dtype = _str(entry.get("dtype"), "dtype")
+            shape = _shape(entry.get("shape"), "shape")
+            begin, end = _shape(entry.get("data_offsets"), "data_offsets")
+        except ValueError as exc:  # also a data_offsets list that is not [begin, end]
             raise ValueError(f"tensor {name!r}: malformed header entry ({exc})") from exc
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
@@ -167,6 +230,14 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
                              f"(truncated: {size} bytes)")
         raise ValueError(f"{data_len - position} bytes after the last tensor (file not fully covered)")
     return tensors
+
+
+def _check_metadata(metadata: Any) -> None:
+    """The safetensors library refuses a header whose __metadata__ is not a map of strings to strings."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ValueError("__metadata__ is not a JSON object of strings")
 
 
 def weight_files(snapshot_dir: Path) -> list[Path]:
@@ -197,17 +268,14 @@ def shape_config(snapshot_dir: Path) -> dict[str, Any]:
     path = snapshot_dir / "config.json"
     if not path.exists():
         return {}
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as exc:
-        raise SnapshotInvalid(str(snapshot_dir), f"config.json is not valid JSON: {exc}") from exc
+    config = parse_json_object(path.read_bytes(), "config.json", str(snapshot_dir))
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     return {k: config.get(k, text_config.get(k)) for k in SHAPE_KEYS if k in config or k in text_config}
 
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:  # never hashes through a link
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -251,6 +319,9 @@ def finalize_snapshot(snapshot_dir: str | os.PathLike, step: int) -> Manifest:
     (root / MARKER_NAME).unlink(missing_ok=True)  # re-sealing: the old marker must not vouch for new files
     files: dict[str, FileInfo] = {}
     for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            raise SnapshotInvalid(str(root), f"{path.relative_to(root).as_posix()} is a symbolic link "
+                                             "(a snapshot holds regular files only)")
         if not path.is_file():
             continue
         rel = path.relative_to(root).as_posix()
@@ -286,10 +357,7 @@ class SnapshotReference:
         root = Path(model_dir)
         manifest_path = root / MANIFEST_NAME
         if manifest_path.exists():
-            try:
-                data = json.loads(manifest_path.read_text())
-            except ValueError as exc:
-                raise SnapshotInvalid(str(root), f"{MANIFEST_NAME} is not valid JSON: {exc}") from exc
+            data = parse_json_object(manifest_path.read_bytes(), MANIFEST_NAME, str(root))
             manifest = Manifest.from_json(data, str(root))
             return cls(tensors=manifest.tensors, config=manifest.config or shape_config(root), source=str(root))
         return cls(tensors=tensor_table(root), config=shape_config(root), source=str(root))
@@ -319,6 +387,11 @@ def compare_with_reference(tensors: Mapping[str, TensorInfo], config: Mapping[st
     if wrong:
         return f"tensor shapes differ from {reference.source}: " + "; ".join(wrong[:5]) + (
             f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+    dtypes = [f"{name} {tensors[name].dtype} (served: {ref.dtype})"
+              for name, ref in sorted(reference.tensors.items()) if tensors[name].dtype != ref.dtype]
+    if dtypes:
+        return f"tensor dtypes differ from {reference.source}: " + "; ".join(dtypes[:5]) + (
+            f" and {len(dtypes) - 5} more" if len(dtypes) > 5 else "")
     differing = [f"{k}={config.get(k)!r} (served: {reference.config.get(k)!r})"
                  for k in SHAPE_KEYS if k in reference.config and k in config and config[k] != reference.config[k]]
     if differing:
@@ -326,35 +399,59 @@ def compare_with_reference(tensors: Mapping[str, TensorInfo], config: Mapping[st
     return None
 
 
+def listed_path_problem(rel: str) -> str | None:
+    """Pure: why a file name in the manifest cannot name a file inside the snapshot, or None."""
+    path = PurePosixPath(rel)
+    if path.is_absolute():
+        return f"{MANIFEST_NAME} lists an absolute path {rel!r}"
+    if ".." in path.parts:
+        return f"{MANIFEST_NAME} lists {rel!r}, which leaves the snapshot directory"
+    return None
+
+
+def _listed_file(root: Path, rel: str, where: str) -> Path:
+    """A file the manifest lists, refused when it is a link or lies outside the snapshot directory."""
+    problem = listed_path_problem(rel)
+    if problem:
+        raise SnapshotInvalid(where, problem)
+    path = root / rel
+    if path.is_symlink():
+        raise SnapshotInvalid(where, f"{rel} is a symbolic link (a snapshot holds regular files only)")
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise SnapshotInvalid(where, f"{rel} resolves outside the snapshot directory")
+    return path
+
+
+def _read_regular(path: Path) -> bytes:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        return f.read()
+
+
 def validate_snapshot(snapshot_dir: str | os.PathLike,
                       reference: SnapshotReference | str | os.PathLike | None = None, *,
                       expected_step: int | None = None, verify_checksums: bool = True) -> Manifest:
     """Check a snapshot is complete, intact and fits the served model; return its manifest.
 
-    Raises SnapshotInvalid with the precise problem. Reads headers and hashes files; loads no tensor.
+    Raises SnapshotInvalid with the precise problem (a file that cannot be read included). Reads
+    headers and hashes files; loads no tensor and follows no symbolic link.
     """
     root = Path(snapshot_dir)
     where = str(root)
     if not root.is_dir():
         raise SnapshotInvalid(where, "no such directory")
-    marker_path = root / MARKER_NAME
-    manifest_path = root / MANIFEST_NAME
-    if not marker_path.exists():
-        raise SnapshotInvalid(where, f"no {MARKER_NAME} marker: the export did not finish")
-    if not manifest_path.exists():
-        raise SnapshotInvalid(where, f"{MARKER_NAME} present but {MANIFEST_NAME} is missing")
-    manifest_bytes = manifest_path.read_bytes()
     try:
-        marker = json.loads(marker_path.read_text())
-        data = json.loads(manifest_bytes)
-    except ValueError as exc:
-        raise SnapshotInvalid(where, f"marker or manifest is not valid JSON: {exc}") from exc
-    if not isinstance(marker, dict) or marker.get("manifest_sha256") != hashlib.sha256(manifest_bytes).hexdigest():
-        raise SnapshotInvalid(where, f"{MANIFEST_NAME} does not match the checksum in {MARKER_NAME} "
-                                     "(rewritten after sealing?)")
-    manifest = Manifest.from_json(data, where)
-    if marker.get("step") != manifest.step:
-        raise SnapshotInvalid(where, f"marker step {marker.get('step')} != manifest step {manifest.step}")
+        return _validate(root, where, reference, expected_step, verify_checksums)
+    except OSError as exc:
+        name = Path(exc.filename).name if exc.filename else "a file"
+        raise SnapshotInvalid(where, f"cannot read {name}: {exc.strerror or exc}") from exc
+
+
+def _validate(root: Path, where: str, reference: SnapshotReference | str | os.PathLike | None,
+              expected_step: int | None, verify_checksums: bool) -> Manifest:
+    links = [p.name for p in root.iterdir() if p.is_symlink()]
+    if links:
+        raise SnapshotInvalid(where, f"symbolic links in the snapshot (it holds regular files only): {_names(links)}")
+    manifest = _sealed_manifest(root, where)
     if expected_step is not None and manifest.step != expected_step:
         raise SnapshotInvalid(where, f"holds step {manifest.step}, expected step {expected_step}")
     dir_match = STEP_DIR.match(root.name)
@@ -362,8 +459,9 @@ def validate_snapshot(snapshot_dir: str | os.PathLike,
         raise SnapshotInvalid(where, f"directory is {root.name} but the manifest says step {manifest.step}")
 
     # Sizes first: cheap, and the clearest message for a truncated or replaced file.
-    for rel, info in sorted(manifest.files.items()):
-        path = root / rel
+    listed = {rel: _listed_file(root, rel, where) for rel in sorted(manifest.files)}
+    for rel, path in listed.items():
+        info = manifest.files[rel]
         if not path.is_file():
             raise SnapshotInvalid(where, f"{rel} is missing (listed in {MANIFEST_NAME})")
         size = path.stat().st_size
@@ -378,20 +476,11 @@ def validate_snapshot(snapshot_dir: str | os.PathLike,
     tensors = tensor_table(root)  # every header parses and covers its file exactly
     if {n: t for n, t in tensors.items()} != dict(manifest.tensors):
         raise SnapshotInvalid(where, f"safetensors headers differ from the tensor table in {MANIFEST_NAME}")
-    index_path = root / INDEX_NAME
-    if index_path.exists():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SnapshotInvalid(where, f"{INDEX_NAME} is malformed: {exc}") from exc
-        misplaced = [n for n, f in weight_map.items() if n not in tensors or tensors[n].file != f]
-        if misplaced or set(weight_map) != set(tensors):
-            raise SnapshotInvalid(where, f"{INDEX_NAME} does not match the weight files "
-                                         f"(e.g. {_names(misplaced or set(weight_map) ^ set(tensors), 3)})")
+    _check_index(root, where, tensors)
 
     if verify_checksums:
-        for rel, info in sorted(manifest.files.items()):
-            if sha256_of(root / rel) != info.sha256:
+        for rel, path in listed.items():
+            if sha256_of(path) != manifest.files[rel].sha256:
                 raise SnapshotInvalid(where, f"{rel} does not match its export-time sha256 (corrupted since export)")
 
     if reference is not None:
@@ -401,3 +490,40 @@ def validate_snapshot(snapshot_dir: str | os.PathLike,
         if problem:
             raise SnapshotInvalid(where, problem)
     return manifest
+
+
+def _sealed_manifest(root: Path, where: str) -> Manifest:
+    """The manifest, once the marker says the export finished and vouches for it."""
+    marker_path = root / MARKER_NAME
+    manifest_path = root / MANIFEST_NAME
+    if not marker_path.exists():
+        raise SnapshotInvalid(where, f"no {MARKER_NAME} marker: the export did not finish")
+    if not manifest_path.exists():
+        raise SnapshotInvalid(where, f"{MARKER_NAME} present but {MANIFEST_NAME} is missing")
+    manifest_bytes = _read_regular(manifest_path)
+    marker = parse_json_object(_read_regular(marker_path), MARKER_NAME, where)
+    data = parse_json_object(manifest_bytes, MANIFEST_NAME, where)
+    if marker.get("manifest_sha256") != hashlib.sha256(manifest_bytes).hexdigest():
+        raise SnapshotInvalid(where, f"{MANIFEST_NAME} does not match the checksum in {MARKER_NAME} "
+                                     "(rewritten after sealing?)")
+    manifest = Manifest.from_json(data, where)
+    step = marker.get("step")
+    if isinstance(step, bool) or step != manifest.step:
+        raise SnapshotInvalid(where, f"marker step {step} != manifest step {manifest.step}")
+    return manifest
+
+
+def _check_index(root: Path, where: str, tensors: Mapping[str, TensorInfo]) -> None:
+    """A sharded snapshot's index must name exactly the tensors of the weight files, each in its file."""
+    index_path = root / INDEX_NAME
+    if not index_path.exists():
+        return
+    index = parse_json_object(_read_regular(index_path), INDEX_NAME, where)
+    try:
+        weight_map = _object(index.get("weight_map"), "weight_map")
+    except ValueError as exc:
+        raise SnapshotInvalid(where, f"{INDEX_NAME} is malformed: {exc}") from exc
+    misplaced = [n for n, f in weight_map.items() if n not in tensors or tensors[n].file != f]
+    if misplaced or set(weight_map) != set(tensors):
+        raise SnapshotInvalid(where, f"{INDEX_NAME} does not match the weight files "
+                                     f"(e.g. {_names(misplaced or set(weight_map) ^ set(tensors), 3)})")
