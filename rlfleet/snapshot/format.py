@@ -15,16 +15,18 @@ is read through one.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from rlfleet.errors import RunError
 
@@ -128,7 +130,11 @@ def _kind(value: Any) -> str:
         return "a boolean"
     if isinstance(value, (int, float)):
         return f"the number {value!r}"
-    return {dict: "an object", list: "a list", str: "a string"}.get(type(value), "null")
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    return "a string" if isinstance(value, str) else "null"
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:
@@ -269,13 +275,27 @@ def shape_config(snapshot_dir: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     config = parse_json_object(path.read_bytes(), "config.json", str(snapshot_dir))
-    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text_config = config.get("text_config")
+    if not isinstance(text_config, dict):
+        text_config = {}
     return {k: config.get(k, text_config.get(k)) for k in SHAPE_KEYS if k in config or k in text_config}
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """Open a regular file for reading, never through a symbolic link (OSError otherwise)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:  # never hashes through a link
+    with _open_regular(path) as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
@@ -423,7 +443,7 @@ def _listed_file(root: Path, rel: str, where: str) -> Path:
 
 
 def _read_regular(path: Path) -> bytes:
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+    with _open_regular(path) as f:
         return f.read()
 
 
@@ -442,7 +462,7 @@ def validate_snapshot(snapshot_dir: str | os.PathLike,
     try:
         return _validate(root, where, reference, expected_step, verify_checksums)
     except OSError as exc:
-        name = Path(exc.filename).name if exc.filename else "a file"
+        name = Path(exc.filename).name if isinstance(exc.filename, str) else "a file"
         raise SnapshotInvalid(where, f"cannot read {name}: {exc.strerror or exc}") from exc
 
 
