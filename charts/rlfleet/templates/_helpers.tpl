@@ -16,6 +16,11 @@ app.kubernetes.io/component: operator
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
+{{/* The trainer image (trainer pods, tiny-model init containers), passed to the operator. */}}
+{{- define "rlfleet.trainerImage" -}}
+{{ .Values.trainerImage.repository }}:{{ .Values.trainerImage.tag | default .Chart.AppVersion }}
+{{- end -}}
+
 {{/* The operator's permissions: only what the reconcilers and Kopf use. No Secrets, no ConfigMaps. */}}
 {{- define "rlfleet.operatorRules" -}}
 - apiGroups: ["rlfleet.io"]
