@@ -39,11 +39,12 @@ class _ProcessGroup:
     die_with_parent_default = False
 
     def __init__(self, name: str, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None,
-                 cwd: str | None = None, die_with_parent: bool | None = None):
+                 cwd: str | None = None, die_with_parent: bool | None = None, inherit_env: bool = True):
         self.name = name
         self.argv = argv
         self.log_path = Path(log_path)
         self.env = env
+        self.inherit_env = inherit_env  # False: `env` is the child's whole environment
         self.cwd = cwd
         self.die_with_parent = self.die_with_parent_default if die_with_parent is None else die_with_parent
         self.proc: asyncio.subprocess.Process | subprocess.Popen | None = None
@@ -66,7 +67,7 @@ class _ProcessGroup:
                 "stdin": subprocess.DEVNULL,
                 "stdout": log,
                 "stderr": subprocess.STDOUT,
-                "env": {**os.environ, **(self.env or {})},
+                "env": {**(os.environ if self.inherit_env else {}), **(self.env or {})},
                 "cwd": self.cwd,
                 "start_new_session": True,
                 "preexec_fn": _die_with_parent if self.die_with_parent else None,

@@ -81,12 +81,88 @@ def test_env_with_a_missing_config_key_is_a_config_error():
 def test_volumes_map_to_host_directories_and_claims_are_shared(tmp_path):
     vols = [{"name": "snap", "persistentVolumeClaim": {"claimName": "run-snapshots"}},
             {"name": "scratch", "emptyDir": {}}, {"name": "host", "hostPath": {"path": "/data/models"}}]
-    paths = plan.volume_host_paths(pod([], vols), tmp_path)
+    paths = plan.volume_host_paths(pod([], vols), tmp_path, allow_host_path=True)
     assert paths == {"snap": tmp_path / "claims" / "ns" / "run-snapshots",
                      "scratch": tmp_path / "pods" / "u-1" / "volumes" / "scratch",
                      "host": Path("/data/models")}
     with pytest.raises(plan.PodConfigError, match="unsupported source"):
         plan.volume_host_paths(pod([], [{"name": "x", "nfs": {}}]), tmp_path)
+
+
+def test_host_path_volumes_are_refused_unless_the_agent_allows_them(tmp_path):
+    vols = [{"name": "host", "hostPath": {"path": "/data/models"}}]
+    with pytest.raises(plan.PodConfigError, match="hostPath volumes are refused.*--allow-host-path") as e:
+        plan.volume_host_paths(pod([], vols), tmp_path)
+    assert e.value.reason == "HostPathNotAllowed"
+
+
+@pytest.mark.parametrize("claim", ["../../../.cache/x", "..", "a/../../b", "a/b", "/etc", "UPPER", "a..b/.."])
+def test_a_claim_name_that_is_no_dns_subdomain_is_refused(tmp_path, claim):
+    vols = [{"name": "snap", "persistentVolumeClaim": {"claimName": claim}}]
+    with pytest.raises(plan.PodConfigError, match="claim name .* is not a DNS-1123 subdomain") as e:
+        plan.volume_host_paths(pod([], vols), tmp_path)
+    assert e.value.reason == "PathOutsideDataDir"
+
+
+def test_a_volume_name_that_would_leave_the_pod_directory_is_refused(tmp_path):
+    with pytest.raises(plan.PodConfigError, match="not a DNS-1123 label") as e:
+        plan.volume_host_paths(pod([], [{"name": "../../x", "emptyDir": {}}]), tmp_path)
+    assert e.value.reason == "PathOutsideDataDir"
+
+
+def test_confined_folds_dots_and_refuses_what_leaves_the_root(tmp_path):
+    root = tmp_path / "claims" / "ns"
+    assert plan.confined(root / "a" / "." / "b", root, "x") == root / "a" / "b"
+    assert plan.confined(root, root, "x") == root
+    for escape in (root / ".." / "other", root / "a" / ".." / ".." / "x", Path("/etc/passwd"),
+                   Path(str(root) + "-sibling")):
+        with pytest.raises(plan.PodConfigError, match="outside"):
+            plan.confined(escape, root, "x")
+    # A symbolic link planted in a claim: the caller resolves it, the rule is the same.
+    with pytest.raises(plan.PodConfigError, match="after symbolic links"):
+        plan.check_resolved(Path("/home/u/.cache"), root, "volume 'snap'")
+
+
+@pytest.mark.parametrize("sub", ["../other-claim", "/etc", "a/../../x"])
+def test_a_sub_path_outside_its_volume_is_refused(tmp_path, sub):
+    c = {"name": "c", "volumeMounts": [{"name": "snap", "mountPath": "/s", "subPath": sub}]}
+    with pytest.raises(plan.PodConfigError, match="subPath") as e:
+        plan.mount_table(c, {"snap": tmp_path / "claims" / "ns" / "c"})
+    assert e.value.reason == "PathOutsideDataDir"
+    ok = {"name": "c", "volumeMounts": [{"name": "snap", "mountPath": "/s", "subPath": "models/m1"}]}
+    assert plan.mount_table(ok, {"snap": tmp_path}) == [("/s", tmp_path / "models" / "m1")]
+
+
+def test_secret_files_are_owner_only_and_keys_cannot_leave_their_directory(tmp_path):
+    assert plan.config_files(tmp_path, {"token": "t", "ca.crt": "c"}, secret=True) == [
+        (tmp_path / "token", "t", 0o600), (tmp_path / "ca.crt", "c", 0o600)]
+    assert plan.config_files(tmp_path, {"cfg.json": "{}"}, secret=False) == [(tmp_path / "cfg.json", "{}", 0o644)]
+    for key in ("..", "../x", "a/b", "..data"):
+        with pytest.raises(plan.PodConfigError, match="not a plain file name"):
+            plan.config_files(tmp_path, {key: "v"}, secret=True)
+
+
+def test_a_working_dir_under_no_mount_is_refused(tmp_path):
+    c = {"name": "c", "image": "rlfleet/rlfleet", "command": ["rlfleet"], "workingDir": "/root"}
+    with pytest.raises(plan.PodConfigError, match="workingDir '/root' is under no volume mount") as e:
+        plan.plan_container(pod([c]), c, pod_ip="127.0.0.12", node_name="n", volume_paths={},
+                            image_map=plan.ImageMap(plan.default_image_rules(PY)))
+    assert e.value.reason == "PathOutsideDataDir"
+
+
+def test_the_process_environment_is_the_runtimes_then_the_pod_specs_and_nothing_else(tmp_path):
+    home = plan.pod_home(tmp_path, "u-1")
+    assert home == tmp_path / "pods" / "u-1" / "home"
+    base = plan.runtime_env(pod_name="f-engine-0", home=home, python=PY, kubeconfig=tmp_path / "kc")
+    assert base == {"PATH": "/opt/py/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    "HOME": str(home), "HOSTNAME": "f-engine-0", "LANG": "C.UTF-8", "KUBECONFIG": str(tmp_path / "kc")}
+    assert "KUBECONFIG" not in plan.runtime_env(pod_name="p", home=home, python=PY)
+    c = {"name": "c", "image": "rlfleet/rlfleet", "command": ["rlfleet"],
+         "env": [{"name": "LANG", "value": "en_US.UTF-8"}, {"name": "TOKEN_FILE", "value": "$(HOME)/t"}]}
+    cp = plan.plan_container(pod([c]), c, pod_ip="127.0.0.12", node_name="n", volume_paths={},
+                             image_map=plan.ImageMap(plan.default_image_rules(PY)), extra_env=base)
+    # The pod spec wins; $(VAR) sees only the spec's earlier variables, as in Kubernetes.
+    assert cp.env == {**base, "LANG": "en_US.UTF-8", "TOKEN_FILE": "$(HOME)/t"}
 
 
 def test_paths_under_mounts_are_rewritten_in_args_flags_env_and_cwd(tmp_path):
@@ -200,3 +276,11 @@ def test_scheduler_binds_only_unbound_matching_pods():
     assert not plan.schedulable_here(p, {})
     assert not plan.schedulable_here(pod([], nodeName="other"), {})
     assert not plan.schedulable_here(pod([], schedulerName="volcano"), {})
+
+
+def test_a_refused_pod_gets_a_warning_event_naming_why():
+    ev = plan.pod_event(pod([]), "PathOutsideDataDir", "claim name '..' ...", node="n1", now="2026-01-01T00:00:00Z")
+    assert ev["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "name": "f-engine-0", "namespace": "ns",
+                                    "uid": "u-1"}
+    assert (ev["type"], ev["reason"], ev["message"]) == ("Warning", "PathOutsideDataDir", "claim name '..' ...")
+    assert ev["source"] == {"component": "kubelet", "host": "n1"}

@@ -40,6 +40,7 @@ from rlfleet.devcluster.node_agent.log_server import ContainerLogSource, LogServ
 from rlfleet.devcluster.pki import write_self_signed_serving
 from rlfleet.kube.client import (
     CONFIGMAPS,
+    EVENTS,
     NODES,
     PODS,
     SECRETS,
@@ -149,6 +150,7 @@ class PodWorker:
             self.pod_reason, self.pod_message = e.reason, e.message
             self.mark_dirty()
             log.warning("pod %s/%s cannot start: %s", self.namespace, self.name, e.message)
+            await self._warning_event(e.reason, e.message)
             await self.deleting.wait()
             return
         init_plans, plans = plans[:len(self.init_runs)], plans[len(self.init_runs):]
@@ -168,31 +170,50 @@ class PodWorker:
         return [p["containerPort"] for c in self.spec.get("containers", []) for p in c.get("ports") or []]
 
     async def _plan(self) -> list[plan.ContainerPlan]:
-        volume_paths = plan.volume_host_paths(self.pod, self.agent.data_dir)
+        data_dir = self.agent.data_dir
+        volume_paths = plan.volume_host_paths(self.pod, data_dir, allow_host_path=self.agent.allow_host_path)
         config_data = await self._config_data()
         for vol in self.spec.get("volumes") or []:
             host = volume_paths[vol["name"]]
             await asyncio.to_thread(host.mkdir, parents=True, exist_ok=True)
+            if "hostPath" not in vol:  # a link planted in a claim must not lead out of the data dir
+                plan.check_resolved(await asyncio.to_thread(host.resolve), data_dir, f"volume {vol['name']!r}")
             for kind, key in (("configmap", "configMap"), ("secret", "secret")):
                 if key in vol:
                     ref = vol[key].get("name") or vol[key].get("secretName")
-                    await asyncio.to_thread(_write_files, host, config_data.get((kind, ref), {}))
-        extra_env = {"HOSTNAME": self.name}
-        if self.spec.get("automountServiceAccountToken", True):
-            extra_env["KUBECONFIG"] = str(await self._pod_kubeconfig())
-        return [
+                    files = plan.config_files(host, config_data.get((kind, ref), {}), secret=kind == "secret")
+                    await asyncio.to_thread(_write_files, host, files, 0o700 if kind == "secret" else 0o755)
+        home = plan.pod_home(data_dir, self.uid)
+        await asyncio.to_thread(home.mkdir, mode=0o700, parents=True, exist_ok=True)
+        kubeconfig = await self._pod_kubeconfig() if self.spec.get("automountServiceAccountToken", True) else None
+        extra_env = plan.runtime_env(pod_name=self.name, home=home, kubeconfig=kubeconfig)
+        plans = [
             plan.plan_container(self.pod, c, pod_ip=self.pod_ip or "", node_name=self.agent.node,
                                 volume_paths=volume_paths, image_map=self.agent.image_map, extra_env=extra_env,
                                 config_data=config_data)
             for c in self.spec.get("initContainers", []) + self.spec["containers"]
         ]
+        for cplan in plans:  # mounts through a link planted in a claim (subPath)
+            for mount, host in cplan.mounts:
+                if host.is_relative_to(data_dir):
+                    resolved = await asyncio.to_thread(host.resolve)
+                    plan.check_resolved(resolved, data_dir, f"volumeMount {mount!r} of container {cplan.name!r}")
+        return plans
+
+    async def _warning_event(self, reason: str, message: str) -> None:
+        """A Warning Event on the pod, as the kubelet reports a container it cannot create."""
+        try:
+            await self.agent.kube.create(EVENTS, plan.pod_event(self.pod, reason, message, node=self.agent.node,
+                                                                now=now_iso()), self.namespace)
+        except ApiError as e:
+            log.warning("event for pod %s/%s: %s", self.namespace, self.name, e)
 
     async def _run_init_containers(self, plans: list[plan.ContainerPlan]) -> bool:
         """Run init containers one after the other; False when one failed for good (pod Failed)."""
         for run, cplan in zip(self.init_runs, plans, strict=True):
             while True:
                 proc = ManagedProcess(f"{self.name}/{run.name}", cplan.argv, env=cplan.env, cwd=cplan.cwd,
-                                      log_path=self.log_dir / f"{run.name}.log")
+                                      log_path=self.log_dir / f"{run.name}.log", inherit_env=False)
                 self.procs[run.name] = proc
                 await proc.start()
                 run.started_at, run.waiting_reason, run.exit_code = now_iso(), None, None
@@ -269,7 +290,7 @@ class PodWorker:
     async def _container_loop(self, run: plan.ContainerRun, cplan: plan.ContainerPlan, container: dict) -> None:
         while not self.deleting.is_set():
             proc = ManagedProcess(f"{self.name}/{run.name}", cplan.argv, log_path=self.log_dir / f"{run.name}.log",
-                                  env=cplan.env, cwd=cplan.cwd)
+                                  env=cplan.env, cwd=cplan.cwd, inherit_env=False)
             try:
                 await proc.start()
             except OSError as e:
@@ -408,10 +429,16 @@ def _unlink_all(paths: list[Path]) -> None:
             path.unlink()
 
 
-def _write_files(directory: Path, data: dict[str, str]) -> None:
+def _write_files(directory: Path, files: list[tuple[Path, str, int]], dir_mode: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    for key, value in data.items():
-        (directory / key).write_text(value)
+    directory.chmod(dir_mode)
+    for path, text, mode in files:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # never write through a link; the mode is set at creation
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path, mode)  # the umask may have taken bits away
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -426,8 +453,10 @@ class NodeAgent:
 
     def __init__(self, kube: KubeClient, node: str, data_dir: Path, *, schedule: bool = False,
                  image_map: plan.ImageMap | None = None, pod_network: str = "127.0.0.0/24", first_host: int = 10,
-                 gpus: int = 0, labels: dict[str, str] | None = None, client_ca_pem: str | None = None):
+                 gpus: int = 0, labels: dict[str, str] | None = None, client_ca_pem: str | None = None,
+                 allow_host_path: bool = False):
         self.kube = kube
+        self.allow_host_path = allow_host_path
         self.node = node
         self.data_dir = Path(data_dir).resolve()
         self.schedule = schedule
@@ -639,6 +668,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--client-ca", default=None, metavar="FILE",
                    help="CA (PEM) whose client certificates may read container logs; default: the kubeconfig's "
                         "certificate authority, which signs the API server's kubelet client certificate")
+    p.add_argument("--allow-host-path", action="store_true",
+                   help="map hostPath volumes to their host path (default: pods with one are refused)")
     p.add_argument("--image-map", default=None, help='JSON file {"image-pattern": {"word": ["argv", ...]}}')
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -657,7 +688,7 @@ async def amain(args: argparse.Namespace) -> int:
     async with await KubeClient.load(args.kubeconfig) as kube:
         agent = NodeAgent(kube, args.node, data_dir, schedule=args.schedule, image_map=image_map,
                           pod_network=args.pod_network, first_host=args.first_host, gpus=args.gpus, labels=labels,
-                          client_ca_pem=client_ca_pem)
+                          client_ca_pem=client_ca_pem, allow_host_path=args.allow_host_path)
         task = asyncio.create_task(agent.run())
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -45,6 +45,7 @@ from __future__ import annotations
 import fnmatch
 import ipaddress
 import json
+import os
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -180,23 +181,66 @@ def container_env(pod: dict, container: dict, *, pod_ip: str, node_name: str,
 
 
 # Volumes ---------------------------------------------------------------------------------------------
-def volume_host_paths(pod: dict, data_dir: Path) -> dict[str, Path]:
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_FILE_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+OUTSIDE = "PathOutsideDataDir"
+HOST_PATH_REFUSED = "HostPathNotAllowed"
+
+
+def confined(path: Path, root: Path, what: str) -> Path:
+    """path, if it lies under root once `.` and `..` are folded (no I/O); else PodConfigError."""
+    folded = Path(os.path.normpath(path))
+    base = Path(os.path.normpath(root))
+    if folded != base and base not in folded.parents:
+        raise PodConfigError(OUTSIDE, f"{what} resolves to {folded}, outside {base}: refused")
+    return folded
+
+
+def check_resolved(resolved: Path, root_resolved: Path, what: str) -> None:
+    """After symbolic links are resolved (the caller's I/O), the path must still lie under the root."""
+    confined(resolved, root_resolved, what + " (after symbolic links)")
+
+
+def volume_host_paths(pod: dict, data_dir: Path, *, allow_host_path: bool = False) -> dict[str, Path]:
     """Host directory of every volume of the pod (configMap/secret: a per-pod directory to fill)."""
     meta = pod["metadata"]
     pod_dir = data_dir / "pods" / meta["uid"] / "volumes"
+    claims = data_dir / "claims" / meta["namespace"]
     paths: dict[str, Path] = {}
     for vol in pod.get("spec", {}).get("volumes") or []:
         name = vol["name"]
-        if "persistentVolumeClaim" in vol:
-            paths[name] = data_dir / "claims" / meta["namespace"] / vol["persistentVolumeClaim"]["claimName"]
-        elif "hostPath" in vol:
+        if "hostPath" in vol:
+            if not allow_host_path:
+                raise PodConfigError(HOST_PATH_REFUSED, f"volume {name!r}: hostPath volumes are refused by this "
+                                     "node agent (start it with --allow-host-path to map them)")
             paths[name] = Path(vol["hostPath"]["path"])
+            continue
+        if not _DNS1123_LABEL.fullmatch(name) or len(name) > 63:
+            raise PodConfigError(OUTSIDE, f"volume name {name!r} is not a DNS-1123 label: refused")
+        if "persistentVolumeClaim" in vol:
+            claim = vol["persistentVolumeClaim"]["claimName"]
+            if not _DNS1123_SUBDOMAIN.fullmatch(claim) or len(claim) > 253:
+                raise PodConfigError(OUTSIDE, f"volume {name!r}: claim name {claim!r} is not a DNS-1123 "
+                                     f"subdomain; it would map outside {claims}: refused")
+            paths[name] = confined(claims / claim, claims, f"volume {name!r} (claim {claim!r})")
         elif any(k in vol for k in ("emptyDir", "configMap", "secret", "projected", "downwardAPI")):
-            paths[name] = pod_dir / name
+            paths[name] = confined(pod_dir / name, pod_dir, f"volume {name!r}")
         else:
             kinds = sorted(set(vol) - {"name"})
             raise PodConfigError("CreateContainerConfigError", f"volume {name!r}: unsupported source {kinds}")
     return paths
+
+
+def config_files(directory: Path, data: Mapping[str, str], *, secret: bool) -> list[tuple[Path, str, int]]:
+    """(file, text, mode) of a configMap/secret volume: one file per key, secrets readable by the owner only."""
+    files = []
+    for key, value in data.items():
+        if not _FILE_KEY.fullmatch(key) or key in (".", "..") or key.startswith(".."):
+            raise PodConfigError(OUTSIDE, f"key {key!r} of a {'secret' if secret else 'configMap'} volume is not a "
+                                 "plain file name: refused")
+        files.append((confined(directory / key, directory, f"key {key!r}"), value, 0o600 if secret else 0o644))
+    return files
 
 
 def mount_table(container: dict, volume_paths: Mapping[str, Path]) -> list[tuple[str, Path]]:
@@ -206,8 +250,12 @@ def mount_table(container: dict, volume_paths: Mapping[str, Path]) -> list[tuple
         if m["name"] not in volume_paths:
             raise PodConfigError("CreateContainerConfigError", f"volumeMount of unknown volume {m['name']!r}")
         host = volume_paths[m["name"]]
-        if m.get("subPath"):
-            host = host / m["subPath"]
+        sub = m.get("subPath")
+        if sub:
+            if sub.startswith("/") or ".." in Path(sub).parts:
+                raise PodConfigError(OUTSIDE, f"volumeMount {m['mountPath']!r}: subPath {sub!r} must be relative "
+                                     "without '..': refused")
+            host = confined(host / sub, host, f"volumeMount {m['mountPath']!r} subPath {sub!r}")
         table.append((m["mountPath"].rstrip("/") or "/", host))
     return sorted(table, key=lambda t: -len(t[0]))
 
@@ -224,6 +272,24 @@ def translate_path(value: str, mounts: Iterable[tuple[str, Path]]) -> str:
     return value
 
 
+# Environment of a container process --------------------------------------------------------------------
+RUNTIME_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def pod_home(data_dir: Path, uid: str) -> Path:
+    return data_dir / "pods" / uid / "home"
+
+
+def runtime_env(*, pod_name: str, home: Path, python: str | None = None,
+                kubeconfig: Path | None = None) -> dict[str, str]:
+    """What a container runtime and the kubelet set before the pod spec's env (see the module docstring)."""
+    env = {"PATH": f"{Path(python or sys.executable).parent}:{RUNTIME_PATH}", "HOME": str(home),
+           "HOSTNAME": pod_name, "LANG": "C.UTF-8"}
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = str(kubeconfig)
+    return env
+
+
 # The whole plan for one container --------------------------------------------------------------------
 @dataclass(frozen=True)
 class ContainerPlan:
@@ -237,7 +303,10 @@ class ContainerPlan:
 def plan_container(pod: dict, container: dict, *, pod_ip: str, node_name: str, volume_paths: Mapping[str, Path],
                    image_map: ImageMap, extra_env: Mapping[str, str] | None = None,
                    config_data: Mapping[tuple[str, str], Mapping[str, str]] | None = None) -> ContainerPlan:
-    """Everything needed to start one container as a local process. Raises PodConfigError."""
+    """Everything needed to start one container as a local process. Raises PodConfigError.
+
+    extra_env (runtime_env's) comes first; the pod spec's env overrides it. The result is the whole
+    environment of the process: nothing of the agent's own is added."""
     mounts = mount_table(container, volume_paths)
     env = container_env(pod, container, pod_ip=pod_ip, node_name=node_name, config_data=config_data)
     env = {k: translate_path(v, mounts) for k, v in env.items()}
@@ -248,6 +317,9 @@ def plan_container(pod: dict, container: dict, *, pod_ip: str, node_name: str, v
     full_env = dict(extra_env or {})
     full_env.update(env)
     cwd = container.get("workingDir")
+    if cwd and translate_path(cwd, mounts) == cwd:
+        raise PodConfigError(OUTSIDE, f"workingDir {cwd!r} is under no volume mount; it would be a directory of the "
+                             "node's own file system: refused")
     return ContainerPlan(container["name"], argv, full_env, translate_path(cwd, mounts) if cwd else None, mounts)
 
 
@@ -489,6 +561,20 @@ def schedulable_here(pod: dict, node_labels: Mapping[str, str]) -> bool:
     if spec.get("schedulerName", "default-scheduler") != "default-scheduler":
         return False
     return all(node_labels.get(k) == v for k, v in (spec.get("nodeSelector") or {}).items())
+
+
+def pod_event(pod: dict, reason: str, message: str, *, node: str, now: str, kind: str = "Warning") -> dict:
+    """An Event on the pod from this node, as the kubelet posts one (e.g. a container it cannot create)."""
+    meta = pod["metadata"]
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": meta["namespace"],
+                           "uid": meta["uid"]},
+        "type": kind, "reason": reason, "message": message[:1024],
+        "source": {"component": "kubelet", "host": node}, "reportingComponent": "kubelet", "reportingInstance": node,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
 
 
 def kubeconfig_for_token(server: str, ca_data_b64: str | None, token: str, namespace: str,
