@@ -70,10 +70,12 @@ def chart_installed(cp, namespace: str):
         helm(cp, "uninstall", "rlfleet", "-n", SYSTEM_NS)
 
 
-def start_node_agent(cp, data_dir: Path, *, first_host: int = 100) -> GroupProcess:
+def start_node_agent(cp, data_dir: Path, *, first_host: int = 100,
+                     env: dict[str, str] | None = None) -> GroupProcess:
+    """The node agent as a process (its environment: this one's plus `env`)."""
     argv = node_agent_argv(python=sys.executable, kubeconfig=cp.kubeconfig, node="local-node", data_dir=data_dir,
                            first_host=first_host)
-    agent = GroupProcess("node-agent", argv, log_path=data_dir / "node-agent.log")
+    agent = GroupProcess("node-agent", argv, log_path=data_dir / "node-agent.log", env=env)
     agent.start()
     wait_for(lambda: _node_ready(cp), timeout=60, what="the node to be Ready",
              context=lambda: "\n".join(agent.tail(40)))
