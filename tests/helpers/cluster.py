@@ -95,9 +95,12 @@ def _node_ready(cp) -> bool:
 class OperatorProcess:
     """`python -m rlfleet.operator` with the chart's ServiceAccount token, restartable."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, kubeconfig: Path, namespace: str, log_dir: Path, extra_args: tuple[str, ...] = (),
+                 python: str = sys.executable, env: dict[str, str] | None = None):
+        """`python` and `env`: another interpreter (e.g. the operator's own environment) and what it needs."""
         self.kubeconfig, self.namespace, self.log_dir = kubeconfig, namespace, log_dir
         self.extra_args = tuple(extra_args)
+        self.python, self.env = python, env
         self.liveness_port = free_port()
         self.metrics_port = free_port()
         self.process: GroupProcess | None = None
@@ -108,11 +111,11 @@ class OperatorProcess:
         self.stop()
         self.starts += 1
         self.process = GroupProcess("operator", [
-            sys.executable, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
+            self.python, "-P", "-m", "rlfleet.operator", "--kubeconfig", str(self.kubeconfig),
             "--namespace", self.namespace, *(peering or ("--standalone",)),
             "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
             "--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port), *self.extra_args,
-        ], log_path=self.log_dir / f"operator-{self.starts}.log")
+        ], log_path=self.log_dir / f"operator-{self.starts}.log", env=self.env)
         self.process.start()
         wait_for(self.alive, timeout=60, interval=0.5, what="the operator's liveness endpoint", context=self.tail)
 
