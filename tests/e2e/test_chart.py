@@ -119,3 +119,14 @@ def test_network_policy_values_reach_the_operator():
 def test_values_schema_rejects_bad_metrics_peers(bad):
     result = helm("template", "x", str(CHART), "--set-json", f"networkPolicy.metricsFrom={bad}", check=False)
     assert result.returncode != 0 and "networkPolicy/metricsFrom" in result.stderr, result.stderr
+
+
+def test_the_operator_runs_the_operator_image_and_gives_its_pods_the_trainer_image():
+    docs = rendered("watchNamespaces={team-a}", "image.tag=1.2.3", "trainerImage.repository=reg.example/rl/trainer")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "rlfleet/rlfleet-operator:1.2.3"
+    chart_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert f"--rlfleet-image=reg.example/rl/trainer:{chart_version}" in container["command"]
+    result = helm("template", "x", str(CHART), "--set", "trainerImage.repository=", check=False)
+    assert result.returncode != 0 and "trainerImage" in result.stderr, result.stderr
