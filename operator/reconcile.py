@@ -4,6 +4,11 @@ Order of writes per fleet reconcile: the status first (at most one write, skippe
 because it records restart counts and failure times before any pod is deleted or created; then pod
 deletions, creations, router objects, the engine NetworkPolicy and Events. A crash between the steps
 leaves a state that the next reconcile, from the cluster alone, completes without counting anything twice.
+
+A child the API server refuses (`rlfleet.kube.refusals`) is collected, not raised: the pass then writes
+the status a second time, with the ChildRejected condition and the server's message (`rejections`),
+posts one Warning Event, and raises `ChildrenRefused` for a refusal that clears by itself, so the loop
+retries it with backoff. Answers that are not refusals (no answer, 429, 5xx) raise as before.
 """
 from __future__ import annotations
 
