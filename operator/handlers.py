@@ -3,8 +3,8 @@
 Level-based: one daemon per TrainingRun, RolloutFleet and EvalFleet runs a loop that derives
 everything from the cluster (indexes of the operator's pods, routers, claims and fleets, fed by Kopf's
 watches) and writes at most one status per pass (two when a child is refused). Children are matched
-by the owner's UID in their controller ownerReference, never by labels alone. Watch events of the object or of its children only
-wake the loop early; a pass also runs every RESYNC_S seconds and whenever a backoff ends.
+by the owner's UID in their controller ownerReference, never by labels alone. Watch events of the
+object or of its children only wake the loop early; a pass also runs every RESYNC_S seconds and whenever a backoff ends.
 
 State that must survive a restart of the operator lives in the cluster (fleet status and pod
 annotations, see `fleet_decide`), never only in memory; two replicas are safe with Kopf peering
