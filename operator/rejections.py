@@ -82,7 +82,7 @@ def _replace(status: dict, conditions: dict[str, dict]) -> dict:
 def events(rejections: Sequence[Rejection], previous: list[dict] | None) -> list[Event]:
     """One Warning per refusal not already shown by the owner's conditions (a retry says nothing new)."""
     shown = " ".join(c.get("message", "") for c in previous or [] if _is_rejection(c))
-    return [Event("Warning", reasons.CHILD_REJECTED, r.text()[-1000:]) for r in rejections if r.text() not in shown]
+    return [Event("Warning", reasons.CHILD_REJECTED, r.text()[:1000]) for r in rejections if r.text() not in shown]
 
 
 def foreign_events(owner_kind: str, owner_name: str, foreign: Iterable[tuple[str, dict]],
