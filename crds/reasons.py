@@ -43,3 +43,7 @@ NOT_READY = "NotReady"
 TRAINER_FAILED = "TrainerFailed"
 TRAINER_LOST = "TrainerLost"
 INVALID_SPEC = "InvalidSpec"
+
+# Children (conditions of the owner, Events).
+CHILD_REJECTED = "ChildRejected"  # the API server refused a child the operator built (server's message quoted)
+FOREIGN_CHILD_IGNORED = "ForeignChildIgnored"  # an object labelled as a child but not owned: ignored

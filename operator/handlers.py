@@ -2,8 +2,9 @@
 
 Level-based: one daemon per TrainingRun, RolloutFleet and EvalFleet runs a loop that derives
 everything from the cluster (indexes of the operator's pods, routers, claims and fleets, fed by Kopf's
-watches) and writes at most one status per pass. Watch events of the object or of its children only
-wake the loop early; a pass also runs every RESYNC_S seconds and whenever a backoff ends.
+watches) and writes at most one status per pass (two when a child is refused). Children are matched
+by the owner's UID in their controller ownerReference, never by labels alone. Watch events of the
+object or of its children only wake the loop early; a pass also runs every RESYNC_S seconds and whenever a backoff ends.
 
 State that must survive a restart of the operator lives in the cluster (fleet status and pod
 annotations, see `fleet_decide`), never only in memory; two replicas are safe with Kopf peering
@@ -25,9 +26,11 @@ from pydantic import ValidationError
 
 from rlfleet.crds import GROUP, VERSION
 from rlfleet.kube.client import ApiError, KubeClient
+from rlfleet.kube.ownership import partition
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
 from rlfleet.operator.reconcile import (
+    ChildrenRefused,
     Settings,
     compact_pod,
     plain,
@@ -42,7 +45,7 @@ RESYNC_S = 30.0
 ERROR_BACKOFF_S = (1, 2, 5, 10, 30)
 DEBOUNCE_S = 0.05  # let a burst of watch events (one pod created -> several updates) settle first
 MANAGED = {b.LABEL_MANAGED_BY: b.MANAGER}
-EXPECTED_ERRORS = (ApiError, ValidationError)
+EXPECTED_ERRORS = (ApiError, ValidationError, ChildrenRefused)
 
 
 # Startup ---------------------------------------------------------------------------------------------
@@ -61,6 +64,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> No
     # Least privilege: no cluster-wide CRD/namespace scanning; the namespaces are given on the command line.
     settings.scanning.disabled = True
     memo.setdefault("triggers", {})
+    memo.setdefault("foreign_reported", set())  # UIDs of foreign children already reported by an Event
     memo.setdefault("settings", Settings())
     if "kube" not in memo:
         memo.kube = await KubeClient.load(memo.get("kubeconfig"))
@@ -105,13 +109,14 @@ def router_deployments(body, namespace, labels, **_):
 def _identity_and_spec(body) -> dict:
     """What a reconcile compares of a child: who it is (to delete the right one) and its spec."""
     meta = body.get("metadata", {})
-    keep = {k: meta.get(k) for k in ("name", "namespace", "uid", "deletionTimestamp") if meta.get(k) is not None}
+    keep = {k: meta.get(k) for k in ("name", "namespace", "uid", "deletionTimestamp", "ownerReferences")
+            if meta.get(k) is not None}
     return plain({"metadata": keep, "spec": body.get("spec")})
 
 
 @kopf.index("services", labels={b.LABEL_COMPONENT: "router", b.LABEL_FLEET: kopf.PRESENT})
-def router_services(name, namespace, labels, **_):
-    return {(namespace, labels[b.LABEL_FLEET]): name}
+def router_services(body, namespace, labels, **_):
+    return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
 
 
 @kopf.index("networking.k8s.io", "v1", "networkpolicies",
@@ -223,13 +228,18 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
         fleet = plain(body)  # the daemon's body is kept current by Kopf
         if fleet["metadata"].get("deletionTimestamp"):
             return None
-        key = (ns, name)
+        key, uid = (ns, name), fleet["metadata"]["uid"]
+        # Children are the fleet's by its UID in their controller ownerReference, not by their labels.
+        pods, foreign_pods = partition(_all(engine_pods, key), uid)
+        deployments, foreign_deployments = partition(_all(router_deployments, key), uid)
+        services, foreign_services = partition(_all(router_services, key), uid)
+        policies, foreign_policies = partition(_all(network_policies, key), uid)
+        foreign = [*(("Pod", o) for o in foreign_pods), *(("Deployment", o) for o in foreign_deployments),
+                   *(("Service", o) for o in foreign_services), *(("NetworkPolicy", o) for o in foreign_policies)]
         plan = await reconcile_fleet(
-            memo.kube, fleet, [plain(p) for p in engine_pods.get(key, [])],
-            router_deployment=_one(router_deployments, key),
-            router_service=bool(list(router_services.get(key, []))),
-            network_policy=_one(network_policies, key),
-            settings=memo.settings)
+            memo.kube, fleet, pods, router_deployment=deployments[0] if deployments else None,
+            router_service=bool(services), network_policy=policies[0] if policies else None,
+            settings=memo.settings, foreign=foreign, reported=memo.foreign_reported)
         return plan.requeue_after
 
     await _loop(("fleet", ns, name), kind, memo, stopped, once)
@@ -251,9 +261,15 @@ async def evalfleet_daemon(body, memo, stopped, engine_pods, router_deployments,
     await _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, router_services, network_policies)
 
 
-def _one(index, key):
-    items = list(index.get(key, []))
-    return plain(items[0]) if items else None
+def _all(index, key) -> list[dict]:
+    return [plain(item) for item in index.get(key, [])]
+
+
+def _owned_one(index, key, uid: str, kind: str, foreign: list[tuple[str, dict]]) -> dict | None:
+    """The child under `key` that the owner `uid` controls; the others go to `foreign`."""
+    owned, others = partition(_all(index, key), uid)
+    foreign.extend((kind, o) for o in others)
+    return owned[0] if owned else None
 
 
 # kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
@@ -267,10 +283,15 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
         run = plain(body)
         if run["metadata"].get("deletionTimestamp"):
             return None
-        key = (ns, name)
-        children = RunChildren(rollout=_one(rollout_fleets, key), eval=_one(eval_fleets, key),
-                               trainer=_one(trainer_pods, key), pvc=_one(snapshot_claims, key))
-        await reconcile_run(memo.kube, run, children, settings=memo.settings)
+        key, uid = (ns, name), run["metadata"]["uid"]
+        # A fleet with this runName, a pod labelled as this run's trainer: the run's only when it owns them.
+        foreign: list[tuple[str, dict]] = []
+        children = RunChildren(rollout=_owned_one(rollout_fleets, key, uid, "RolloutFleet", foreign),
+                               eval=_owned_one(eval_fleets, key, uid, "EvalFleet", foreign),
+                               trainer=_owned_one(trainer_pods, key, uid, "Pod", foreign),
+                               pvc=_owned_one(snapshot_claims, key, uid, "PersistentVolumeClaim", foreign))
+        await reconcile_run(memo.kube, run, children, settings=memo.settings, foreign=foreign,
+                            reported=memo.foreign_reported)
         return None
 
     await _loop(("run", ns, name), "TrainingRun", memo, stopped, once)

@@ -4,12 +4,18 @@ Order of writes per fleet reconcile: the status first (at most one write, skippe
 because it records restart counts and failure times before any pod is deleted or created; then pod
 deletions, creations, router objects, the engine NetworkPolicy and Events. A crash between the steps
 leaves a state that the next reconcile, from the cluster alone, completes without counting anything twice.
+
+A child the API server refuses (`rlfleet.kube.refusals`) is collected, not raised: the pass then writes
+the status a second time, with the ChildRejected condition and the server's message (`rejections`),
+posts one Warning Event, and raises `ChildrenRefused` for a refusal that clears by itself, so the loop
+retries it with backoff. Answers that are not refusals (no answer, 429, 5xx) raise as before.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +33,11 @@ from rlfleet.kube.client import (
     KubeClient,
     Resource,
 )
+from rlfleet.kube.ownership import controller_uid
+from rlfleet.kube.refusals import Rejection, rejection
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
+from rlfleet.operator import rejections
 from rlfleet.operator.fleet_decide import (
     Event,
     FleetPlan,
@@ -76,15 +85,49 @@ async def _post_events(kube: KubeClient, obj: dict, events: list[Event], setting
             log.warning("event %s on %s/%s: %s", ev.reason, meta["namespace"], meta["name"], e)
 
 
-async def _create(kube: KubeClient, res: Resource, obj: dict) -> bool:
-    """Create; an object that already exists (by name) is fine: that is how duplicates are prevented."""
+class ChildrenRefused(Exception):
+    """Children refused for a reason that clears by itself (shown as Degraded): retry with backoff."""
+
+
+async def _create(kube: KubeClient, res: Resource, obj: dict, refused: list[Rejection] | None = None) -> bool:
+    """Create; an object of ours that already exists (by name) is fine: that is how duplicates are
+    prevented. A refusal goes to `refused` (when given), the server's message kept; a name held by an
+    object its owner does not own is a refusal too (never adopted)."""
+    meta = obj["metadata"]
     try:
-        await kube.create(res, obj, obj["metadata"]["namespace"])
+        await kube.create(res, obj, meta["namespace"])
         return True
     except ApiError as e:
         if e.conflict:
+            if refused is not None:
+                await _check_namesake(kube, res, obj, refused)
             return False
-        raise
+        if refused is None or (r := rejection(obj["kind"], meta["name"], e.status, e.message)) is None:
+            raise
+        refused.append(r)
+        return False
+
+
+async def _check_namesake(kube: KubeClient, res: Resource, obj: dict, refused: list[Rejection]) -> None:
+    meta = obj["metadata"]
+    owner = (meta.get("ownerReferences") or [{}])[0]
+    existing = await kube.get_or_none(res, meta["name"], meta["namespace"])
+    if existing is not None and controller_uid(existing) != owner.get("uid"):
+        refused.append(Rejection(obj["kind"], meta["name"], (
+            f"a {obj['kind']} named {meta['name']} already exists and is not owned by {owner.get('kind')} "
+            f"{owner.get('name')}; it is left alone: delete or rename it"), permanent=False, status=409))
+
+
+async def _patch(kube: KubeClient, res: Resource, obj: dict, body: dict, refused: list[Rejection]) -> bool:
+    meta = obj["metadata"]
+    try:
+        await kube.merge_patch(res, meta["name"], body, meta["namespace"])
+        return True
+    except ApiError as e:
+        if (r := rejection(obj["kind"], meta["name"], e.status, e.message)) is None:
+            raise
+        refused.append(r)
+        return False
 
 
 async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict, current: dict,
@@ -104,45 +147,70 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
 
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,
                           router_service: bool, network_policy: dict | None, settings: Settings,
-                          now: float | None = None) -> FleetPlan:
+                          now: float | None = None, foreign: Sequence[tuple[str, dict]] = (),
+                          reported: set[str] | None = None) -> FleetPlan:
     """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and child objects.
 
-    `router_deployment`, `network_policy`: the fleet's router Deployment and engine NetworkPolicy as
-    observed (None: there is none).
+    `pods`, `router_deployment`, `network_policy`: the fleet's own children (owned by its UID) as
+    observed (None: there is none). `foreign`: (kind, object) labelled as its children but not owned:
+    reported once each (by UID, in `reported`), never touched. A child the API server refuses sets
+    the ChildRejected condition within this pass (a second status write); a permanent refusal holds
+    the fleet's creations until its spec changes.
     """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
+    now = now or time.time()
+    generation = meta.get("generation")
     spec = b.fleet_spec(fleet)  # validated once here; the deciders and builders below take it typed
-    plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now or time.time(),
-                                generation=meta.get("generation"))
+    plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now, generation=generation)
     res = custom(PLURALS[fleet["kind"]])
-    await write_status(kube, res, fleet, plan.status, fleet.get("status") or {})
+    old = fleet.get("status") or {}
+    previous = old.get("conditions")
+    first = rejections.carry(plan.status, previous, generation)
+    await write_status(kube, res, fleet, first, old)
     for pod_name, uid in plan.delete:
         await kube.delete(PODS, pod_name, ns, uid=uid)
-    for slot, restarts in plan.create:
-        await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
-                                                     rlfleet_image=settings.rlfleet_image, spec=spec))
-    router = decide_router_deployment(fleet, router_deployment, spec)
-    if router is not None and router.verb == "create":
-        await _create(kube, DEPLOYMENTS, router.obj)
-    elif router is not None:
-        await kube.merge_patch(DEPLOYMENTS, router.obj["metadata"]["name"], {"spec": router.obj["spec"]}, ns)
-        plan.events.append(Event("Normal", reasons.ROUTER_UPDATED, f"router spec changed: rolling "
-                                                                   f"{router.obj['metadata']['name']}"))
-    if not router_service:
-        await _create(kube, SERVICES, b.build_router_service(fleet, spec))
-    await _apply_network_policy(kube, fleet, spec, network_policy, plan, settings)
+    refused: list[Rejection] = []
+    if rejections.held(previous, generation) is None:
+        await _write_fleet_children(kube, fleet, spec, plan, router_deployment, router_service, network_policy,
+                                    settings, refused)
+    final = rejections.apply(plan.status, refused, previous, now=now, generation=generation)
+    await write_status(kube, res, fleet, final, first)
+    plan.status = final
+    plan.events.extend(rejections.events(refused, previous))
+    plan.events.extend(rejections.foreign_events(fleet["kind"], name, foreign, reported if reported is not None
+                                                 else set()))
     if plan.recreated:
         metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc(len(plan.recreated))
     if plan.given_up:
         metrics.OPERATOR_SLOTS_FAILED.labels(namespace=ns, fleet=name).inc(len(plan.given_up))
     metrics.OPERATOR_READY_ENGINES.labels(namespace=ns, fleet=name).set(plan.status["readyReplicas"])
     await _post_events(kube, fleet, plan.events, settings)
+    if any(not r.permanent for r in refused):
+        raise ChildrenRefused(rejections.message([r for r in refused if not r.permanent]))
     return plan
 
 
+async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, plan: FleetPlan,
+                                router_deployment: dict | None, router_service: bool, network_policy: dict | None,
+                                settings: Settings, refused: list[Rejection]) -> None:
+    """Engine pods, the router Deployment and Service, the engine NetworkPolicy; refusals to `refused`."""
+    for slot, restarts in plan.create:
+        await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
+                                                     rlfleet_image=settings.rlfleet_image, spec=spec), refused)
+    router = decide_router_deployment(fleet, router_deployment, spec)
+    if router is not None and router.verb == "create":
+        await _create(kube, DEPLOYMENTS, router.obj, refused)
+    elif router is not None and await _patch(kube, DEPLOYMENTS, router.obj, {"spec": router.obj["spec"]}, refused):
+        plan.events.append(Event("Normal", reasons.ROUTER_UPDATED, f"router spec changed: rolling "
+                                                                   f"{router.obj['metadata']['name']}"))
+    if not router_service:
+        await _create(kube, SERVICES, b.build_router_service(fleet, spec), refused)
+    await _apply_network_policy(kube, fleet, spec, network_policy, plan, settings, refused)
+
+
 async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
-                                plan: FleetPlan, settings: Settings) -> None:
+                                plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
     action = decide_network_policy(fleet, current, enabled=settings.network_policy,
                                    metrics_from=list(settings.network_policy_metrics_from), spec=spec)
     if action is None:
@@ -150,11 +218,12 @@ async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, 
     meta = action.obj["metadata"]
     ns, name = fleet["metadata"]["namespace"], meta["name"]
     if action.verb == "create":
-        if await _create(kube, NETWORK_POLICIES, action.obj):
+        if await _create(kube, NETWORK_POLICIES, action.obj, refused):
             plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
                                      f"NetworkPolicy {name}: engines admit only {_admitted(fleet, spec, settings)}"))
     elif action.verb == "patch":
-        await kube.merge_patch(NETWORK_POLICIES, name, {"spec": action.obj["spec"]}, ns)
+        if not await _patch(kube, NETWORK_POLICIES, action.obj, {"spec": action.obj["spec"]}, refused):
+            return
         plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
                                  f"NetworkPolicy {name} had been changed; restored: engines admit only "
                                  f"{_admitted(fleet, spec, settings)}"))
@@ -181,17 +250,41 @@ _RESOURCES: dict[str, Resource] = {
 
 
 async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, settings: Settings,
-                        now: float | None = None) -> RunPlan:
-    """One level-based reconcile of a TrainingRun from its children."""
+                        now: float | None = None, foreign: Sequence[tuple[str, dict]] = (),
+                        reported: set[str] | None = None) -> RunPlan:
+    """One level-based reconcile of a TrainingRun from its children (owned by its UID).
+
+    A child the API server refuses for good fails the run (reason ChildRejected, the server's message)
+    within this pass; one refused for a reason that clears by itself sets Degraded and is retried.
+    `foreign` objects (labelled for the run, not owned by it) are reported once each, never touched.
+    """
     meta = run["metadata"]
-    plan = decide_run(run, children, now=now or time.time(), rlfleet_image=settings.rlfleet_image)
-    await write_status(kube, TRAININGRUNS, run, plan.status, owned_status(run.get("status")),
-                       owned=OPERATOR_STATUS_KEYS)
+    now = now or time.time()
+    generation = meta.get("generation")
+    plan = decide_run(run, children, now=now, rlfleet_image=settings.rlfleet_image)
+    old = owned_status(run.get("status"))
+    previous = old.get("conditions")
+    first = rejections.carry(plan.status, previous, generation)
+    await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
+    refused: list[Rejection] = []
     for obj in plan.create:
-        await _create(kube, _RESOURCES[obj["kind"]], obj)
+        await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     for kind, name, spec in plan.patch_fleet_specs:
-        await kube.merge_patch(_RESOURCES[kind], name, {"spec": spec}, meta["namespace"])
+        await _patch(kube, _RESOURCES[kind], {"kind": kind, "metadata": {"name": name, "namespace": meta["namespace"]}},
+                     {"spec": spec}, refused)
+    permanent = [r for r in refused if r.permanent]
+    if permanent:  # the run fails: decided again with the refusal, its Event included
+        plan = decide_run(run, children, now=now, rlfleet_image=settings.rlfleet_image, rejected=permanent)
+    final = rejections.apply(plan.status, [r for r in refused if not r.permanent], previous, now=now,
+                             generation=generation)
+    await write_status(kube, TRAININGRUNS, run, final, first, owned=OPERATOR_STATUS_KEYS)
+    plan.status = final
+    plan.events.extend(rejections.events([r for r in refused if not r.permanent], previous))
+    plan.events.extend(rejections.foreign_events(run["kind"], meta["name"], foreign,
+                                                 reported if reported is not None else set()))
     await _post_events(kube, run, plan.events, settings)
+    if any(not r.permanent for r in refused):
+        raise ChildrenRefused(rejections.message([r for r in refused if not r.permanent]))
     return plan
 
 
@@ -200,7 +293,7 @@ def compact_pod(body: Any) -> dict:
     meta = body.get("metadata", {})
     status = body.get("status") or {}
     keep_meta = {k: meta.get(k) for k in ("name", "namespace", "uid", "labels", "annotations", "creationTimestamp",
-                                          "deletionTimestamp") if meta.get(k) is not None}
+                                          "deletionTimestamp", "ownerReferences") if meta.get(k) is not None}
     keep_status = {k: status.get(k) for k in ("phase", "podIP", "startTime", "message", "reason", "conditions",
                                               "containerStatuses", "initContainerStatuses")
                    if status.get(k) is not None}

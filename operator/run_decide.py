@@ -13,6 +13,7 @@ so their accelerators are freed; a Failed run keeps its pods for diagnosis.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -22,6 +23,7 @@ from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import Condition, RunPhase, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
+from rlfleet.kube.refusals import Rejection
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import Event
 
@@ -29,7 +31,8 @@ TERMINAL = ("Succeeded", "Failed")
 # Failed reasons the operator sets itself; any other True Failed condition was adopted from the
 # orchestrator, and is kept once its annotation is gone.
 OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, reasons.ENGINE_CRASH_LOOP,
-                                reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED})
+                                reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED,
+                                reasons.CHILD_REJECTED})
 OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "ready", "engineRestarts", "engines",
                         "conditions", "observedGeneration", "startTime", "completionTime")
 
@@ -77,10 +80,13 @@ def _same_spec(desired: dict, current: dict | None) -> bool:
         return False
 
 
-def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: str | None = None) -> RunPlan:
+def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: str | None = None,
+               rejected: Sequence[Rejection] = ()) -> RunPlan:
     """One level-based reconcile of a TrainingRun: children to create, fleet specs to patch, status, Events.
 
-    The run's spec is validated once, here; the policies below take it typed.
+    The run's spec is validated once, here; the policies below take it typed. `rejected`: children
+    the API server refused for good in this pass; a run not yet terminal fails with reason ChildRejected
+    and the server's message.
     """
     meta = run["metadata"]
     old = run.get("status") or {}
@@ -97,6 +103,9 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     change = next_phase(phase, adopted=adopted_failure(meta.get("annotations") or {}, old_failed),
                         old_failed=old_failed, old_message=old.get("message") or "", trainer=children.trainer,
                         fleet_conditions=fleet_status.get("conditions") or [], run_name=meta["name"])
+    if rejected and phase not in TERMINAL:
+        text = "\n".join(r.text() for r in rejected)
+        change = PhaseChange("Failed", text, reasons.CHILD_REJECTED, text)
     return RunPlan(
         status=run_status(spec, old, change, fleet_status, trainer=children.trainer, now=now,
                           generation=meta.get("generation")),

@@ -15,7 +15,10 @@ Same interface as the local backend (`FleetBackend`); the difference is who acts
 - the fleet's `Failed` condition (set by the operator on a crash loop) becomes `FleetFailed` with the
   operator's message, which quotes the engine's last log lines;
 - `record_weight_version` also writes `rlfleet.io/weight-version` on the pod, so the fleet status shows
-  every engine's version.
+  every engine's version;
+- a pod is the fleet's only when the fleet's UID is its controller ownerReference: one that merely
+  carries the engine labels (or squats a slot's name) is ignored, as is a router-labelled pod that no
+  ReplicaSet of the fleet's router Deployment owns.
 
 `stop()` stops watching; the engines belong to the fleet (scale it to zero, or delete the run).
 """
@@ -30,8 +33,17 @@ from collections.abc import Callable
 from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.specs import RecoverySpec
-from rlfleet.kube.client import PODS, ApiError, KubeClient, list_and_watch, rlfleet_resource
+from rlfleet.kube.client import (
+    DEPLOYMENTS,
+    PODS,
+    REPLICASETS,
+    ApiError,
+    KubeClient,
+    list_and_watch,
+    rlfleet_resource,
+)
 from rlfleet.kube.conditions import find
+from rlfleet.kube.ownership import owned_by, owned_router_pods
 from rlfleet.kube.pods import pod_failure, view_pod
 from rlfleet.orchestrator.fleet.backend import (
     DeathCause,
@@ -108,11 +120,12 @@ def fleet_failure(fleet_name: str, status: dict | None) -> FleetFailed | None:
 class KubernetesBackend(FleetBackend):
     """A fleet whose engines are pods managed by the rlfleet operator."""
 
-    def __init__(self, kube: KubeClient, *, namespace: str, fleet: str, replicas: int, min_ready: int,
-                 recovery: RecoverySpec, port: int = 30000, kind: str = "RolloutFleet"):
+    def __init__(self, kube: KubeClient, *, namespace: str, fleet: str, fleet_uid: str, replicas: int,
+                 min_ready: int, recovery: RecoverySpec, port: int = 30000, kind: str = "RolloutFleet"):
         self.kube = kube
         self.namespace = namespace
         self.fleet = fleet
+        self.fleet_uid = fleet_uid  # the engine pods' controller: pods not owned by it are not the fleet's
         self.kind = kind
         self.replicas = replicas
         self.min_ready = min_ready
@@ -139,7 +152,8 @@ class KubernetesBackend(FleetBackend):
         """A backend for an existing fleet, its settings read from the fleet object."""
         obj = await kube.get(rlfleet_resource(kind), fleet, namespace)
         spec = FleetSpec.model_validate(obj["spec"])
-        return cls(kube, namespace=namespace, fleet=fleet, kind=kind, replicas=spec.replicas,
+        return cls(kube, namespace=namespace, fleet=fleet, fleet_uid=obj["metadata"]["uid"], kind=kind,
+                   replicas=spec.replicas,
                    min_ready=spec.min_ready_engines, recovery=spec.recovery, port=spec.engine.port)
 
     # Watches ---------------------------------------------------------------------------------------------
@@ -174,6 +188,8 @@ class KubernetesBackend(FleetBackend):
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def _slot_of(self, pod: dict) -> int | None:
+        if not owned_by(pod, self.fleet_uid):
+            return None  # labelled as one of the fleet's engines, but not the operator's pod
         view = view_pod(pod)
         if view.slot is None or view.name != conventions.engine_pod_name(self.fleet, view.slot):
             return None
@@ -337,13 +353,22 @@ class KubernetesBackend(FleetBackend):
             log.warning("annotating %s: %s", name, e)
 
 
-async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, prefer: str | None = None
-                     ) -> str | None:
+async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
+                     prefer: str | None = None) -> str | None:
     """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
-    `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap."""
-    pods = await kube.list(PODS, namespace,
-                           label_selector=f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}")
-    return pick_router_url(pods.get("items", []), port, prefer=prefer)
+    `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap.
+
+    Only the pods of the fleet's own router count: owned by a ReplicaSet that the router Deployment
+    owns, which the fleet (`fleet_uid`) owns. A pod that merely has the router labels is ignored.
+    """
+    selector = f"{conventions.LABEL_COMPONENT}=router,{conventions.LABEL_FLEET}={fleet}"
+    deployment = await kube.get_or_none(DEPLOYMENTS, conventions.router_name(fleet), namespace)
+    if deployment is None or not owned_by(deployment, fleet_uid):
+        return None
+    replica_sets = await kube.list(REPLICASETS, namespace, label_selector=selector)
+    pods = await kube.list(PODS, namespace, label_selector=selector)
+    own = owned_router_pods(pods.get("items", []), replica_sets.get("items", []), deployment, fleet_uid)
+    return pick_router_url(own, port, prefer=prefer)
 
 
 def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -> str | None:
@@ -394,11 +419,12 @@ FLEET_POLL_S = 2.0
 
 
 async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
-                       timeout: float) -> tuple[KubernetesBackend, str, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
+                       timeout: float, owner_uid: str | None) -> tuple[KubernetesBackend, str, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
     """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
 
     Returns the backend (not started), the router URL and the fleet object. The trainer pod starts
-    beside the fleets it drives, so both may still be coming up.
+    beside the fleets it drives, so both may still be coming up. `owner_uid`: the run's UID; a fleet
+    of that name that the run does not own is never attached (None: a fleet of no run).
     """
     res = rlfleet_resource(kind)
     loop = asyncio.get_running_loop()
@@ -406,10 +432,13 @@ async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: st
     waiting_for = f"{kind} {fleet}"
     while True:
         obj = await kube.get_or_none(res, fleet, namespace)
-        if obj is not None:
+        if obj is not None and owner_uid is not None and not owned_by(obj, owner_uid):
+            waiting_for = (f"{kind} {fleet} owned by the run (uid {owner_uid}); the {kind} of that name is not "
+                           f"the run's, so it is not used")
+        elif obj is not None:
             port = FleetSpec.model_validate(obj["spec"]).router.port
             waiting_for = f"a ready router pod of {kind} {fleet}"
-            if (url := await router_url(kube, namespace, fleet, port)) is not None:
+            if (url := await router_url(kube, namespace, fleet, port, fleet_uid=obj["metadata"]["uid"])) is not None:
                 backend = await KubernetesBackend.connect(kube, namespace=namespace, fleet=fleet, kind=kind)
                 return backend, url, obj
         if loop.time() + FLEET_POLL_S > deadline:

@@ -133,7 +133,7 @@ async def _run_in_cluster(args) -> RunSummary:
             options = _options(args, run_dir, host=args.metrics_host or os.environ.get("POD_IP") or "0.0.0.0",
                                manifest_dir=None, summary=args.snapshot_dir / f"{name}-summary.json")
             return await KubernetesRun(run, options, kube=kube, namespace=args.namespace,
-                                       snapshots=args.snapshot_dir).execute()
+                                       snapshots=args.snapshot_dir, run_uid=obj["metadata"]["uid"]).execute()
         except RunFailed as exc:
             try:
                 async with asyncio.timeout(30):

@@ -39,10 +39,13 @@ log = logging.getLogger(__name__)
 
 
 class KubernetesRun(RunLoop):
-    def __init__(self, run: TrainingRun, options: RunOptions, *, kube: KubeClient, namespace: str, snapshots: Path):
+    def __init__(self, run: TrainingRun, options: RunOptions, *, kube: KubeClient, namespace: str, snapshots: Path,
+                 run_uid: str):
         super().__init__(run, options, snapshots=snapshots)
         self.kube = kube
         self.namespace = namespace
+        self.run_uid = run_uid  # the fleets driven are the ones this run owns, whatever else has its runName
+        self._fleet_uids: dict[str, str] = {}
         self.rollout_fleet = conventions.rollout_fleet_name(self.name)
         self._status_writes: set[asyncio.Task] = set()
         self._pending_retire: Path | None = None
@@ -54,7 +57,9 @@ class KubernetesRun(RunLoop):
         spec = self.spec
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
-                                               timeout=spec.rollout.health.startup_timeout_seconds)
+                                               timeout=spec.rollout.health.startup_timeout_seconds,
+                                               owner_uid=self.run_uid)
+        self._fleet_uids[self.rollout_fleet] = obj["metadata"]["uid"]
         rollout_router = FleetSpec.model_validate(obj["spec"]).router
         self._router_ports[self.rollout_fleet] = rollout_router.port
         self._router_budgets[self.rollout_fleet] = rollout_router.max_restarts
@@ -75,7 +80,9 @@ class KubernetesRun(RunLoop):
         async def start(launch_model: Path):
             name = conventions.eval_fleet_name(self.name)
             backend, url, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
-                                                   timeout=self.spec.rollout.health.startup_timeout_seconds)
+                                                   timeout=self.spec.rollout.health.startup_timeout_seconds,
+                                                   owner_uid=self.run_uid)
+            self._fleet_uids[name] = obj["metadata"]["uid"]
             fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
             self._router_ports[name] = fleet_spec.router.port
             self._router_budgets[name] = fleet_spec.router.max_restarts
@@ -110,7 +117,7 @@ class KubernetesRun(RunLoop):
             await asyncio.sleep(interval)
             try:
                 url = await router_url(self.kube, self.namespace, fleet, self._router_ports[fleet],
-                                       prefer=runtime.router_url)
+                                       fleet_uid=self._fleet_uids[fleet], prefer=runtime.router_url)
             except (ApiError, OSError, TimeoutError) as exc:
                 log.warning("looking up the router of %s: %s", fleet, exc)
                 continue

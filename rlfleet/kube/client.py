@@ -83,6 +83,7 @@ CONFIGMAPS = Resource("", "v1", "configmaps")
 SECRETS = Resource("", "v1", "secrets")
 SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
+REPLICASETS = Resource("apps", "v1", "replicasets")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
 
 

@@ -312,7 +312,7 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         assert "exit code 137" in deaths[1].reason
         assert detect_s < 10
 
-        url = await router_url(kube, NS, "rf-k", 30000)
+        url = await router_url(kube, NS, "rf-k", 30000, fleet_uid=backend.fleet_uid)
         assert url is not None and http_json(url + "/get_server_info")["workers_count"] == 0
         print(f"\nfigures: crash seen by the backend {detect_s:.2f} s after SIGKILL")
     finally:

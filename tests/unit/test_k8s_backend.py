@@ -7,12 +7,16 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
 from rlfleet.orchestrator.fleet.errors import FleetNotReady
 from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, fleet_failure, slot_view
 
+FLEET_UID = "fleet-uid"
+OWNER = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet", "name": "f", "uid": FLEET_UID,
+         "controller": True}
+
 
 def pod(slot, *, restarts=0, phase="Running", ready=True, exit_code=None, message="", annotations=None, uid=None):
     state = {"terminated": {"exitCode": exit_code, "message": message}} if exit_code is not None \
         else {"running": {}}
     return {"metadata": {"name": b.engine_pod_name("f", slot), "uid": uid or f"u{slot}-{restarts}",
-                         "labels": b.engine_labels("f", slot),
+                         "labels": b.engine_labels("f", slot), "ownerReferences": [OWNER],
                          "annotations": {b.ANN_RESTARTS: str(restarts), **(annotations or {})}},
             "status": {"phase": phase, "podIP": f"127.0.0.{20 + slot}",
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -50,7 +54,8 @@ def test_operator_failed_condition_becomes_fleet_failed_with_the_log():
 
 
 async def test_a_terminated_container_is_reported_dead_at_once():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=2, min_ready=1, recovery=RecoverySpec())
     deaths = []
     backend.subscribe(deaths.append)
     await backend._on_pods_listed([pod(0), pod(1)])
@@ -67,7 +72,8 @@ async def test_a_terminated_container_is_reported_dead_at_once():
 
 
 async def test_wait_all_alive_returns_when_the_replacement_is_ready():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=1, min_ready=1, recovery=RecoverySpec())
     await backend._on_pods_listed([pod(0, restarts=1, ready=False)])
 
     async def becomes_ready():
@@ -81,7 +87,8 @@ async def test_wait_all_alive_returns_when_the_replacement_is_ready():
 
 
 async def test_wait_all_alive_is_bounded_and_says_why():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=1, min_ready=1, recovery=RecoverySpec())
     await backend._on_pods_listed([pod(0, ready=False)])
     try:
         await backend.wait_all_alive(timeout=0.1)
@@ -103,7 +110,8 @@ async def test_orchestrator_may_not_write_the_operators_status_fields():
 async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_once():
     """A crash seen by the pod watch and already replaced by the operator still counts as recovered at the
     next sync (its new pod has no weights yet), and only at that sync."""
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=2, min_ready=1, recovery=RecoverySpec())
     await backend._on_pods_listed([pod(0), pod(1)])
     assert await backend.recover() == []  # the fleet's own start is not a recovery
     await backend.wait_all_alive(timeout=1)  # bring-up: weights "0" go on incarnations 1, 1
