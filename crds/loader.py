@@ -22,6 +22,7 @@ from pydantic_core import ErrorDetails
 from rlfleet.crds import API_VERSION
 from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun
 from rlfleet.crds.rules import RULE_ERROR_TYPE, check_transition
+from rlfleet.crds.specs import EnvVarSpec
 
 
 @dataclass(frozen=True)
@@ -227,3 +228,30 @@ def load_training_run(path: str | Path) -> TrainingRun:
     run = runs[0].obj
     assert isinstance(run, TrainingRun), "a TrainingRun document without errors validates as a TrainingRun"
     return run
+
+
+# --- local runs -----------------------------------------------------------------------------------
+
+LOCAL_VALUE_FROM_MESSAGE = (
+    "valueFrom (secretKeyRef, configMapKeyRef) needs the Kubernetes API server, which a local run "
+    "(rlfleet run FILE) does not have: set value instead, or run the TrainingRun on Kubernetes"
+)
+
+
+def _models_with_paths(obj: Any, loc: tuple[str | int, ...]) -> Iterable[tuple[tuple[str | int, ...], BaseModel]]:
+    if isinstance(obj, BaseModel):
+        yield loc, obj
+        for name, info in type(obj).model_fields.items():
+            yield from _models_with_paths(getattr(obj, name), loc + (info.alias or name,))
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _models_with_paths(item, loc + (i,))
+
+
+def local_run_errors(run: TrainingRun) -> list[FieldError]:
+    """What a valid TrainingRun asks for that a local run cannot do (each named by its field path)."""
+    return [
+        FieldError(format_path(loc + ("valueFrom",)), LOCAL_VALUE_FROM_MESSAGE, "local")
+        for loc, model in _models_with_paths(run, ())
+        if isinstance(model, EnvVarSpec) and model.value_from is not None
+    ]

@@ -11,12 +11,20 @@ and a float is never accepted for an integer. Cross-field rules live next to the
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from rlfleet.crds.rules import Rule, immutable, raise_violations
+from rlfleet.crds.managed import (
+    ENV_NAME_CEL,
+    ENV_NAME_MESSAGE,
+    EXTRA_ARG_CEL,
+    EXTRA_ARG_MESSAGE,
+    env_name_reserved,
+    managed_flag,
+)
+from rlfleet.crds.rules import Rule, immutable, raise_violations, value_rule
 
 # Bounds on strings and lists keep the API server's CEL cost estimates finite and inputs sane.
 SHORT = 253  # a Kubernetes name or label value
@@ -24,6 +32,8 @@ PATH = 4096
 IMAGE = 512
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
 class ApiModel(BaseModel):
@@ -243,11 +253,72 @@ class TolerationSpec(ApiModel):
     )
 
 
+class KeyRefSpec(ApiModel):
+    """One key of a Secret or ConfigMap in the object's namespace."""
+
+    name: str = Field(..., min_length=1, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+                      description="Name of the Secret or ConfigMap.")
+    key: str = Field(..., min_length=1, max_length=SHORT, pattern=CONFIG_KEY_PATTERN, description="The key.")
+    optional: bool | None = Field(None, description="Start the pod even when the object or key is missing.")
+
+
+class EnvVarSourceSpec(ApiModel):
+    """Where a variable's value comes from (Kubernetes only: a local run has no API server to ask)."""
+
+    secret_key_ref: KeyRefSpec | None = Field(None, description="A key of a Secret.")
+    config_map_key_ref: KeyRefSpec | None = Field(None, description="A key of a ConfigMap.")
+
+    cel_rules = (
+        Rule(
+            cel="has(self.secretKeyRef) != has(self.configMapKeyRef)",
+            check=lambda s: (s.secret_key_ref is None) != (s.config_map_key_ref is None),
+            field="",
+            message="set exactly one of secretKeyRef and configMapKeyRef",
+        ),
+    )
+
+    def to_pod(self) -> dict[str, Any]:
+        """The core API `valueFrom` object."""
+        return wire_dump(self)
+
+
 class EnvVarSpec(ApiModel):
-    """An environment variable of the engine process or container."""
+    """An environment variable of the engine process or container: a value, or a reference to one."""
 
     name: str = Field(..., min_length=1, max_length=SHORT, pattern=ENV_NAME_PATTERN, description="Variable name.")
-    value: str = Field("", max_length=PATH, description="Variable value.")
+    value: str | None = Field(None, max_length=PATH, description="Variable value (\"\" for empty).")
+    value_from: EnvVarSourceSpec | None = Field(
+        None, description="The value from a Secret or ConfigMap key (Kubernetes only), instead of value."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="has(self.value) != has(self.valueFrom)",
+            check=lambda s: (s.value is None) != (s.value_from is None),
+            field="value",
+            message="set exactly one of value and valueFrom",
+        ),
+        Rule(
+            cel=ENV_NAME_CEL,
+            check=lambda s: not env_name_reserved(s.name),
+            field="name",
+            message=ENV_NAME_MESSAGE,
+        ),
+    )
+
+    def to_pod(self) -> dict[str, Any]:
+        """The core API `EnvVar` object."""
+        if self.value_from is not None:
+            return {"name": self.name, "valueFrom": self.value_from.to_pod()}
+        return {"name": self.name, "value": self.value or ""}
+
+
+# One extraArgs item: anything but a flag the command builder sets (rlfleet.crds.managed).
+ExtraArg = Annotated[
+    str,
+    Field(max_length=PATH),
+    *value_rule(EXTRA_ARG_CEL, lambda arg: managed_flag(arg) is None, EXTRA_ARG_MESSAGE),
+]
 
 
 class EngineSpec(ApiModel):
@@ -269,8 +340,10 @@ class EngineSpec(ApiModel):
                                          description="SGLang --max-total-tokens (required on CPU).")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="SGLang --mem-fraction-static.")
     attention_backend: str | None = Field(None, max_length=64, description="SGLang --attention-backend.")
-    extra_args: list[str] = Field(
-        default_factory=list, max_length=128, description="More SGLang arguments, passed verbatim."
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=128,
+        description="More SGLang arguments, passed verbatim after the managed ones; flags rlfleet sets "
+        "(--model-path, --host, --port, --tp-size, --api-key, ...) are refused.",
     )
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
