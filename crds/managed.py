@@ -79,6 +79,15 @@ def _cel_list(values: tuple[str, ...]) -> str:
 EXTRA_ARG_CEL = (
     "!self.startsWith('--') || !" + _cel_list(MANAGED_OPTION_STRINGS) + ".exists(m, m.startsWith(self.split('=')[0]))"
 )
+# Longest extraArgs item: bounds the API server's CEL cost estimate of the rule above.
+EXTRA_ARG_MAX = 2048
+
+
+def extra_arg_allowed(arg: str) -> bool:
+    """The Python side of EXTRA_ARG_CEL."""
+    return managed_flag(arg) is None
+
+
 EXTRA_ARG_MESSAGE = (
     "must not set (or abbreviate) a flag rlfleet manages: " + ", ".join(f.flag for f in ENGINE_FLAGS)
     + "; use the engine's own fields (modelPath, port, tensorParallelSize, ...)"

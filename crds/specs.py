@@ -16,13 +16,15 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from rlfleet.crds import k8s_values as kv
 from rlfleet.crds.managed import (
     ENV_NAME_CEL,
     ENV_NAME_MESSAGE,
     EXTRA_ARG_CEL,
+    EXTRA_ARG_MAX,
     EXTRA_ARG_MESSAGE,
     env_name_reserved,
-    managed_flag,
+    extra_arg_allowed,
 )
 from rlfleet.crds.rules import Rule, immutable, raise_violations, value_rule
 
@@ -30,9 +32,9 @@ from rlfleet.crds.rules import Rule, immutable, raise_violations, value_rule
 SHORT = 253  # a Kubernetes name or label value
 PATH = 4096
 IMAGE = 512
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+QUANTITY_PATTERN = kv.QUANTITY
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
-DNS1123_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_SUBDOMAIN_PATTERN = kv.DNS1123_SUBDOMAIN
 CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
@@ -129,7 +131,8 @@ class HeatSourceSpec(ApiModel):
     type: Literal["nvml", "dcgm", "file", "none"] = Field(
         "nvml", description="nvml: the GPU driver on each engine's node; dcgm: a DCGM exporter; file: a text file."
     )
-    url: str | None = Field(None, max_length=PATH, description="DCGM exporter metrics URL (type dcgm).")
+    url: str | None = Field(None, max_length=PATH, pattern=kv.HTTP_URL,
+                            description="DCGM exporter metrics URL (type dcgm), http:// or https://.")
     path: str | None = Field(
         None, max_length=PATH, description="File with one `<engine-slot> <celsius>` line per GPU (type file)."
     )
@@ -186,13 +189,15 @@ class HeatGuardSpec(ApiModel):
 class SnapshotVolumeSpec(ApiModel):
     """The shared (ReadWriteMany) volume for weight and eval snapshots."""
 
-    claim_name: str | None = Field(None, max_length=SHORT, description="Use this existing PersistentVolumeClaim.")
+    claim_name: str | None = Field(None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+                                   description="Use this existing PersistentVolumeClaim.")
     size: str = Field(
         "20Gi", max_length=64, pattern=QUANTITY_PATTERN,
         description="Size of the claim the operator creates when claimName is unset (a Kubernetes quantity).",
     )
     storage_class_name: str | None = Field(
-        None, max_length=SHORT, description="Storage class of the created claim (must offer ReadWriteMany)."
+        None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="Storage class of the created claim (must offer ReadWriteMany)."
     )
     local_path: str | None = Field(
         None, max_length=PATH,
@@ -206,8 +211,22 @@ class SnapshotVolumeSpec(ApiModel):
             field="storageClassName",
             message="storageClassName applies only to a created claim; remove it or claimName",
         ),
+        Rule(
+            cel="quantity(self.size).isGreaterThan(quantity('0'))",
+            check=lambda s: (kv.quantity(s.size) or 0) > 0,
+            field="size",
+            message="size must be greater than 0",
+        ),
         immutable("claimName", "claim_name", "the snapshot volume's claimName"),
     )
+
+
+MOUNT_PATH_RULE = Rule(
+    cel="!self.mountPath.split('/').exists(p, p == '..') && !self.mountPath.startsWith('/dev/shm')",
+    check=lambda s: not kv.path_has_dot_dot(s.mount_path) and not s.mount_path.startswith("/dev/shm"),
+    field="mountPath",
+    message="mountPath must not contain '..' nor lie under /dev/shm (the engines' shared memory)",
+)
 
 
 class WeightSyncSpec(ApiModel):
@@ -228,28 +247,89 @@ class WeightSyncSpec(ApiModel):
         2, ge=1, le=100, description="Weight snapshots kept on the volume (replacement engines start from the newest)."
     )
     mount_path: str = Field(
-        "/snapshots", max_length=PATH, pattern=r"^/", description="Where the snapshot volume is mounted in pods."
+        "/snapshots", max_length=PATH, pattern=kv.MOUNT_PATH,
+        description="Where the snapshot volume is mounted in pods (absolute; not /dev/shm, no `..`).",
     )
+
+    cel_rules = (MOUNT_PATH_RULE,)
     snapshot_volume: SnapshotVolumeSpec = Field(default_factory=SnapshotVolumeSpec)
+
+
+Quantity = Annotated[str, Field(max_length=64, pattern=kv.QUANTITY)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=kv.LABEL_VALUE)]
+NODE_SELECTOR_RULE = Rule(
+    cel=f"self.nodeSelector.all(k, k.size() <= 317 && k.matches({kv.cel_re(kv.LABEL_KEY)}))",
+    check=lambda s: all(len(k) <= 317 and kv.matches(kv.LABEL_KEY, k) for k in s.node_selector),
+    field="nodeSelector",
+    message="node selector keys must be label keys: [prefix/]name, name at most 63 characters of [-A-Za-z0-9_.]",
+)
 
 
 class ResourcesSpec(ApiModel):
     """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
 
-    requests: dict[str, str] = Field(default_factory=dict, max_length=16,
-                                     description="Resource requests, e.g. cpu: \"4\".")
-    limits: dict[str, str] = Field(default_factory=dict, max_length=16,
-                                   description="Resource limits, e.g. memory: 64Gi.")
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                          description="Resource requests, e.g. cpu: \"4\".")
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                        description="Resource limits, e.g. memory: 64Gi.")
+
+    cel_rules = (
+        Rule(
+            cel=f"self.requests.all(k, k.matches({kv.cel_re(kv.RESOURCE_NAME)}))"
+            f" && self.limits.all(k, k.matches({kv.cel_re(kv.RESOURCE_NAME)}))",
+            check=lambda s: all(kv.matches(kv.RESOURCE_NAME, k) for k in (*s.requests, *s.limits)),
+            field="",
+            message="resource names are cpu, memory, ephemeral-storage, hugepages-<size> or a domain/name",
+        ),
+        Rule(
+            cel=f"!('{kv.GPU_RESOURCE}' in self.requests) && !('{kv.GPU_RESOURCE}' in self.limits)",
+            check=lambda s: kv.GPU_RESOURCE not in s.requests and kv.GPU_RESOURCE not in s.limits,
+            field="",
+            message=f"{kv.GPU_RESOURCE} is set from gpus / gpusPerEngine; do not name it in resources",
+        ),
+        Rule(
+            cel="self.requests.all(k, !(k in self.limits)"
+            " || quantity(self.requests[k]).compareTo(quantity(self.limits[k])) <= 0)",
+            check=lambda s: all(k not in s.limits or (kv.quantity(v) or 0) <= (kv.quantity(s.limits[k]) or 0)
+                                for k, v in s.requests.items()),
+            field="requests",
+            message="each request must not exceed its limit",
+        ),
+        Rule(
+            cel="self.requests.all(k, !k.contains('/') || (k in self.limits"
+            " && quantity(self.requests[k]).compareTo(quantity(self.limits[k])) == 0))",
+            check=lambda s: all("/" not in k or (k in s.limits and kv.quantity(v) == kv.quantity(s.limits[k]))
+                                for k, v in s.requests.items()),
+            field="requests",
+            message="an extended resource (domain/name) must have a limit equal to its request",
+        ),
+    )
 
 
 class TolerationSpec(ApiModel):
     """A pod toleration, as in the core API."""
 
-    key: str | None = Field(None, max_length=SHORT, description="Taint key; unset with operator Exists: every taint.")
+    key: str | None = Field(None, max_length=317, pattern=kv.LABEL_KEY,
+                            description="Taint key; unset with operator Exists: every taint.")
     operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal (the default).")
-    value: str | None = Field(None, max_length=SHORT, description="Taint value (operator Equal).")
+    value: str | None = Field(None, max_length=63, pattern=kv.LABEL_VALUE, description="Taint value (operator Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect; unset: every effect."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            check=lambda s: s.operator != "Exists" or not s.value,
+            field="value",
+            message="a toleration with operator Exists takes no value",
+        ),
+        Rule(
+            cel="has(self.key) || (has(self.operator) && self.operator == 'Exists')",
+            check=lambda s: s.key is not None or s.operator == "Exists",
+            field="operator",
+            message="a toleration without a key must have operator Exists",
+        ),
     )
 
 
@@ -316,15 +396,16 @@ class EnvVarSpec(ApiModel):
 # One extraArgs item: anything but a flag the command builder sets (rlfleet.crds.managed).
 ExtraArg = Annotated[
     str,
-    Field(max_length=PATH),
-    *value_rule(EXTRA_ARG_CEL, lambda arg: managed_flag(arg) is None, EXTRA_ARG_MESSAGE),
+    Field(max_length=EXTRA_ARG_MAX),
+    *value_rule(EXTRA_ARG_CEL, extra_arg_allowed, EXTRA_ARG_MESSAGE),
 ]
 
 
 class EngineSpec(ApiModel):
     """One SGLang engine: what the single command-line builder turns into a pod or a process."""
 
-    image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, description="Container image of the engine.")
+    image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
+                       description="Container image of the engine.")
     model_path: str = Field(..., min_length=1, max_length=PATH,
                             description="Model directory or hub id served at start.")
     device: Literal["cuda", "cpu"] = Field(
@@ -347,10 +428,12 @@ class EngineSpec(ApiModel):
     )
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32,
+                                                 description="Pod node selector.")
     tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
 
     cel_rules = (
+        NODE_SELECTOR_RULE,
         Rule(
             cel="self.device != 'cuda' || self.gpusPerEngine >= self.tensorParallelSize * self.pipelineParallelSize",
             check=lambda s: s.device != "cuda"
