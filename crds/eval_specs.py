@@ -17,7 +17,9 @@ from rlfleet.crds.specs import PATH, ApiModel, EngineSpec, HealthSpec, RecoveryS
 
 _IMPORT_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*"
 IMPORT_PATH_PATTERN = f"^{_IMPORT_PATH}$"  # module.path:object
-TASK_PATTERN = f"^([A-Za-z_][A-Za-z0-9_-]*|{_IMPORT_PATH})$"  # a built-in name or an import path
+# The trainer's built-in tasks (rlfleet.trainer.tasks.TASKS; a unit test keeps the two equal).
+BUILTIN_TASKS = ("copy", "reverse", "rotate")
+TASK_PATTERN = f"^({'|'.join(BUILTIN_TASKS)}|{_IMPORT_PATH})$"  # a built-in name or an import path
 DATASET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 
 # Engine fields that only make sense together with the tensor-parallel size they were chosen for.

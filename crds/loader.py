@@ -97,8 +97,34 @@ _Loader.add_implicit_resolver(
 )
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping repeats a key: the API server would keep one of the two values silently."""
+
+    def __init__(self, path: str, key: Any, line: int):
+        self.path, self.key, self.line = path, key, line
+        super().__init__(f"{path}: duplicate key {key!r} (line {line})")
+
+
+def _duplicate_keys(node: yaml.Node, loc: tuple[str | int, ...]) -> None:
+    """Raise DuplicateKeyError for the first repeated key under `node`, located by its field path."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+            if key in seen:
+                raise DuplicateKeyError(format_path(loc + (key,)), key, key_node.start_mark.line + 1)
+            seen.add(key)
+            _duplicate_keys(value_node, loc + (key,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _duplicate_keys(item, loc + (i,))
+
+
 def parse_yaml(text: str) -> list[Any]:
-    """Every non-empty document of a YAML stream."""
+    """Every non-empty document of a YAML stream (a repeated key raises DuplicateKeyError)."""
+    for node in yaml.compose_all(text, Loader=_Loader):
+        if node is not None:
+            _duplicate_keys(node, ())
     return [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
 
 
@@ -195,6 +221,9 @@ def load_text(text: str) -> list[Document]:
     """Every document of a YAML stream, validated. A YAML syntax error raises ManifestError."""
     try:
         raw = parse_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ManifestError("<yaml>", [FieldError(exc.path, f"duplicate key {exc.key!r} (line {exc.line})",
+                                                  "yaml")]) from exc
     except yaml.YAMLError as exc:
         raise ManifestError("<yaml>", [FieldError("", f"not valid YAML: {exc}", "yaml")]) from exc
     documents = []

@@ -11,6 +11,8 @@ and a float is never accepted for an integer. Cross-field rules live next to the
 """
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,6 +40,15 @@ DNS1123_SUBDOMAIN_PATTERN = kv.DNS1123_SUBDOMAIN
 CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
+def _is_int_field(annotation: Any) -> bool:
+    """int, or int | None (the bool subclass aside)."""
+    if annotation is int:
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and int in args and all(
+        a in (int, type(None)) for a in args)
+
+
 class ApiModel(BaseModel):
     """Base for every API object: camelCase on the wire, unknown fields rejected, strict types."""
 
@@ -50,6 +61,21 @@ class ApiModel(BaseModel):
     )
 
     cel_rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """An integer field takes an integral float (2.0) as the API server does; 2.5 stays an error."""
+        if not isinstance(data, dict):
+            return data
+        fixed = None
+        for name, info in cls.model_fields.items():
+            key = info.alias or name
+            value = data.get(key, data.get(name))
+            if isinstance(value, float) and value.is_integer() and _is_int_field(info.annotation):
+                fixed = fixed if fixed is not None else dict(data)
+                fixed[key if key in data else name] = int(value)
+        return data if fixed is None else fixed
 
     @model_validator(mode="after")
     def _check_rules(self):

@@ -141,3 +141,13 @@ def test_value_from_and_user_defaults_reach_the_pods_without_duplicates():
 def test_value_from_is_validated(env, path, says):
     found = errors(RUN + f"  trainer: {{env: [{env}]}}\n")
     assert any(p == path and says in m for p, m in found), found
+
+
+def test_the_api_knows_exactly_the_trainers_built_in_tasks():
+    from rlfleet.crds.eval_specs import BUILTIN_TASKS
+    from rlfleet.trainer.tasks import TASKS
+
+    assert set(BUILTIN_TASKS) == set(TASKS)
+    assert errors(RUN + "  trainer: {task: reverse}\n") == []
+    assert errors(RUN + "  trainer: {task: my.tasks:Words}\n") == []
+    assert [p for p, _ in errors(RUN + "  trainer: {task: revers}\n")] == ["spec.trainer.task"]
