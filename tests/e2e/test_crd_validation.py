@@ -233,6 +233,9 @@ BAD_INPUT: list[Case] = [
     # Scheduling: node selector keys and values, tolerations.
     Case("node-selector-key-invalid", spec({"trainer": {"nodeSelector": {"gpu type": "a100"}}}),
          "spec.trainer.nodeSelector", "label keys"),
+    Case("eval-override-node-selector-key", spec({"eval": {"posture": "fleet", "fleet": {
+        "engine": {"nodeSelector": {"-gpu": "h100"}}}}}), "spec.eval.fleet.engine.nodeSelector", "label keys",
+         base=BASE_EVAL),
     Case("node-selector-value-invalid", spec({"rollout": {"engine": {"nodeSelector": {"pool": "a100 x8"}}}}),
          "spec.rollout.engine.nodeSelector.pool", "should match"),
     Case("toleration-exists-with-value", spec({"trainer": {"tolerations": [
