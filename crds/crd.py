@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from rlfleet.crds import GROUP, VERSION
-from rlfleet.crds.models import CATEGORY, KINDS, Kind
+from rlfleet.crds.models import CATEGORY, KINDS, NAME_PATTERN, Kind
 from rlfleet.crds.schema import structural_schema, walk
 
 HEADER = "# Generated from the models in rlfleet.crds by `make crds`; do not edit.\n"
@@ -23,8 +23,14 @@ def _metadata_schema(kind: Kind) -> dict[str, Any]:
     limits = {type(m).__name__: m for m in name_info.metadata}
     schema: dict[str, Any] = {"type": "object"}
     max_len = getattr(limits.get("MaxLen"), "max_length", None)
+    pattern = next((getattr(m, "pattern", None) for m in name_info.metadata if getattr(m, "pattern", None)), None)
+    name: dict[str, Any] = {"type": "string"}
     if max_len is not None and max_len < 253:
-        schema["properties"] = {"name": {"type": "string", "maxLength": max_len}}
+        name["maxLength"] = max_len
+    if pattern is not None and pattern != NAME_PATTERN:  # the API server checks DNS-1123 names itself
+        name["pattern"] = pattern
+    if len(name) > 1:
+        schema["properties"] = {"name": name}
     return schema
 
 

@@ -13,11 +13,13 @@ from pydantic import Field, create_model
 
 from rlfleet.crds.fleet_specs import MIN_READY_RULE, RouterSpec
 from rlfleet.crds.rules import Rule
-from rlfleet.crds.specs import PATH, ApiModel, EngineSpec, HealthSpec, RecoverySpec
+from rlfleet.crds.specs import NODE_SELECTOR_RULE, PATH, ApiModel, EngineSpec, HealthSpec, RecoverySpec
 
 _IMPORT_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*"
 IMPORT_PATH_PATTERN = f"^{_IMPORT_PATH}$"  # module.path:object
-TASK_PATTERN = f"^([A-Za-z_][A-Za-z0-9_-]*|{_IMPORT_PATH})$"  # a built-in name or an import path
+# The trainer's built-in tasks (rlfleet.trainer.tasks.TASKS; a unit test keeps the two equal).
+BUILTIN_TASKS = ("copy", "reverse", "rotate")
+TASK_PATTERN = f"^({'|'.join(BUILTIN_TASKS)}|{_IMPORT_PATH})$"  # a built-in name or an import path
 DATASET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
 
 # Engine fields that only make sense together with the tensor-parallel size they were chosen for.
@@ -51,6 +53,17 @@ EngineOverridesSpec = create_model(
     ),
     __module__=__name__,
     **_override_fields(),
+)
+
+
+# The rules of EngineSpec on a value that a pod gets directly (the override's own node selector keys).
+EngineOverridesSpec.cel_rules = (
+    Rule(
+        cel=f"!has(self.nodeSelector) || {NODE_SELECTOR_RULE.cel}",
+        check=lambda s: s.node_selector is None or NODE_SELECTOR_RULE.check(s),
+        field=NODE_SELECTOR_RULE.field,
+        message=NODE_SELECTOR_RULE.message,
+    ),
 )
 
 

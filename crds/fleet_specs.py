@@ -5,9 +5,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from rlfleet.crds import k8s_values as kv
+from rlfleet.crds.conventions import ROUTER_METRICS_PORT
 from rlfleet.crds.rules import Rule
 from rlfleet.crds.specs import (
     IMAGE,
+    MOUNT_PATH_RULE,
     PATH,
     SHORT,
     ApiModel,
@@ -21,7 +24,7 @@ class RouterSpec(ApiModel):
     """The sglang-router in front of a fleet. Membership is driven by rlfleet, not by the router."""
 
     image: str = Field(
-        "lmsysorg/sglang:v0.5.23", max_length=IMAGE,
+        "lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
         description="Container image that provides `python -m sglang_router.launch_router`.",
     )
     port: int = Field(30000, ge=1024, le=65535, description="Port the router listens on.")
@@ -41,6 +44,15 @@ class RouterSpec(ApiModel):
         5, ge=0, le=1000,
         description="Router restarts allowed per run (local runs restart the process, with the fleet's recovery "
         "backoff; on Kubernetes, router pod replacements the trainer follows). One more exit fails the run.",
+    )
+
+    cel_rules = (
+        Rule(
+            cel=f"self.port != {ROUTER_METRICS_PORT}",
+            check=lambda s: s.port != ROUTER_METRICS_PORT,
+            field="port",
+            message=f"port {ROUTER_METRICS_PORT} is the router's metrics port; choose another",
+        ),
     )
 
 
@@ -100,8 +112,12 @@ class RolloutTemplateSpec(ApiModel):
 class SnapshotMountSpec(ApiModel):
     """The run's snapshot volume as a fleet's pods mount it."""
 
-    claim_name: str = Field(..., min_length=1, max_length=SHORT, description="PersistentVolumeClaim (ReadWriteMany).")
-    mount_path: str = Field("/snapshots", max_length=PATH, pattern=r"^/", description="Mount path in engine pods.")
+    claim_name: str = Field(..., min_length=1, max_length=SHORT, pattern=kv.DNS1123_SUBDOMAIN,
+                            description="PersistentVolumeClaim (ReadWriteMany).")
+    mount_path: str = Field("/snapshots", max_length=PATH, pattern=kv.MOUNT_PATH,
+                            description="Mount path in engine pods.")
+
+    cel_rules = (MOUNT_PATH_RULE,)
 
 
 class FleetSpec(ApiModel):
@@ -115,7 +131,8 @@ class FleetSpec(ApiModel):
     health: HealthSpec = Field(default_factory=HealthSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
-    run_name: str | None = Field(None, max_length=SHORT, description="The TrainingRun this fleet belongs to, if any.")
+    run_name: str | None = Field(None, max_length=40, pattern=kv.DNS1035_LABEL,
+                                 description="The TrainingRun this fleet belongs to, if any (a label value).")
     snapshots: SnapshotMountSpec | None = Field(None, description="Shared snapshot volume mounted in every engine pod.")
 
     cel_rules = (FLEET_MIN_READY_RULE,)

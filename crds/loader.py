@@ -22,6 +22,7 @@ from pydantic_core import ErrorDetails
 from rlfleet.crds import API_VERSION
 from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun
 from rlfleet.crds.rules import RULE_ERROR_TYPE, check_transition
+from rlfleet.crds.specs import EnvVarSpec
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,34 @@ _Loader.add_implicit_resolver(
 )
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping repeats a key: the API server would keep one of the two values silently."""
+
+    def __init__(self, path: str, key: Any, line: int):
+        self.path, self.key, self.line = path, key, line
+        super().__init__(f"{path}: duplicate key {key!r} (line {line})")
+
+
+def _duplicate_keys(node: yaml.Node, loc: tuple[str | int, ...]) -> None:
+    """Raise DuplicateKeyError for the first repeated key under `node`, located by its field path."""
+    if isinstance(node, yaml.MappingNode):
+        seen = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+            if key in seen:
+                raise DuplicateKeyError(format_path(loc + (key,)), key, key_node.start_mark.line + 1)
+            seen.add(key)
+            _duplicate_keys(value_node, loc + (key,))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _duplicate_keys(item, loc + (i,))
+
+
 def parse_yaml(text: str) -> list[Any]:
-    """Every non-empty document of a YAML stream."""
+    """Every non-empty document of a YAML stream (a repeated key raises DuplicateKeyError)."""
+    for node in yaml.compose_all(text, Loader=_Loader):
+        if node is not None:
+            _duplicate_keys(node, ())
     return [doc for doc in yaml.load_all(text, Loader=_Loader) if doc is not None]
 
 
@@ -194,6 +221,9 @@ def load_text(text: str) -> list[Document]:
     """Every document of a YAML stream, validated. A YAML syntax error raises ManifestError."""
     try:
         raw = parse_yaml(text)
+    except DuplicateKeyError as exc:
+        raise ManifestError("<yaml>", [FieldError(exc.path, f"duplicate key {exc.key!r} (line {exc.line})",
+                                                  "yaml")]) from exc
     except yaml.YAMLError as exc:
         raise ManifestError("<yaml>", [FieldError("", f"not valid YAML: {exc}", "yaml")]) from exc
     documents = []
@@ -227,3 +257,30 @@ def load_training_run(path: str | Path) -> TrainingRun:
     run = runs[0].obj
     assert isinstance(run, TrainingRun), "a TrainingRun document without errors validates as a TrainingRun"
     return run
+
+
+# --- local runs -----------------------------------------------------------------------------------
+
+LOCAL_VALUE_FROM_MESSAGE = (
+    "valueFrom (secretKeyRef, configMapKeyRef) needs the Kubernetes API server, which a local run "
+    "(rlfleet run FILE) does not have: set value instead, or run the TrainingRun on Kubernetes"
+)
+
+
+def _models_with_paths(obj: Any, loc: tuple[str | int, ...]) -> Iterable[tuple[tuple[str | int, ...], BaseModel]]:
+    if isinstance(obj, BaseModel):
+        yield loc, obj
+        for name, info in type(obj).model_fields.items():
+            yield from _models_with_paths(getattr(obj, name), loc + (info.alias or name,))
+    elif isinstance(obj, list):
+        for i, item in enumerate(obj):
+            yield from _models_with_paths(item, loc + (i,))
+
+
+def local_run_errors(run: TrainingRun) -> list[FieldError]:
+    """What a valid TrainingRun asks for that a local run cannot do (each named by its field path)."""
+    return [
+        FieldError(format_path(loc + ("valueFrom",)), LOCAL_VALUE_FROM_MESSAGE, "local")
+        for loc, model in _models_with_paths(run, ())
+        if isinstance(model, EnvVarSpec) and model.value_from is not None
+    ]

@@ -12,15 +12,18 @@ from typing import Any, Literal, get_args
 from pydantic import ConfigDict, Field
 
 from rlfleet.crds import API_VERSION, GROUP, VERSION
+from rlfleet.crds import k8s_values as kv
 from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
 from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
 from rlfleet.crds.rules import Rule, immutable
 from rlfleet.crds.specs import (
     IMAGE,
+    NODE_SELECTOR_RULE,
     PATH,
     ApiModel,
     EnvVarSpec,
     HeatGuardSpec,
+    LabelValue,
     ResourcesSpec,
     TolerationSpec,
     WatchdogSpec,
@@ -30,9 +33,15 @@ from rlfleet.crds.status import EvalFleetStatus, RolloutFleetStatus, TrainingRun
 
 TINY_MODEL_PATTERN = r"^tiny://(llama|qwen2)(\?seed=[0-9]{1,9})?$"
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Runs and fleets name Services (`<fleet>-router`): DNS-1035 labels, a letter first.
+SERVICE_NAME_PATTERN = kv.DNS1035_LABEL
 # Child objects are named <run>-rollout, <run>-eval-router, ...: keep room for the longest suffix
 # within the 63 characters of a label value.
 MAX_RUN_NAME = 40
+# A fleet's name is a label value (`rlfleet.io/fleet`) and, with `-router`, a Service name (63).
+MAX_FLEET_NAME = 56
+# Samples per step (promptsPerStep x samplesPerPrompt) beyond which a step cannot be held in memory.
+MAX_SAMPLES_PER_STEP = 1_000_000
 
 
 class TrainerSpec(ApiModel):
@@ -43,7 +52,8 @@ class TrainerSpec(ApiModel):
         description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model "
         "(CPU or GPU).",
     )
-    image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, description="Container image of the trainer pod.")
+    image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, pattern=kv.IMAGE,
+                       description="Container image of the trainer pod.")
     gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-model parallelism.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Megatron pipeline-model parallelism.")
@@ -79,7 +89,7 @@ class TrainerSpec(ApiModel):
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
     tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
 
@@ -98,6 +108,13 @@ class TrainerSpec(ApiModel):
             field="gpus",
             message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize "
             "(no model parallelism on CPU)",
+        ),
+        NODE_SELECTOR_RULE,
+        Rule(
+            cel=f"self.promptsPerStep * self.samplesPerPrompt <= {MAX_SAMPLES_PER_STEP}",
+            check=lambda s: s.prompts_per_step * s.samples_per_prompt <= MAX_SAMPLES_PER_STEP,
+            field="promptsPerStep",
+            message=f"promptsPerStep x samplesPerPrompt must not exceed {MAX_SAMPLES_PER_STEP:,} samples per step",
         ),
         immutable("backend", "backend", "trainer backend"),
     )
@@ -155,7 +172,13 @@ class ObjectMeta(ApiModel):
 class RunMeta(ObjectMeta):
     """TrainingRun metadata: the name is shorter, its children's names add a suffix to it."""
 
-    name: str | None = Field(None, max_length=MAX_RUN_NAME, pattern=NAME_PATTERN)
+    name: str | None = Field(None, max_length=MAX_RUN_NAME, pattern=SERVICE_NAME_PATTERN)
+
+
+class FleetMeta(ObjectMeta):
+    """Fleet metadata: the name is a label value and names the router Service."""
+
+    name: str | None = Field(None, max_length=MAX_FLEET_NAME, pattern=SERVICE_NAME_PATTERN)
 
 
 class _Object(ApiModel):
@@ -175,6 +198,7 @@ class TrainingRun(_Object):
 class RolloutFleet(_Object):
     """SGLang rollout engines behind a router; a TrainingRun owns one."""
 
+    metadata: FleetMeta = Field(default_factory=FleetMeta)
     kind: Literal["RolloutFleet"] = "RolloutFleet"
     spec: RolloutFleetSpec
     status: RolloutFleetStatus | None = None
@@ -183,6 +207,7 @@ class RolloutFleet(_Object):
 class EvalFleet(_Object):
     """SGLang evaluation engines pinned to weight snapshots; a TrainingRun may own one."""
 
+    metadata: FleetMeta = Field(default_factory=FleetMeta)
     kind: Literal["EvalFleet"] = "EvalFleet"
     spec: EvalFleetSpec
     status: EvalFleetStatus | None = None

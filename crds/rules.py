@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
 from pydantic_core import PydanticCustomError
 
 # The pydantic error type the loader recognises as a violated rule.
@@ -125,3 +125,35 @@ def check_transition(new: BaseModel, old: BaseModel) -> list[tuple[tuple[str, ..
             if rule.transition and not rule.check(a, b):
                 found.append((path, Violation(rule.field, rule.message, rule.cel)))
     return found
+
+
+def value_rule(cel: str, check: Callable[[Any], bool], message: str) -> tuple[Any, Any]:
+    """A rule on a single value (a list item, a map value): CEL with `self` bound to the value.
+
+    Returns the two `Annotated` metadata items: the CRD schema entry and the Python check, which
+    reports the value's own path (e.g. `extraArgs[2]`) as the API server does.
+    """
+    def validate(value: Any) -> Any:
+        if not check(value):
+            raise PydanticCustomError(
+                RULE_ERROR_TYPE, "{summary}", {"summary": message, "violations": [Violation("", message, cel)]}
+            )
+        return value
+
+    return (
+        _ValueRuleSchema(cel, message),
+        AfterValidator(validate),
+    )
+
+
+@dataclass(frozen=True)
+class _ValueRuleSchema:
+    """The `x-kubernetes-validations` entry of a value rule, added to the value's JSON schema."""
+
+    cel: str
+    message: str
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        schema.setdefault("x-kubernetes-validations", []).append({"rule": self.cel, "message": self.message})
+        return schema

@@ -11,19 +11,42 @@ and a float is never accepted for an integer. Cross-field rules live next to the
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import types
+import typing
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from rlfleet.crds.rules import Rule, immutable, raise_violations
+from rlfleet.crds import k8s_values as kv
+from rlfleet.crds.managed import (
+    ENV_NAME_CEL,
+    ENV_NAME_MESSAGE,
+    EXTRA_ARG_CEL,
+    EXTRA_ARG_MAX,
+    EXTRA_ARG_MESSAGE,
+    env_name_reserved,
+    extra_arg_allowed,
+)
+from rlfleet.crds.rules import Rule, immutable, raise_violations, value_rule
 
 # Bounds on strings and lists keep the API server's CEL cost estimates finite and inputs sane.
 SHORT = 253  # a Kubernetes name or label value
 PATH = 4096
 IMAGE = 512
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$"
+QUANTITY_PATTERN = kv.QUANTITY
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+DNS1123_SUBDOMAIN_PATTERN = kv.DNS1123_SUBDOMAIN
+CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+
+
+def _is_int_field(annotation: Any) -> bool:
+    """int, or int | None (the bool subclass aside)."""
+    if annotation is int:
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType) and int in args and all(
+        a in (int, type(None)) for a in args)
 
 
 class ApiModel(BaseModel):
@@ -38,6 +61,21 @@ class ApiModel(BaseModel):
     )
 
     cel_rules: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        """An integer field takes an integral float (2.0) as the API server does; 2.5 stays an error."""
+        if not isinstance(data, dict):
+            return data
+        fixed = None
+        for name, info in cls.model_fields.items():
+            key = info.alias or name
+            value = data.get(key, data.get(name))
+            if isinstance(value, float) and value.is_integer() and _is_int_field(info.annotation):
+                fixed = fixed if fixed is not None else dict(data)
+                fixed[key if key in data else name] = int(value)
+        return data if fixed is None else fixed
 
     @model_validator(mode="after")
     def _check_rules(self):
@@ -119,7 +157,8 @@ class HeatSourceSpec(ApiModel):
     type: Literal["nvml", "dcgm", "file", "none"] = Field(
         "nvml", description="nvml: the GPU driver on each engine's node; dcgm: a DCGM exporter; file: a text file."
     )
-    url: str | None = Field(None, max_length=PATH, description="DCGM exporter metrics URL (type dcgm).")
+    url: str | None = Field(None, max_length=PATH, pattern=kv.HTTP_URL,
+                            description="DCGM exporter metrics URL (type dcgm), http:// or https://.")
     path: str | None = Field(
         None, max_length=PATH, description="File with one `<engine-slot> <celsius>` line per GPU (type file)."
     )
@@ -176,13 +215,15 @@ class HeatGuardSpec(ApiModel):
 class SnapshotVolumeSpec(ApiModel):
     """The shared (ReadWriteMany) volume for weight and eval snapshots."""
 
-    claim_name: str | None = Field(None, max_length=SHORT, description="Use this existing PersistentVolumeClaim.")
+    claim_name: str | None = Field(None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+                                   description="Use this existing PersistentVolumeClaim.")
     size: str = Field(
         "20Gi", max_length=64, pattern=QUANTITY_PATTERN,
         description="Size of the claim the operator creates when claimName is unset (a Kubernetes quantity).",
     )
     storage_class_name: str | None = Field(
-        None, max_length=SHORT, description="Storage class of the created claim (must offer ReadWriteMany)."
+        None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+        description="Storage class of the created claim (must offer ReadWriteMany)."
     )
     local_path: str | None = Field(
         None, max_length=PATH,
@@ -196,8 +237,22 @@ class SnapshotVolumeSpec(ApiModel):
             field="storageClassName",
             message="storageClassName applies only to a created claim; remove it or claimName",
         ),
+        Rule(
+            cel="quantity(self.size).isGreaterThan(quantity('0'))",
+            check=lambda s: (kv.quantity(s.size) or 0) > 0,
+            field="size",
+            message="size must be greater than 0",
+        ),
         immutable("claimName", "claim_name", "the snapshot volume's claimName"),
     )
+
+
+MOUNT_PATH_RULE = Rule(
+    cel="!self.mountPath.split('/').exists(p, p == '..') && !self.mountPath.startsWith('/dev/shm')",
+    check=lambda s: not kv.path_has_dot_dot(s.mount_path) and not s.mount_path.startswith("/dev/shm"),
+    field="mountPath",
+    message="mountPath must not contain '..' nor lie under /dev/shm (the engines' shared memory)",
+)
 
 
 class WeightSyncSpec(ApiModel):
@@ -218,42 +273,165 @@ class WeightSyncSpec(ApiModel):
         2, ge=1, le=100, description="Weight snapshots kept on the volume (replacement engines start from the newest)."
     )
     mount_path: str = Field(
-        "/snapshots", max_length=PATH, pattern=r"^/", description="Where the snapshot volume is mounted in pods."
+        "/snapshots", max_length=PATH, pattern=kv.MOUNT_PATH,
+        description="Where the snapshot volume is mounted in pods (absolute; not /dev/shm, no `..`).",
     )
+
+    cel_rules = (MOUNT_PATH_RULE,)
     snapshot_volume: SnapshotVolumeSpec = Field(default_factory=SnapshotVolumeSpec)
+
+
+Quantity = Annotated[str, Field(max_length=64, pattern=kv.QUANTITY)]
+LabelValue = Annotated[str, Field(max_length=63, pattern=kv.LABEL_VALUE)]
+NODE_SELECTOR_RULE = Rule(
+    cel=f"self.nodeSelector.all(k, k.size() <= 317 && k.matches({kv.cel_re(kv.LABEL_KEY)}))",
+    check=lambda s: all(len(k) <= 317 and kv.matches(kv.LABEL_KEY, k) for k in s.node_selector),
+    field="nodeSelector",
+    message="node selector keys must be label keys: [prefix/]name, name at most 63 characters of [-A-Za-z0-9_.]",
+)
 
 
 class ResourcesSpec(ApiModel):
     """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
 
-    requests: dict[str, str] = Field(default_factory=dict, max_length=16,
-                                     description="Resource requests, e.g. cpu: \"4\".")
-    limits: dict[str, str] = Field(default_factory=dict, max_length=16,
-                                   description="Resource limits, e.g. memory: 64Gi.")
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                          description="Resource requests, e.g. cpu: \"4\".")
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
+                                        description="Resource limits, e.g. memory: 64Gi.")
+
+    cel_rules = (
+        Rule(
+            cel=f"self.requests.all(k, k.matches({kv.cel_re(kv.RESOURCE_NAME)}))"
+            f" && self.limits.all(k, k.matches({kv.cel_re(kv.RESOURCE_NAME)}))",
+            check=lambda s: all(kv.matches(kv.RESOURCE_NAME, k) for k in (*s.requests, *s.limits)),
+            field="",
+            message="resource names are cpu, memory, ephemeral-storage, hugepages-<size> or a domain/name",
+        ),
+        Rule(
+            cel=f"!('{kv.GPU_RESOURCE}' in self.requests) && !('{kv.GPU_RESOURCE}' in self.limits)",
+            check=lambda s: kv.GPU_RESOURCE not in s.requests and kv.GPU_RESOURCE not in s.limits,
+            field="",
+            message=f"{kv.GPU_RESOURCE} is set from gpus / gpusPerEngine; do not name it in resources",
+        ),
+        Rule(
+            cel="self.requests.all(k, !(k in self.limits)"
+            " || quantity(self.requests[k]).compareTo(quantity(self.limits[k])) <= 0)",
+            check=lambda s: all(k not in s.limits or (kv.quantity(v) or 0) <= (kv.quantity(s.limits[k]) or 0)
+                                for k, v in s.requests.items()),
+            field="requests",
+            message="each request must not exceed its limit",
+        ),
+        Rule(
+            cel="self.requests.all(k, !k.contains('/') || (k in self.limits"
+            " && quantity(self.requests[k]).compareTo(quantity(self.limits[k])) == 0))",
+            check=lambda s: all("/" not in k or (k in s.limits and kv.quantity(v) == kv.quantity(s.limits[k]))
+                                for k, v in s.requests.items()),
+            field="requests",
+            message="an extended resource (domain/name) must have a limit equal to its request",
+        ),
+    )
 
 
 class TolerationSpec(ApiModel):
     """A pod toleration, as in the core API."""
 
-    key: str | None = Field(None, max_length=SHORT, description="Taint key; unset with operator Exists: every taint.")
+    key: str | None = Field(None, max_length=317, pattern=kv.LABEL_KEY,
+                            description="Taint key; unset with operator Exists: every taint.")
     operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal (the default).")
-    value: str | None = Field(None, max_length=SHORT, description="Taint value (operator Equal).")
+    value: str | None = Field(None, max_length=63, pattern=kv.LABEL_VALUE, description="Taint value (operator Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect; unset: every effect."
     )
 
+    cel_rules = (
+        Rule(
+            cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            check=lambda s: s.operator != "Exists" or not s.value,
+            field="value",
+            message="a toleration with operator Exists takes no value",
+        ),
+        Rule(
+            cel="has(self.key) || (has(self.operator) && self.operator == 'Exists')",
+            check=lambda s: s.key is not None or s.operator == "Exists",
+            field="operator",
+            message="a toleration without a key must have operator Exists",
+        ),
+    )
+
+
+class KeyRefSpec(ApiModel):
+    """One key of a Secret or ConfigMap in the object's namespace."""
+
+    name: str = Field(..., min_length=1, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
+                      description="Name of the Secret or ConfigMap.")
+    key: str = Field(..., min_length=1, max_length=SHORT, pattern=CONFIG_KEY_PATTERN, description="The key.")
+    optional: bool | None = Field(None, description="Start the pod even when the object or key is missing.")
+
+
+class EnvVarSourceSpec(ApiModel):
+    """Where a variable's value comes from (Kubernetes only: a local run has no API server to ask)."""
+
+    secret_key_ref: KeyRefSpec | None = Field(None, description="A key of a Secret.")
+    config_map_key_ref: KeyRefSpec | None = Field(None, description="A key of a ConfigMap.")
+
+    cel_rules = (
+        Rule(
+            cel="has(self.secretKeyRef) != has(self.configMapKeyRef)",
+            check=lambda s: (s.secret_key_ref is None) != (s.config_map_key_ref is None),
+            field="",
+            message="set exactly one of secretKeyRef and configMapKeyRef",
+        ),
+    )
+
+    def to_pod(self) -> dict[str, Any]:
+        """The core API `valueFrom` object."""
+        return wire_dump(self)
+
 
 class EnvVarSpec(ApiModel):
-    """An environment variable of the engine process or container."""
+    """An environment variable of the engine process or container: a value, or a reference to one."""
 
     name: str = Field(..., min_length=1, max_length=SHORT, pattern=ENV_NAME_PATTERN, description="Variable name.")
-    value: str = Field("", max_length=PATH, description="Variable value.")
+    value: str | None = Field(None, max_length=PATH, description="Variable value (\"\" for empty).")
+    value_from: EnvVarSourceSpec | None = Field(
+        None, description="The value from a Secret or ConfigMap key (Kubernetes only), instead of value."
+    )
+
+    cel_rules = (
+        Rule(
+            cel="has(self.value) != has(self.valueFrom)",
+            check=lambda s: (s.value is None) != (s.value_from is None),
+            field="value",
+            message="set exactly one of value and valueFrom",
+        ),
+        Rule(
+            cel=ENV_NAME_CEL,
+            check=lambda s: not env_name_reserved(s.name),
+            field="name",
+            message=ENV_NAME_MESSAGE,
+        ),
+    )
+
+    def to_pod(self) -> dict[str, Any]:
+        """The core API `EnvVar` object."""
+        if self.value_from is not None:
+            return {"name": self.name, "valueFrom": self.value_from.to_pod()}
+        return {"name": self.name, "value": self.value or ""}
+
+
+# One extraArgs item: anything but a flag the command builder sets (rlfleet.crds.managed).
+ExtraArg = Annotated[
+    str,
+    Field(max_length=EXTRA_ARG_MAX),
+    *value_rule(EXTRA_ARG_CEL, extra_arg_allowed, EXTRA_ARG_MESSAGE),
+]
 
 
 class EngineSpec(ApiModel):
     """One SGLang engine: what the single command-line builder turns into a pod or a process."""
 
-    image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, description="Container image of the engine.")
+    image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
+                       description="Container image of the engine.")
     model_path: str = Field(..., min_length=1, max_length=PATH,
                             description="Model directory or hub id served at start.")
     device: Literal["cuda", "cpu"] = Field(
@@ -269,15 +447,19 @@ class EngineSpec(ApiModel):
                                          description="SGLang --max-total-tokens (required on CPU).")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="SGLang --mem-fraction-static.")
     attention_backend: str | None = Field(None, max_length=64, description="SGLang --attention-backend.")
-    extra_args: list[str] = Field(
-        default_factory=list, max_length=128, description="More SGLang arguments, passed verbatim."
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list, max_length=128,
+        description="More SGLang arguments, passed verbatim after the managed ones; flags rlfleet sets "
+        "(--model-path, --host, --port, --tp-size, --api-key, ...) are refused.",
     )
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32,
+                                                 description="Pod node selector.")
     tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
 
     cel_rules = (
+        NODE_SELECTOR_RULE,
         Rule(
             cel="self.device != 'cuda' || self.gpusPerEngine >= self.tensorParallelSize * self.pipelineParallelSize",
             check=lambda s: s.device != "cuda"

@@ -48,8 +48,9 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
 )
 from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
 from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
+from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRunSpec
-from rlfleet.crds.specs import EngineSpec, ResourcesSpec, wire_dump
+from rlfleet.crds.specs import EngineSpec, EnvVarSpec, ResourcesSpec, wire_dump
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
 # Where a fleet without a snapshot volume writes its tiny model (an emptyDir): the usual mount path.
@@ -89,10 +90,17 @@ def _env(pairs: dict[str, str]) -> list[dict]:
 
 def _downward_env() -> list[dict]:
     return [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": ReservedEnv.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": ReservedEnv.POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": ReservedEnv.POD_NAMESPACE, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
+
+
+def _user_env(defaults: dict[str, str], user: Sequence[EnvVarSpec]) -> list[dict]:
+    """Defaults (a user variable of the same name replaces one), then the user's variables in order,
+    `valueFrom` (Secret and ConfigMap keys) included. Reserved names never get here (the API refuses them)."""
+    mine = {e.name for e in user}
+    return _env({k: v for k, v in defaults.items() if k not in mine}) + [e.to_pod() for e in user]
 
 
 def _tolerations(items: list) -> list[dict]:
@@ -176,7 +184,8 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
         "image": eng.image,
         "command": launch.argv("python3"),
         # Downward API first: $(POD_IP) in the command refers to it.
-        "env": _downward_env() + _env({"RLFLEET_FLEET": fname, "RLFLEET_SLOT": str(slot)}) + _env(launch.env),
+        "env": _downward_env() + _env({ReservedEnv.FLEET: fname, ReservedEnv.SLOT: str(slot)})
+        + _user_env(launch.env, eng.env),
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
         # /health generates one token (up to 20 s on a busy engine): allow it before counting a failure.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
@@ -397,11 +406,9 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
     trainer = spec.trainer
     mount_path = spec.weight_sync.mount_path
     env = _downward_env() + _env({
-        "RLFLEET_TRAINING_RUN": name,
-        "RLFLEET_SNAPSHOT_DIR": mount_path,
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-    }) + [{"name": e.name, "value": e.value} for e in trainer.env]
+        ReservedEnv.TRAINING_RUN: name,
+        ReservedEnv.SNAPSHOT_DIR: mount_path,
+    }) + _user_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, trainer.env)
     container = {
         "name": "trainer",
         "image": trainer.image,

@@ -46,6 +46,7 @@ from rlfleet.operator.fleet_decide import (
     decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+from rlfleet.util.redact import redact
 
 log = logging.getLogger("rlfleet.operator")
 
@@ -75,7 +76,7 @@ async def _post_events(kube: KubeClient, obj: dict, events: list[Event], setting
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta["uid"]},
-            "type": ev.type, "reason": ev.reason, "message": ev.message[:1024],
+            "type": ev.type, "reason": ev.reason, "message": redact(ev.message)[:1024],
             "source": {"component": b.MANAGER}, "reportingComponent": b.MANAGER,
             "reportingInstance": settings.instance, "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
         }

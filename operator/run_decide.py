@@ -26,6 +26,7 @@ from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
 from rlfleet.kube.refusals import Rejection
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import Event
+from rlfleet.util.redact import redact
 
 TERMINAL = ("Succeeded", "Failed")
 # Failed reasons the operator sets itself; any other True Failed condition was adopted from the
@@ -67,7 +68,7 @@ def _pod_terminated(pod: dict) -> dict:
     for s in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (s.get("state") or {}).get("terminated")
         if term:
-            return term
+            return {**term, "message": redact(term.get("message") or "")}
     return {}
 
 

@@ -56,6 +56,7 @@ from rlfleet.orchestrator.fleet.backend import (
     fleet_not_ready,
 )
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
+from rlfleet.util.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class KubernetesBackend(FleetBackend):
         self._notify()
         if pod is not None:
             patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value,
-                                                  conventions.ANN_DEAD_MESSAGE: reason[-2000:]}}}
+                                                  conventions.ANN_DEAD_MESSAGE: redact(reason)[-2000:]}}}
             try:
                 await self.kube.merge_patch(PODS, pod["metadata"]["name"], patch, self.namespace)
             except ApiError as e:
@@ -403,7 +404,7 @@ async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, m
     status conditions the operator owns; the operator turns them into the run's Failed condition.
     """
     patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason,
-                                          conventions.ANN_FAILED_MESSAGE: message[-30000:]}}}
+                                          conventions.ANN_FAILED_MESSAGE: redact(message)[-30000:]}}}
     await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlfleet.crds.loader import ManifestError, load_training_run, validate_object
+from rlfleet.crds.loader import ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         run = load_training_run(args.file)
     except ManifestError as exc:
         print(f"rlfleet run: {args.file} is not a valid TrainingRun:\n{exc}", file=sys.stderr)
+        return 2
+    if not_local := local_run_errors(run):
+        print(f"rlfleet run: {args.file} cannot run locally:\n{ManifestError(args.file, not_local)}", file=sys.stderr)
         return 2
     if args.steps is not None:
         run.spec.trainer.steps = args.steps

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.util.redact import redact
+
 
 @dataclass
 class StepRecord:
@@ -53,7 +55,7 @@ class RunSummary:
             "wall_seconds": round(self.wall_seconds, 3),
             "eval": self.eval,
             "eval_snapshots_left": self.eval_snapshots_left,
-            "failure": self.failure,
+            "failure": redact(self.failure) if self.failure else self.failure,
             "router_restarts": dict(self.router_restarts),
             "router_events": list(self.router_events),
             "rollout_attempts": dict(self.rollout_attempts),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime as dt
 import re
 
+from rlfleet.util.redact import redact
+
 MESSAGE_MAX = 32768
 
 
@@ -43,7 +45,7 @@ def condition(kind: str, ok: bool, reason: str, message: str, *, now: float, pre
     old = next((c for c in previous or [] if c.get("type") == kind), None)
     since = (old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime")
              else iso(now))
-    cond = {"type": kind, "status": status, "reason": reason_word(reason), "message": clip(message),
+    cond = {"type": kind, "status": status, "reason": reason_word(reason), "message": clip(redact(message)),
             "lastTransitionTime": since}
     if generation is not None:
         cond["observedGeneration"] = generation

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rlfleet.crds import conventions, reasons
 from rlfleet.kube.conditions import parse_time, reason_word
+from rlfleet.util.redact import redact
 
 # Waiting reasons that never resolve by waiting: the slot is dead.
 START_FAILURES = frozenset({"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
@@ -45,7 +46,15 @@ def int_or(value, default: int = 0) -> int:
 
 
 def pod_failure(pod: dict) -> Failure | None:
-    """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can)."""
+    """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can).
+
+    The message quotes the container's last log lines (its termination message): keys and tokens
+    redacted."""
+    failure = _pod_failure(pod)
+    return None if failure is None else Failure(failure.reason, redact(failure.message), failure.exit_code)
+
+
+def _pod_failure(pod: dict) -> Failure | None:
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     ann = meta.get("annotations") or {}
     statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])

@@ -1,12 +1,14 @@
 """The one builder of the SGLang engine command line.
 
 The operator puts its output into pod specs and the local backend runs it as a process, so the two
-modes can never drift. Pure: no I/O.
+modes can never drift. Every flag it sets is spelled through `rlfleet.crds.managed.EngineFlags`, the
+table the API uses to refuse those flags in `extraArgs`. Pure: no I/O.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.crds.managed import USER_SETTABLE_ENGINE_FLAGS, EngineFlags
 from rlfleet.crds.specs import EngineSpec
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
@@ -34,47 +36,54 @@ def build_engine_launch(
     model_path: str | None = None,
     weight_version: str = "0",
     enable_metrics: bool = True,
+    api_key: str | None = None,
 ) -> EngineLaunch:
     """Build the `python -m sglang.launch_server ...` arguments for one engine slot.
 
     `model_path` overrides the spec's (a replacement engine starts from the current snapshot);
-    `weight_version` labels the weights it starts with, so read-back is meaningful from the start.
+    `weight_version` labels the weights it starts with, so read-back is meaningful from the start;
+    `api_key` (e.g. `$(RLFLEET_API_KEY)` in a pod) makes the engine require it. Environment variables
+    with `valueFrom` are not in `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
     """
+    f = EngineFlags
     args: list[str] = [
         "-m", "sglang.launch_server",
-        "--model-path", model_path or engine.model_path,
-        "--host", host,
-        "--port", str(port if port is not None else engine.port),
-        "--tp-size", str(engine.tensor_parallel_size),
-        "--weight-version", weight_version,
+        f.MODEL_PATH.flag, model_path or engine.model_path,
+        f.HOST.flag, host,
+        f.PORT.flag, str(port if port is not None else engine.port),
+        f.TP_SIZE.flag, str(engine.tensor_parallel_size),
+        f.WEIGHT_VERSION.flag, weight_version,
     ]
-    for flag, size in (("--pp-size", engine.pipeline_parallel_size), ("--dp-size", engine.data_parallel_size),
-                       ("--ep-size", engine.expert_parallel_size)):
+    for flag, size in ((f.PP_SIZE, engine.pipeline_parallel_size), (f.DP_SIZE, engine.data_parallel_size),
+                       (f.EP_SIZE, engine.expert_parallel_size)):
         if size != 1:
-            args += [flag, str(size)]
+            args += [flag.flag, str(size)]
     if engine.device == "cpu":
         args += [
-            "--device", "cpu",
-            "--model-impl", "transformers",
+            f.DEVICE.flag, "cpu",
+            f.MODEL_IMPL.flag, "transformers",
             # Without it each idle CPU engine busy-polls a full core.
-            "--sleep-on-idle",
-            "--max-total-tokens", str(engine.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS),
+            f.SLEEP_ON_IDLE.flag,
+            f.MAX_TOTAL_TOKENS.flag, str(engine.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS),
         ]
-        if "--dtype" not in engine.extra_args:
+        (dtype,) = USER_SETTABLE_ENGINE_FLAGS
+        if not any(a == dtype or a.startswith(dtype + "=") for a in engine.extra_args):
             # SGLang's default halves float32 weights to float16, which on CPU is ~3.4x slower and
             # returns less exact logprobs than the trainer computes.
-            args += ["--dtype", "float32"]
+            args += [dtype, "float32"]
     elif engine.max_total_tokens is not None:
-        args += ["--max-total-tokens", str(engine.max_total_tokens)]
+        args += [f.MAX_TOTAL_TOKENS.flag, str(engine.max_total_tokens)]
     if engine.mem_fraction_static is not None:
-        args += ["--mem-fraction-static", str(engine.mem_fraction_static)]
+        args += [f.MEM_FRACTION_STATIC.flag, str(engine.mem_fraction_static)]
     if engine.attention_backend:
-        args += ["--attention-backend", engine.attention_backend]
+        args += [f.ATTENTION_BACKEND.flag, engine.attention_backend]
     if enable_metrics:
-        args.append("--enable-metrics")
+        args.append(f.ENABLE_METRICS.flag)
+    if api_key is not None:
+        args += [f.API_KEY.flag, api_key]
     args += list(engine.extra_args)
     env = dict(BASE_ENV)
-    env.update({e.name: e.value for e in engine.env})
+    env.update({e.name: e.value for e in engine.env if e.value is not None})
     return EngineLaunch(args=tuple(args), env=env)
 
 

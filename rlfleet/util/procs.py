@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlfleet.util.redact import redact_lines
+
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -130,7 +132,7 @@ class ManagedProcess(_ProcessGroup):
 
 
 def tail_file(path: Path, lines: int = 20) -> list[str]:
-    """The last non-empty lines of a log file ([] when it does not exist)."""
+    """The last non-empty lines of a log file ([] when it does not exist), keys and tokens redacted."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -143,7 +145,7 @@ def tail_file(path: Path, lines: int = 20) -> list[str]:
     for line in text.splitlines():
         if line.strip():
             kept.append(line.rstrip())
-    return list(kept)
+    return redact_lines(kept)
 
 
 def groups_writing_under(directory: Path) -> set[int]:

@@ -177,6 +177,110 @@ BAD_INPUT: list[Case] = [
          kind="EvalFleet"),
     Case("eval-fleet-replicas-negative", {"spec": {"replicas": -1}}, "spec.replicas", "greater than or equal to 0",
          kind="EvalFleet"),
+    # Names derived from metadata.name / runName: Services need a letter first, labels 63 characters.
+    Case("run-name-leading-digit", {"metadata": {"name": "1run"}}, "metadata.name", "should match"),
+    Case("fleet-name-too-long", {"metadata": {"name": "f" * 57}}, "metadata.name", "56", kind="RolloutFleet"),
+    Case("fleet-name-leading-digit", {"metadata": {"name": "9fleet"}}, "metadata.name", "should match",
+         kind="EvalFleet"),
+    Case("fleet-run-name-invalid", {"spec": {"runName": "Run_1"}}, "spec.runName", "should match",
+         kind="RolloutFleet"),
+    # Managed flags in extraArgs (the command builder's own, aliases and abbreviations included).
+    Case("extra-args-port", spec({"rollout": {"engine": {"extraArgs": ["--port", "31000"]}}}),
+         "spec.rollout.engine.extraArgs[0]", "must not set (or abbreviate) a flag rlfleet manages"),
+    Case("extra-args-model-alias", spec({"rollout": {"engine": {"extraArgs": ["--trust-remote-code", "--model=/x"]}}}),
+         "spec.rollout.engine.extraArgs[1]", "must not set (or abbreviate) a flag rlfleet manages"),
+    Case("extra-args-api-key", spec({"rollout": {"engine": {"extraArgs": ["--api-key", "k"]}}}),
+         "spec.rollout.engine.extraArgs[0]", "flag rlfleet manages"),
+    Case("extra-args-abbreviated-host", spec({"rollout": {"engine": {"extraArgs": ["--ho=0.0.0.0"]}}}),
+         "spec.rollout.engine.extraArgs[0]", "flag rlfleet manages"),
+    Case("extra-args-eval-override", spec({"eval": {"posture": "fleet", "fleet": {
+        "engine": {"extraArgs": ["--tensor-parallel-size=2"]}}}}),
+         "spec.eval.fleet.engine.extraArgs[0]", "flag rlfleet manages", base=BASE_EVAL),
+    Case("extra-args-fleet-tp", {"spec": {"engine": {"modelPath": "/m", "extraArgs": ["--tp-size", "2"]}}},
+         "spec.engine.extraArgs[0]", "flag rlfleet manages", kind="RolloutFleet"),
+    # Reserved environment names and env sources.
+    Case("env-reserved-rlfleet", spec({"trainer": {"env": [{"name": "RLFLEET_SNAPSHOT_DIR", "value": "/x"}]}}),
+         "spec.trainer.env[0].name", "is reserved"),
+    Case("env-reserved-pod-ip", spec({"rollout": {"engine": {"env": [{"name": "A", "value": "1"},
+                                                                     {"name": "POD_IP", "value": "0.0.0.0"}]}}}),
+         "spec.rollout.engine.env[1].name", "is reserved"),
+    Case("env-value-and-value-from", spec({"trainer": {"env": [
+        {"name": "T", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}}),
+         "spec.trainer.env[0].value", "exactly one of value and valueFrom"),
+    Case("env-neither-value-nor-value-from", spec({"trainer": {"env": [{"name": "T"}]}}),
+         "spec.trainer.env[0].value", "exactly one of value and valueFrom"),
+    Case("env-value-from-two-sources", spec({"rollout": {"engine": {"env": [{"name": "T", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]}}}),
+         "spec.rollout.engine.env[0].valueFrom", "exactly one of secretKeyRef and configMapKeyRef"),
+    Case("env-secret-name-invalid", spec({"trainer": {"env": [
+        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "My_Secret", "key": "k"}}}]}}),
+         "spec.trainer.env[0].valueFrom.secretKeyRef.name", "should match"),
+    Case("env-config-key-invalid", spec({"trainer": {"env": [
+        {"name": "T", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "a/b"}}}]}}),
+         "spec.trainer.env[0].valueFrom.configMapKeyRef.key", "should match"),
+    # Resources: names, quantities, requests <= limits, GPUs only from the GPU fields.
+    Case("resources-quantity-invalid", spec({"trainer": {"resources": {"requests": {"cpu": "lots"}}}}),
+         "spec.trainer.resources.requests.cpu", "should match"),
+    Case("resources-request-over-limit", spec({"rollout": {"engine": {"resources": {
+        "requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}}}),
+         "spec.rollout.engine.resources.requests", "must not exceed its limit"),
+    Case("resources-name-invalid", spec({"trainer": {"resources": {"limits": {"CPU": "2"}}}}),
+         "spec.trainer.resources", "resource names are"),
+    Case("resources-gpu-named", spec({"rollout": {"engine": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}}),
+         "spec.rollout.engine.resources", "is set from gpus"),
+    Case("resources-extended-without-limit", spec({"trainer": {"resources": {"requests": {"example.com/fpga": "1"}}}}),
+         "spec.trainer.resources.requests", "extended resource"),
+    # Scheduling: node selector keys and values, tolerations.
+    Case("node-selector-key-invalid", spec({"trainer": {"nodeSelector": {"gpu type": "a100"}}}),
+         "spec.trainer.nodeSelector", "label keys"),
+    Case("eval-override-node-selector-key", spec({"eval": {"posture": "fleet", "fleet": {
+        "engine": {"nodeSelector": {"-gpu": "h100"}}}}}), "spec.eval.fleet.engine.nodeSelector", "label keys",
+         base=BASE_EVAL),
+    Case("node-selector-value-invalid", spec({"rollout": {"engine": {"nodeSelector": {"pool": "a100 x8"}}}}),
+         "spec.rollout.engine.nodeSelector.pool", "should match"),
+    Case("toleration-exists-with-value", spec({"trainer": {"tolerations": [
+        {"key": "gpu", "operator": "Exists", "value": "true"}]}}),
+         "spec.trainer.tolerations[0].value", "takes no value"),
+    Case("toleration-no-key-equal", spec({"rollout": {"engine": {"tolerations": [{"value": "x"}]}}}),
+         "spec.rollout.engine.tolerations[0].operator", "must have operator Exists"),
+    Case("toleration-key-invalid", spec({"trainer": {"tolerations": [{"key": "bad key", "operator": "Exists"}]}}),
+         "spec.trainer.tolerations[0].key", "should match"),
+    # Images.
+    Case("engine-image-invalid", spec({"rollout": {"engine": {"image": "SGLang latest"}}}),
+         "spec.rollout.engine.image", "should match"),
+    Case("trainer-image-invalid", spec({"trainer": {"image": "rlfleet/rlfleet:"}}), "spec.trainer.image",
+         "should match"),
+    Case("router-image-invalid", spec({"rollout": {"router": {"image": " lmsysorg/sglang"}}}),
+         "spec.rollout.router.image", "should match"),
+    # Ports that collide with managed ones.
+    Case("router-port-is-metrics-port", spec({"rollout": {"router": {"port": 29000}}}), "spec.rollout.router.port",
+         "the router's metrics port"),
+    # Mount paths, claims, storage classes, sizes.
+    Case("mount-path-relative", spec({"weightSync": {"mountPath": "snapshots"}}), "spec.weightSync.mountPath",
+         "should match"),
+    Case("mount-path-root", spec({"weightSync": {"mountPath": "/"}}), "spec.weightSync.mountPath", "should match"),
+    Case("mount-path-dot-dot", spec({"weightSync": {"mountPath": "/data/../etc"}}), "spec.weightSync.mountPath",
+         "must not contain '..'"),
+    Case("mount-path-dev-shm", spec({"weightSync": {"mountPath": "/dev/shm"}}), "spec.weightSync.mountPath",
+         "/dev/shm"),
+    Case("fleet-mount-path-dev-shm", {"spec": {"snapshots": {"claimName": "c", "mountPath": "/dev/shm/s"}}},
+         "spec.snapshots.mountPath", "/dev/shm", kind="RolloutFleet"),
+    Case("claim-name-invalid", spec({"weightSync": {"snapshotVolume": {"claimName": "My_Claim"}}}),
+         "spec.weightSync.snapshotVolume.claimName", "should match"),
+    Case("fleet-claim-name-invalid", {"spec": {"snapshots": {"claimName": "snap shots"}}}, "spec.snapshots.claimName",
+         "should match", kind="EvalFleet"),
+    Case("storage-class-invalid", spec({"weightSync": {"snapshotVolume": {"storageClassName": "Fast SSD"}}}),
+         "spec.weightSync.snapshotVolume.storageClassName", "should match"),
+    Case("snapshot-size-zero", spec({"weightSync": {"snapshotVolume": {"size": "0Gi"}}}),
+         "spec.weightSync.snapshotVolume.size", "greater than 0"),
+    # URLs, absurd products, names that do not resolve.
+    Case("heat-dcgm-url-without-scheme", spec({"heatGuard": {"source": {"type": "dcgm", "url": "dcgm:9400/metrics"}}}),
+         "spec.heatGuard.source.url", "should match"),
+    Case("prompts-times-samples-absurd", spec({"trainer": {"promptsPerStep": 1_000_000, "samplesPerPrompt": 8}}),
+         "spec.trainer.promptsPerStep", "must not exceed 1,000,000 samples per step"),
+    Case("task-unknown", spec({"trainer": {"task": "revers"}}), "spec.trainer.task", "should match"),
+    Case("eval-task-unknown", spec({"eval": {"datasets": [{"name": "a", "task": "reverse2"}]}}),
+         "spec.eval.datasets[0].task", "should match", base=BASE_EVAL),
 ]
 
 GOOD_INPUT: list[Case] = [
@@ -200,6 +304,27 @@ GOOD_INPUT: list[Case] = [
     Case("engine-gpus-equal-tp-times-pp",
          spec({"rollout": {"engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "gpusPerEngine": 4}}}),
          None),
+    Case("env-from-secret-and-config-map", spec({
+        "trainer": {"env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                            {"name": "EMPTY", "value": ""}]},
+        "rollout": {"engine": {"env": [{"name": "CFG", "valueFrom": {
+            "configMapKeyRef": {"name": "engine-config", "key": "a.json", "optional": True}}}]}}}), None),
+    Case("extra-args-not-managed", spec({"rollout": {"engine": {"device": "cpu", "extraArgs": [
+        "--dtype", "bfloat16", "--chunked-prefill-size=512", "--trust-remote-code"]}}}), None),
+    Case("resources-and-scheduling", spec({
+        "trainer": {"resources": {"requests": {"cpu": "500m", "memory": "1Gi", "example.com/fpga": "1"},
+                                  "limits": {"cpu": "2", "memory": "1Gi", "example.com/fpga": "1"}},
+                    "nodeSelector": {"kubernetes.io/arch": "amd64", "pool": ""},
+                    "tolerations": [{"operator": "Exists"}, {"key": "gpu", "value": "a100", "effect": "NoSchedule"}]},
+        "rollout": {"engine": {"image": "registry.example.com:5000/team/sglang:v0.5.23-cu12",
+                               "nodeSelector": {"example.com/gpu-class": "h100"}}}}), None),
+    Case("integral-floats", spec({"watchdog": {"checks": 10.0}, "rollout": {"replicas": 2.0}}), None),
+    Case("custom-mount-claim-class", spec({"weightSync": {"mountPath": "/data/snapshots", "snapshotVolume": {
+        "size": "1.5Gi", "storageClassName": "nfs.csi.example.com"}},
+        "trainer": {"task": "my_tasks.words:Reverse", "promptsPerStep": 1000, "samplesPerPrompt": 1000}}), None),
+    Case("fleet-with-run-and-snapshots", {"spec": {"runName": "r1", "snapshots": {"claimName": "r1-snapshots"},
+                                                   "router": {"port": 31000}}}, None, kind="RolloutFleet"),
+    Case("fleet-name-at-limit", {"metadata": {"name": "f" * 56}}, None, kind="EvalFleet"),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.
@@ -371,3 +496,67 @@ def test_kubectl_explain_shows_field_docs(cluster):
     overrides = cluster.kubectl("explain", "trainingrun.spec.eval.fleet.engine.tensorParallelSize").stdout
     assert "rollout engine" in overrides
     assert "Unsupported" not in cluster.kubectl("explain", "rolloutfleet.status.engines.lastFailure").stdout
+
+
+CHILDREN_NAMESPACE = "crd-children"
+
+
+def _dry_run_json(cluster, manifest: dict) -> dict:
+    """The object as the API server would store it (defaults filled, a uid), created with dryRun=All."""
+    result = cluster.kubectl("-n", CHILDREN_NAMESPACE, "create", "--dry-run=server", "-o", "json", "-f", "-",
+                             input=yaml.safe_dump(manifest), check=False)
+    assert result.returncode == 0, f"{manifest['kind']}/{manifest['metadata']['name']}: {result.stderr}"
+    return json.loads(result.stdout)
+
+
+def _fleet_children(fleet: dict) -> list[dict]:
+    spec = b.fleet_spec(fleet)
+    pods = [b.build_engine_pod(fleet, slot, spec=spec) for slot in range(max(1, min(spec.replicas, 2)))]
+    return [*pods, b.build_router_deployment(fleet, spec), b.build_router_service(fleet, spec),
+            b.build_engine_network_policy(fleet, spec=spec)]
+
+
+def _check_children(cluster, label: str, children: list[dict]) -> None:
+    for child in children:
+        result = cluster.kubectl("-n", CHILDREN_NAMESPACE, "create", "--dry-run=server", "-f", "-",
+                                 input=yaml.safe_dump(child), check=False)
+        assert result.returncode == 0, (
+            f"{label}: the API server refuses the operator's {child['kind']}/{child['metadata']['name']}: "
+            f"{result.stderr}")
+
+
+def _good_manifests() -> list[tuple[str, dict]]:
+    found = [(f"table:{c.id}", c.manifest()) for c in GOOD_INPUT]
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in load_text(path.read_text()):
+            found.append((f"{path.name}:{doc.label}", doc.data))
+    return found
+
+
+@pytest.fixture(scope="module")
+def children_namespace(cluster):
+    cluster.kubectl("create", "namespace", CHILDREN_NAMESPACE, check=False)
+    cluster.kubectl("-n", CHILDREN_NAMESPACE, "create", "serviceaccount", "rlfleet-trainer", check=False)
+    return cluster
+
+
+@pytest.mark.parametrize("label, manifest", _good_manifests(), ids=lambda v: v if isinstance(v, str) else "")
+def test_the_api_server_admits_every_child_the_operator_builds(children_namespace, label, manifest):
+    """For every valid manifest of the table and every example: the objects the operator's own builders
+    make from it (as the API server stores it) pass the API server's validation and admission (dryRun=All)."""
+    cluster = children_namespace
+    assert python_errors(manifest) == [], label
+    stored = _dry_run_json(cluster, {**manifest, "metadata": {**manifest["metadata"], "namespace": CHILDREN_NAMESPACE}})
+    if stored["kind"] != "TrainingRun":
+        _check_children(cluster, label, _fleet_children(stored))
+        return
+    spec = b.run_spec(stored)
+    children = [b.build_trainer_pod(stored, spec)]
+    if (claim := b.build_snapshot_pvc(stored, spec)) is not None:
+        children.append(claim)
+    fleets = [b.build_rollout_fleet(stored, spec)]
+    if (eval_fleet := b.build_eval_fleet(stored, spec)) is not None:
+        fleets.append(eval_fleet)
+    _check_children(cluster, label, children)
+    for fleet in fleets:
+        _check_children(cluster, label, _fleet_children(_dry_run_json(cluster, fleet)))

@@ -137,3 +137,24 @@ def test_validate_is_a_cli_subcommand():
     from rlfleet.cli import COMMANDS
 
     assert COMMANDS["validate"][0] == "rlfleet.crds.validate_cli"
+
+
+def test_duplicate_keys_are_named_by_their_field_path():
+    with pytest.raises(ManifestError) as caught:
+        load_text(RUN + "  rollout:\n    engine: {port: 31000, port: 32000}\n")
+    assert [(e.path, e.message) for e in caught.value.errors] == [
+        ("spec.rollout.engine.port", "duplicate key 'port' (line 7)")]
+    with pytest.raises(ManifestError) as caught:
+        load_text(RUN + "  eval:\n    datasets:\n      - {name: a, task: reverse, task: copy}\n")
+    assert caught.value.errors[0].path == "spec.eval.datasets[0].task"
+
+
+def test_integral_floats_are_integers_as_on_the_api_server():
+    (doc,) = load_text(RUN + "  watchdog: {checks: 10.0, retripPeriodSeconds: 600.0}\n  rollout: {replicas: 2.0}\n")
+    assert doc.errors == []
+    assert (doc.obj.spec.watchdog.checks, doc.obj.spec.watchdog.retrip_period_seconds,
+            doc.obj.spec.rollout.replicas) == (10, 600, 2)
+    assert type(doc.obj.spec.watchdog.checks) is int
+    assert errors(RUN + "  watchdog: {checks: 2.5}\n") == [
+        ("spec.watchdog.checks", "Invalid value: 2.5: must be of type integer")]
+    assert errors(RUN + "  heatGuard: {enabled: 1.0}\n")[0][0] == "spec.heatGuard.enabled"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from rlfleet.crds.eval_specs import EvalDatasetSpec
 from rlfleet.crds.models import TrainerSpec
@@ -49,8 +50,10 @@ def test_bad_jsonl_is_a_clear_error(tmp_path, content, message):
 def test_missing_files_unknown_tasks_and_bad_rewards_name_the_problem(tmp_path):
     with pytest.raises(DatasetError, match="No such file"):
         resolve_dataset(EvalDatasetSpec(name="x", path="missing.jsonl"), TRAINER, base_dir=tmp_path)
-    with pytest.raises(DatasetError, match="unknown task"):
-        resolve_dataset(EvalDatasetSpec(name="x", task="sorting"), TRAINER)
+    with pytest.raises(ValidationError, match="task"):  # the API refuses a task that is no built-in name
+        EvalDatasetSpec(name="x", task="sorting")
+    with pytest.raises(DatasetError, match="unknown task"):  # and the resolver still names it
+        resolve_dataset(EvalDatasetSpec.model_construct(name="x", task="sorting"), TRAINER)
     with pytest.raises(DatasetError, match="dataset x"):
         resolve_dataset(EvalDatasetSpec(name="x", task="reverse", reward_function="no_such_mod:f"), TRAINER)
 

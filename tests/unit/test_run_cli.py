@@ -17,3 +17,19 @@ def test_usage_errors_exit_2_and_say_what_is_missing(argv, message, capsys, monk
         monkeypatch.delenv(var, raising=False)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_local_run_refuses_env_from_secrets_naming_the_field(tmp_path, capsys):
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(
+        "apiVersion: rlfleet.io/v1alpha1\nkind: TrainingRun\nmetadata: {name: t}\nspec:\n"
+        "  modelPath: tiny://llama\n"
+        "  trainer: {env: [{name: A, value: x}, {name: HF_TOKEN, valueFrom: {secretKeyRef: {name: hf, key: token}}}]}\n"
+        "  rollout: {engine: {env: [{name: C, valueFrom: {configMapKeyRef: {name: cm, key: c}}}]}}\n"
+    )
+    assert main([str(manifest), "--run-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run locally" in err
+    assert "spec.trainer.env[1].valueFrom: valueFrom (secretKeyRef, configMapKeyRef) needs the Kubernetes" in err
+    assert "spec.rollout.engine.env[0].valueFrom" in err
+    assert not (tmp_path / "out").exists()  # refused before anything started
