@@ -14,13 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
-    ANN_DEAD,
-    ANN_DEAD_MESSAGE,
-    ANN_FAILED_MESSAGE,
-    ANN_FAILED_REASON,
-    ANN_MODEL_PATH,
     ANN_RESTARTS,
-    ANN_WEIGHT_VERSION,
     API_VERSION,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
@@ -50,6 +44,7 @@ from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet
 from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.specs import EngineSpec, ResourcesSpec, wire_dump
+from rlfleet.kube.marks import pinned_snapshot
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
 # Where a fleet without a snapshot volume writes its tiny model (an emptyDir): the usual mount path.
@@ -139,9 +134,10 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     spec = spec or fleet_spec(fleet)
     eng: EngineSpec = spec.engine
     fname = fleet["metadata"]["name"]
-    annotations = fleet["metadata"].get("annotations") or {}
     mount_path = spec.snapshots.mount_path if spec.snapshots else DEFAULT_MOUNT_PATH
-    model_path = annotations.get(ANN_MODEL_PATH) or eng.model_path
+    # The orchestrator's pin (fleet status), only when it lies on the fleet's own snapshot claim.
+    pin = pinned_snapshot(fleet.get("status"), spec.snapshots.mount_path if spec.snapshots else None)
+    model_path, weight_version = pin or (eng.model_path, "0")
     init_containers: list[dict] = []
     volumes: list[dict] = []
     mounts: list[dict] = []
@@ -164,8 +160,7 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
             "volumeMounts": mounts,
             **_TERMINATION,
         })
-    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path,
-                                 weight_version=annotations.get(ANN_WEIGHT_VERSION, "0"))
+    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path, weight_version=weight_version)
     gpus = eng.gpus_per_engine if eng.device == "cuda" else 0
     if eng.device == "cuda":
         # NCCL and the engine's worker processes need more shared memory than the default 64 MiB.

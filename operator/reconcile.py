@@ -27,6 +27,7 @@ from rlfleet.kube.client import (
     KubeClient,
     Resource,
 )
+from rlfleet.kube.marks import ORCHESTRATOR
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import (
@@ -116,7 +117,9 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now or time.time(),
                                 generation=meta.get("generation"))
     res = custom(PLURALS[fleet["kind"]])
-    await write_status(kube, res, fleet, plan.status, fleet.get("status") or {})
+    # The orchestrator's marks are the trainer's part of the status: never written (nor removed) here.
+    current = {k: v for k, v in (fleet.get("status") or {}).items() if k != ORCHESTRATOR}
+    await write_status(kube, res, fleet, plan.status, current)
     for pod_name, uid in plan.delete:
         await kube.delete(PODS, pod_name, ns, uid=uid)
     for slot, restarts in plan.create:
