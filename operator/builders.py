@@ -423,3 +423,33 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
         pod_spec["tolerations"] = _tolerations(trainer.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": pod_spec}
+
+
+# The trainer's account ---------------------------------------------------------------------------------
+# What a trainer pod may do (the chart's templates/trainer-rbac.yaml renders the same rules): read its
+# fleets, their pods and its run; write only their status (the orchestrator's marks, progress, failure).
+# No pod, no spec: the trainer pod runs code the run's author chooses.
+TRAINER_RULES: tuple[dict, ...] = (
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [GROUP], "resources": ["rolloutfleets", "evalfleets", "trainingruns"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [GROUP], "resources": ["rolloutfleets/status", "evalfleets/status", "trainingruns/status"],
+     "verbs": ["get", "patch"]},
+)
+
+
+def build_trainer_rbac(namespace: str) -> list[dict]:
+    """The trainer's ServiceAccount, Role and RoleBinding in a run's namespace (all `rlfleet-trainer`).
+
+    Shared by the runs of the namespace, so owned by none of them (deleting a run leaves them).
+    """
+    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "trainer-rbac", LABEL_MANAGED_BY: MANAGER}
+    meta = {"name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace, "labels": labels}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
+         "rules": [dict(r) for r in TRAINER_RULES]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SERVICE_ACCOUNT},
+         "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace}]},
+    ]

@@ -22,6 +22,9 @@ from rlfleet.kube.client import (
     NETWORK_POLICIES,
     PODS,
     PVCS,
+    ROLE_BINDINGS,
+    ROLES,
+    SERVICEACCOUNTS,
     SERVICES,
     ApiError,
     KubeClient,
@@ -56,6 +59,9 @@ class Settings:
     network_policy: bool = True
     # Peers (e.g. Prometheus) that may also reach the engines' HTTP port, where /metrics is served.
     network_policy_metrics_from: tuple[dict, ...] = ()
+    # Create the trainer's ServiceAccount, Role and RoleBinding in a run's namespace before its trainer
+    # pod (cluster-wide installs; a namespaced chart creates them itself).
+    trainer_rbac: bool = False
 
 
 async def _post_events(kube: KubeClient, obj: dict, events: list[Event], settings: Settings) -> None:
@@ -178,6 +184,9 @@ def _admitted(fleet: dict, spec: FleetSpec, settings: Settings) -> str:
 _RESOURCES: dict[str, Resource] = {
     "PersistentVolumeClaim": PVCS,
     "Pod": PODS,
+    "ServiceAccount": SERVICEACCOUNTS,
+    "Role": ROLES,
+    "RoleBinding": ROLE_BINDINGS,
     "RolloutFleet": custom(PLURALS["RolloutFleet"]),
     "EvalFleet": custom(PLURALS["EvalFleet"]),
 }
@@ -190,6 +199,9 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     plan = decide_run(run, children, now=now or time.time(), rlfleet_image=settings.rlfleet_image)
     await write_status(kube, TRAININGRUNS, run, plan.status, owned_status(run.get("status")),
                        owned=OPERATOR_STATUS_KEYS)
+    if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
+        for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
+            await _create(kube, _RESOURCES[obj["kind"]], obj)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj)
     for kind, name, spec in plan.patch_fleet_specs:
