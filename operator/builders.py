@@ -435,6 +435,8 @@ TRAINER_RULES: tuple[dict, ...] = (
      "verbs": ["get", "list", "watch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutfleets/status", "evalfleets/status", "trainingruns/status"],
      "verbs": ["get", "patch"]},
+    # Router pods are found through their owners (fleet -> Deployment -> ReplicaSet).
+    {"apiGroups": ["apps"], "resources": ["deployments", "replicasets"], "verbs": ["get", "list"]},
 )
 
 
