@@ -4,13 +4,9 @@ Labels and annotations are API:
 
 - engine pods carry `rlfleet.io/fleet`, `rlfleet.io/slot`, `app.kubernetes.io/component=engine`;
 - `rlfleet.io/restarts` on an engine pod: the recreation number of the slot this pod embodies;
-- `rlfleet.io/dead` (reason) and `rlfleet.io/dead-message` on an engine pod: set by the
-  orchestrator to mark the slot dead; the operator then recreates it within the budget;
-- `rlfleet.io/weight-version` on an engine pod: the version the orchestrator read back from it;
-- `rlfleet.io/model-path` and `rlfleet.io/weight-version` on a fleet: the snapshot a replacement
-  engine starts from (set by the orchestrator after each weight sync; unset: the spec's model);
-- `rlfleet.io/failed-reason` and `rlfleet.io/failed-message` on a TrainingRun: the orchestrator
-  failed the run (e.g. RolloutEnginesUnavailable); the operator makes it the run's Failed condition;
+- the orchestrator (trainer pod) writes only status: dead marks, read-back weight versions and the
+  snapshot replacements start from in a fleet's `status.orchestrator`, a run's failure in its
+  `status.orchestratorFailure` (see `rlfleet.kube.marks`); it may patch no pod and no spec;
 - `rlfleet.io/client: "true"` on a pod: it may call the engines of the fleets in its namespace that
   belong to no run (a run's engines admit only its router and trainer pods).
 """
@@ -32,12 +28,6 @@ LABEL_RUN = f"{GROUP}/run"
 LABEL_CLIENT = f"{GROUP}/client"
 
 ANN_RESTARTS = f"{GROUP}/restarts"
-ANN_DEAD = f"{GROUP}/dead"
-ANN_DEAD_MESSAGE = f"{GROUP}/dead-message"
-ANN_WEIGHT_VERSION = f"{GROUP}/weight-version"
-ANN_MODEL_PATH = f"{GROUP}/model-path"
-ANN_FAILED_REASON = f"{GROUP}/failed-reason"
-ANN_FAILED_MESSAGE = f"{GROUP}/failed-message"
 
 MANAGER = "rlfleet-operator"
 ROUTER_METRICS_PORT = 29000

@@ -123,6 +123,40 @@ class LastEvalStatus(ApiModel):
         return self
 
 
+class EngineMark(ApiModel):
+    """What the run's orchestrator says about one engine pod (the pod named by `podUID`, no other)."""
+
+    pod_uid: str = Field(..., alias="podUID", min_length=1, max_length=SHORT,
+                         description="UID of the engine pod this mark is about; a replacement pod is unmarked.")
+    dead: str | None = Field(None, min_length=1, max_length=SHORT,
+                             description="Set: the orchestrator found the pod dead (the cause, e.g. probe_failed); "
+                             "the operator recreates the slot within the restart budget.")
+    dead_message: str | None = Field(None, max_length=MESSAGE, description="Why it is dead.")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Weight version read back from the pod.")
+
+
+class OrchestratorMarks(ApiModel):
+    """The part of a fleet's status written by its run's orchestrator (the trainer pod), never by the operator.
+
+    The trainer may patch only the status of fleets and runs, never a spec or a pod: these marks are how
+    it tells the operator what it found.
+    """
+
+    model_path: str | None = Field(None, min_length=1, max_length=PATH,
+                                   description="Snapshot replacement engines start from (a directory under the "
+                                   "fleet's snapshots.mountPath; anything else is not used).")
+    weight_version: str | None = Field(None, max_length=SHORT, description="Weight version of that snapshot.")
+    engines: dict[str, EngineMark] = Field(
+        default_factory=dict, max_length=4096, description="Marks per engine slot (the key is the slot number).")
+
+
+class OrchestratorFailure(ApiModel):
+    """The run's orchestrator failed the run (written by the trainer pod; the operator adopts it as Failed)."""
+
+    reason: str = Field(..., min_length=1, max_length=1024, description="e.g. RolloutEnginesUnavailable.")
+    message: str = Field("", max_length=MESSAGE, description="Details, e.g. the engines' last log lines.")
+
+
 class TrainingRunStatus(ApiModel):
     """What a TrainingRun is doing."""
 
@@ -143,6 +177,9 @@ class TrainingRunStatus(ApiModel):
         json_schema_extra=CONDITION_LIST
     )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
+    orchestrator_failure: OrchestratorFailure | None = Field(
+        None, description="Written by the run's orchestrator only: why it failed the run (the operator makes it "
+        "the Failed condition).")
     start_time: Timestamp | None = Field(None, description="When training started.")
     completion_time: Timestamp | None = Field(None, description="When the run ended.")
     observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
@@ -173,6 +210,9 @@ class FleetStatus(ApiModel):
         json_schema_extra=CONDITION_LIST
     )
     observed_generation: int | None = Field(None, ge=0, description="The spec generation this status describes.")
+    orchestrator: OrchestratorMarks | None = Field(
+        None, description="Written by the run's orchestrator only: dead marks, read-back versions, the snapshot "
+        "replacements start from.")
 
 
 class RolloutFleetStatus(FleetStatus):

@@ -14,13 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
-    ANN_DEAD,
-    ANN_DEAD_MESSAGE,
-    ANN_FAILED_MESSAGE,
-    ANN_FAILED_REASON,
-    ANN_MODEL_PATH,
     ANN_RESTARTS,
-    ANN_WEIGHT_VERSION,
     API_VERSION,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
@@ -51,6 +45,7 @@ from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
 from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.specs import EngineSpec, EnvVarSpec, ResourcesSpec, wire_dump
+from rlfleet.kube.marks import pinned_snapshot
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
 # Where a fleet without a snapshot volume writes its tiny model (an emptyDir): the usual mount path.
@@ -147,9 +142,10 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     spec = spec or fleet_spec(fleet)
     eng: EngineSpec = spec.engine
     fname = fleet["metadata"]["name"]
-    annotations = fleet["metadata"].get("annotations") or {}
     mount_path = spec.snapshots.mount_path if spec.snapshots else DEFAULT_MOUNT_PATH
-    model_path = annotations.get(ANN_MODEL_PATH) or eng.model_path
+    # The orchestrator's pin (fleet status), only when it lies on the fleet's own snapshot claim.
+    pin = pinned_snapshot(fleet.get("status"), spec.snapshots.mount_path if spec.snapshots else None)
+    model_path, weight_version = pin or (eng.model_path, "0")
     init_containers: list[dict] = []
     volumes: list[dict] = []
     mounts: list[dict] = []
@@ -172,8 +168,7 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
             "volumeMounts": mounts,
             **_TERMINATION,
         })
-    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path,
-                                 weight_version=annotations.get(ANN_WEIGHT_VERSION, "0"))
+    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path, weight_version=weight_version)
     gpus = eng.gpus_per_engine if eng.device == "cuda" else 0
     if eng.device == "cuda":
         # NCCL and the engine's worker processes need more shared memory than the default 64 MiB.
@@ -435,3 +430,35 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
         pod_spec["tolerations"] = _tolerations(trainer.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": pod_spec}
+
+
+# The trainer's account ---------------------------------------------------------------------------------
+# What a trainer pod may do (the chart's templates/trainer-rbac.yaml renders the same rules): read its
+# fleets, their pods and its run; write only their status (the orchestrator's marks, progress, failure).
+# No pod, no spec: the trainer pod runs code the run's author chooses.
+TRAINER_RULES: tuple[dict, ...] = (
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [GROUP], "resources": ["rolloutfleets", "evalfleets", "trainingruns"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [GROUP], "resources": ["rolloutfleets/status", "evalfleets/status", "trainingruns/status"],
+     "verbs": ["get", "patch"]},
+    # Router pods are found through their owners (fleet -> Deployment -> ReplicaSet).
+    {"apiGroups": ["apps"], "resources": ["deployments", "replicasets"], "verbs": ["get", "list"]},
+)
+
+
+def build_trainer_rbac(namespace: str) -> list[dict]:
+    """The trainer's ServiceAccount, Role and RoleBinding in a run's namespace (all `rlfleet-trainer`).
+
+    Shared by the runs of the namespace, so owned by none of them (deleting a run leaves them).
+    """
+    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "trainer-rbac", LABEL_MANAGED_BY: MANAGER}
+    meta = {"name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace, "labels": labels}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
+         "rules": [dict(r) for r in TRAINER_RULES]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SERVICE_ACCOUNT},
+         "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace}]},
+    ]

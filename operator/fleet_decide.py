@@ -14,9 +14,10 @@ Pending ...; a slot out of budget is Failed and left alone, its pod kept for dia
 
 A pod is dead when it terminated (phase Failed/Succeeded or a terminated container), cannot start
 (configuration errors), did not become ready within `health.startupTimeoutSeconds`, or when the
-orchestrator marked it with the `rlfleet.io/dead` annotation. A pod that vanished while Starting or
-Ready counts as a failure too. Recreation is delete-then-create under the slot's stable name, so no
-two pods ever serve one slot, whatever the operator's restarts or stale caches.
+orchestrator marked it dead in the fleet's `status.orchestrator.engines` (`rlfleet.kube.marks`). A pod
+that vanished while Starting or Ready counts as a failure too. Recreation is delete-then-create under
+the slot's stable name, so no two pods ever serve one slot, whatever the operator's restarts or stale
+caches.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from rlfleet.crds.status import (
     status_dump,
 )
 from rlfleet.kube.conditions import clip, condition, find, iso, parse_time
-from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, view_pod
+from rlfleet.kube.marks import engine_marks
+from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, view_marked
 from rlfleet.operator import builders as b
 from rlfleet.policy.recovery import GiveUp, backoff_delay, decide_dead_slot
 
@@ -84,7 +86,8 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
     old_slots = {e["slot"]: e for e in status.get("engines") or [] if isinstance(e.get("slot"), int)}
     total = int_or(status.get("restarts"))
     plan = FleetPlan(status={})
-    by_slot = scale_down(spec, [view_pod(p) for p in pods], plan, fleet_name=fleet_name)
+    marks = engine_marks(status)
+    by_slot = scale_down(spec, [view_marked(p, marks) for p in pods], plan, fleet_name=fleet_name)
     engines: list[EngineSlotStatus] = []
     for slot in range(spec.replicas):
         engine, total = decide_slot(spec, slot, old_slots.get(slot), by_slot.get(slot), total, plan,

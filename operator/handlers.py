@@ -10,9 +10,9 @@ State that must survive a restart of the operator lives in the cluster (fleet st
 annotations, see `fleet_decide`), never only in memory; two replicas are safe with Kopf peering
 (only the highest-priority one is active).
 
-The dead mark: the orchestrator marks a slot dead by annotating its engine pod with
-`rlfleet.io/dead: <reason>` (and optionally `rlfleet.io/dead-message`); the operator then recreates
-the slot within the fleet's restart budget and backoff.
+The dead mark: the orchestrator (whose ServiceAccount may patch no pod and no spec) marks a slot's
+pod dead in the fleet's `status.orchestrator.engines` (`rlfleet.kube.marks`); the operator then
+recreates the slot within the fleet's restart budget and backoff.
 """
 from __future__ import annotations
 

@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="give each fleet a NetworkPolicy admitting only its router and trainer to its engines")
     p.add_argument("--network-policy-metrics-from", type=_peers, default=[], metavar="JSON",
                    help="JSON list of NetworkPolicy peers that may also reach the engines' HTTP port (/metrics)")
+    p.add_argument("--trainer-rbac", action=argparse.BooleanOptionalAction, default=False,
+                   help="create the trainer's ServiceAccount, Role and RoleBinding in each run's namespace "
+                   "(cluster-wide installs)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.priority is None:
@@ -80,7 +83,8 @@ async def amain(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     settings = Settings(rlfleet_image=args.rlfleet_image, network_policy=args.network_policy,
-                        network_policy_metrics_from=tuple(args.network_policy_metrics_from))
+                        network_policy_metrics_from=tuple(args.network_policy_metrics_from),
+                        trainer_rbac=args.trainer_rbac)
     memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
     flag: asyncio.Future[None] = asyncio.Future()
     setter = asyncio.create_task(_set_when(stop, flag))

@@ -28,11 +28,15 @@ from rlfleet.kube.client import (
     NETWORK_POLICIES,
     PODS,
     PVCS,
+    ROLE_BINDINGS,
+    ROLES,
+    SERVICEACCOUNTS,
     SERVICES,
     ApiError,
     KubeClient,
     Resource,
 )
+from rlfleet.kube.marks import ORCHESTRATOR
 from rlfleet.kube.ownership import controller_uid
 from rlfleet.kube.refusals import Rejection, rejection
 from rlfleet.observability import metrics
@@ -65,6 +69,9 @@ class Settings:
     network_policy: bool = True
     # Peers (e.g. Prometheus) that may also reach the engines' HTTP port, where /metrics is served.
     network_policy_metrics_from: tuple[dict, ...] = ()
+    # Create the trainer's ServiceAccount, Role and RoleBinding in a run's namespace before its trainer
+    # pod (cluster-wide installs; a namespaced chart creates them itself).
+    trainer_rbac: bool = False
 
 
 async def _post_events(kube: KubeClient, obj: dict, events: list[Event], settings: Settings) -> None:
@@ -165,7 +172,8 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     spec = b.fleet_spec(fleet)  # validated once here; the deciders and builders below take it typed
     plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now, generation=generation)
     res = custom(PLURALS[fleet["kind"]])
-    old = fleet.get("status") or {}
+    # The orchestrator's marks are the trainer's part of the status: never written (nor removed) here.
+    old = {k: v for k, v in (fleet.get("status") or {}).items() if k != ORCHESTRATOR}
     previous = old.get("conditions")
     first = rejections.carry(plan.status, previous, generation)
     await write_status(kube, res, fleet, first, old)
@@ -245,6 +253,9 @@ def _admitted(fleet: dict, spec: FleetSpec, settings: Settings) -> str:
 _RESOURCES: dict[str, Resource] = {
     "PersistentVolumeClaim": PVCS,
     "Pod": PODS,
+    "ServiceAccount": SERVICEACCOUNTS,
+    "Role": ROLES,
+    "RoleBinding": ROLE_BINDINGS,
     "RolloutFleet": custom(PLURALS["RolloutFleet"]),
     "EvalFleet": custom(PLURALS["EvalFleet"]),
 }
@@ -268,6 +279,9 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     first = rejections.carry(plan.status, previous, generation)
     await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
     refused: list[Rejection] = []
+    if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
+        for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
+            await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     for kind, name, spec in plan.patch_fleet_specs:

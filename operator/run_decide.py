@@ -2,9 +2,9 @@
 
 The run's children are built by `builders`; this decides which are missing, which fleet specs have
 drifted from the run's, and the status fields the operator owns. The orchestrator (in the trainer
-pod) owns `step`, `weightVersion`, `rewardMean` and `lastEval`; the operator never writes those. The
-orchestrator fails a run through the annotations `rlfleet.io/failed-reason` / `failed-message` (e.g.
-RolloutEnginesUnavailable); the operator makes them the run's Failed condition.
+pod) owns `step`, `weightVersion`, `rewardMean`, `lastEval` and `orchestratorFailure`; the operator
+never writes those. The orchestrator fails a run through `status.orchestratorFailure` (e.g.
+RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
 
 Phase: Pending -> Running (trainer pod running) -> Succeeded (trainer exited 0) or Failed (trainer
 failed or vanished, or the rollout fleet failed: its crash-loop message becomes the run's). A
@@ -23,6 +23,7 @@ from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import Condition, RunPhase, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
+from rlfleet.kube.marks import RUN_FAILURE
 from rlfleet.kube.refusals import Rejection
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import Event
@@ -30,7 +31,7 @@ from rlfleet.util.redact import redact
 
 TERMINAL = ("Succeeded", "Failed")
 # Failed reasons the operator sets itself; any other True Failed condition was adopted from the
-# orchestrator, and is kept once its annotation is gone.
+# orchestrator, and is kept once its report is gone.
 OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, reasons.ENGINE_CRASH_LOOP,
                                 reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED,
                                 reasons.CHILD_REJECTED})
@@ -101,7 +102,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
 
     fleet_status = (children.rollout or {}).get("status") or {}
     old_failed = find(old.get("conditions"), "Failed")
-    change = next_phase(phase, adopted=adopted_failure(meta.get("annotations") or {}, old_failed),
+    change = next_phase(phase, adopted=adopted_failure(old.get(RUN_FAILURE), old_failed),
                         old_failed=old_failed, old_message=old.get("message") or "", trainer=children.trainer,
                         fleet_conditions=fleet_status.get("conditions") or [], run_name=meta["name"])
     if rejected and phase not in TERMINAL:
@@ -148,11 +149,11 @@ def drifted_fleet_specs(phase: str, fleets: list[tuple[dict | None, dict | None]
     return patches
 
 
-def adopted_failure(annotations: dict, old_failed: dict | None) -> tuple[str | None, str | None]:
-    """(reason, message) of a failure the run adopts: the orchestrator's failed-reason annotation, or
-    a Failed condition adopted from it before (not one the operator set itself)."""
-    if annotations.get(b.ANN_FAILED_REASON):
-        return reason_word(annotations[b.ANN_FAILED_REASON]), annotations.get(b.ANN_FAILED_MESSAGE, "")
+def adopted_failure(reported: dict | None, old_failed: dict | None) -> tuple[str | None, str | None]:
+    """(reason, message) of a failure the run adopts: the orchestrator's `status.orchestratorFailure`,
+    or a Failed condition adopted from it before (not one the operator set itself)."""
+    if isinstance(reported, dict) and reported.get("reason"):
+        return reason_word(str(reported["reason"])), str(reported.get("message") or "")
     if old_failed and old_failed.get("status") == "True" and old_failed.get("reason") not in OWN_FAILED_REASONS:
         return old_failed["reason"], old_failed.get("message", "")
     return None, None

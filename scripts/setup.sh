@@ -6,7 +6,8 @@
 #   light .venv in the checkout that layers the project (editable) over it. A new clone reuses the
 #   cached environment; a changed lock file builds a new one.
 # - Binaries: etcd, kube-apiserver, kube-controller-manager, kubectl, helm, prometheus and promtool,
-#   pinned and cached under ~/.cache/rlfleet/<name>-<version>/bin (scripts/build-binaries.sh).
+#   pinned and cached under ~/.cache/rlfleet/<name>-<version>/bin (scripts/build-binaries.sh); kubectl and
+#   helm are linked into .venv/bin, so `source .venv/bin/activate` gives rlfleet, kubectl and helm.
 # - The tiny model under ~/.cache/rlfleet/models/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,6 +62,12 @@ step "installing rlfleet (editable) into .venv"
 
 step "pinned binaries"
 scripts/build-binaries.sh
+# The README's cluster commands call kubectl and helm by name: `source .venv/bin/activate` puts them on
+# PATH next to rlfleet.
+for tool in kubectl helm; do
+  ln -sf "$(.venv/bin/python -P -c "from rlfleet.util.binaries import tool_path; print(tool_path('$tool'))")" \
+    ".venv/bin/$tool"
+done
 
 step "tiny model"
 .venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null

@@ -4,9 +4,10 @@ Same interface as the local backend (`FleetBackend`); the difference is who acts
 
 - the engines are the fleet's pods `<fleet>-engine-<slot>`, created and recreated by the operator,
   within the fleet's restart budget and backoff (this backend never creates or deletes a pod);
-- `mark_dead` annotates the slot's pod with `rlfleet.io/dead` (the cause) and
-  `rlfleet.io/dead-message` (the reason); the slot is dead for the orchestrator at once, and the
-  operator recreates it;
+- `mark_dead` marks the slot's pod dead (the cause and the reason) in the fleet's
+  `status.orchestrator.engines` (`rlfleet.kube.marks`: the trainer's ServiceAccount may patch no pod and
+  no spec, only the status of its fleets and run); the slot is dead for the orchestrator at once, and
+  the operator recreates it;
 - the backend watches the fleet's pods, so a terminated container is marked dead (and listeners hear
   of it) the moment the node reports it, without waiting for health probes;
 - an incarnation is one pod: its number is the pod's `rlfleet.io/restarts` annotation + 1;
@@ -14,8 +15,8 @@ Same interface as the local backend (`FleetBackend`); the difference is who acts
   passed), bounded; the weight sync then pins the current weights on it;
 - the fleet's `Failed` condition (set by the operator on a crash loop) becomes `FleetFailed` with the
   operator's message, which quotes the engine's last log lines;
-- `record_weight_version` also writes `rlfleet.io/weight-version` on the pod, so the fleet status shows
-  every engine's version;
+- `record_weight_version` also writes the version into the slot's mark, so the fleet status shows every
+  engine's version;
 - a pod is the fleet's only when the fleet's UID is its controller ownerReference: one that merely
   carries the engine labels (or squats a slot's name) is ignored, as is a router-labelled pod that no
   ReplicaSet of the fleet's router Deployment owns.
@@ -43,6 +44,7 @@ from rlfleet.kube.client import (
     rlfleet_resource,
 )
 from rlfleet.kube.conditions import find
+from rlfleet.kube.marks import engine_mark_patch, engine_marks, mark_of, pin_patch, run_failure_patch
 from rlfleet.kube.ownership import owned_by, owned_router_pods
 from rlfleet.kube.pods import pod_failure, view_pod
 from rlfleet.orchestrator.fleet.backend import (
@@ -64,8 +66,9 @@ WATCH_READY_TIMEOUT_S = 30.0
 
 
 def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, marked_dead: int | None,
-              weight_version: str | None) -> EngineSlot:
-    """One slot as the orchestrator sees it, from its pod and the operator's status entry. Pure."""
+              weight_version: str | None, mark: dict | None = None) -> EngineSlot:
+    """One slot as the orchestrator sees it, from its pod, the operator's status entry and the
+    orchestrator's mark of the pod (`mark`). Pure."""
     entry = entry or {}
     failure = (entry.get("lastFailure") or {})
     last_failure = f"{failure.get('reason')}: {failure.get('message', '')}".strip() if failure else None
@@ -74,7 +77,7 @@ def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, mar
         state = EngineState.FAILED if entry.get("state") == "Failed" else EngineState.DEAD
         return EngineSlot(slot=slot, url=None, state=state, incarnation=restarts, restarts=restarts,
                           last_failure=last_failure, exit_code=failure.get("exitCode"))
-    view = view_pod(pod)
+    view = view_pod(pod, mark)
     incarnation = view.restarts + 1
     if entry.get("state") == "Failed":
         state = EngineState.FAILED
@@ -140,6 +143,8 @@ class KubernetesBackend(FleetBackend):
         self._seen_ready: set[tuple[int, int]] = set()
         self._versions: dict[tuple[int, int], str] = {}
         self._loaded: dict[int, int] = {}  # slot -> incarnation a wait_all_alive handed out (weights loaded next)
+        self._marks: dict[int, dict] = {}  # slot -> the whole mark last set here (written to the fleet status)
+        self._mark_lock = asyncio.Lock()  # one mark write at a time, each sending the latest marks
         self._deaths = DeathListeners()
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
@@ -238,7 +243,8 @@ class KubernetesBackend(FleetBackend):
             if view.ready:
                 self._seen_ready.add((slot, inc))
             failure = pod_failure(pod)
-            if failure is not None and conventions.ANN_DEAD not in ((pod["metadata"].get("annotations")) or {}):
+            marked_here = self._marked.get(slot) == inc
+            if failure is not None and not marked_here:
                 cause = DeathCause.EXITED if (slot, inc) in self._seen_ready else DeathCause.STARTUP_FAILED
                 code = f" (exit code {failure.exit_code})" if failure.exit_code is not None else ""
                 last_line = (failure.message.strip().splitlines() or [""])[-1]
@@ -267,12 +273,14 @@ class KubernetesBackend(FleetBackend):
     # FleetBackend ----------------------------------------------------------------------------------------
     def engines(self) -> list[EngineSlot]:
         entries = {e.get("slot"): e for e in self._status.get("engines", [])}
+        marks = engine_marks(self._status)
         views = []
         for slot in range(self.replicas):
             pod = self._pods.get(slot)
             inc = view_pod(pod).restarts + 1 if pod else None
             views.append(slot_view(slot, pod, entries.get(slot), port=self.port, marked_dead=self._marked.get(slot),
-                                   weight_version=self._versions.get((slot, inc)) if inc else None))
+                                   weight_version=self._versions.get((slot, inc)) if inc else None,
+                                   mark=mark_of(pod, marks, slot) if pod else None))
         return views
 
     @property
@@ -296,15 +304,29 @@ class KubernetesBackend(FleetBackend):
         self._emit(slot, view.incarnation, view_pod(pod).pod_ip if pod else None, cause, reason)
         self._notify()
         if pod is not None:
-            patch = {"metadata": {"annotations": {conventions.ANN_DEAD: cause.value,
-                                                  conventions.ANN_DEAD_MESSAGE: redact(reason)[-2000:]}}}
+            self._set_mark(slot, pod, dead=cause.value, deadMessage=redact(reason)[-2000:])
             try:
-                await self.kube.merge_patch(PODS, pod["metadata"]["name"], patch, self.namespace)
+                await self._write_mark(slot)
             except ApiError as e:
-                if not e.not_found:  # a pod already gone is being recreated anyway
+                if not e.not_found:  # a fleet already gone takes its engines with it
                     log.error("could not mark %s dead: %s", pod["metadata"]["name"], e)
                     raise
         return True
+
+    def _set_mark(self, slot: int, pod: dict, **fields: str) -> None:
+        """Update the slot's mark here; a mark of another pod (an earlier incarnation) starts afresh."""
+        uid = pod["metadata"]["uid"]
+        mark = self._marks.get(slot)
+        if mark is None or mark.get("podUID") != uid:
+            mark = {"podUID": uid, "dead": None, "deadMessage": None, "weightVersion": None}  # None: removed
+        self._marks[slot] = {**mark, **fields}
+
+    async def _write_mark(self, slot: int) -> None:
+        """Write the slot's latest mark into the fleet status. Writes are serialized and each sends the
+        mark as it is when sent, so the last write to land is always the newest mark."""
+        async with self._mark_lock:
+            await self.kube.merge_patch(self._fleet_res, self.fleet, engine_mark_patch(slot, self._marks[slot]),
+                                        self.namespace, sub="status")
 
     async def recover(self) -> list[int]:
         """The operator recreates dead slots; this reports the slots being recreated or recreated since
@@ -342,16 +364,16 @@ class KubernetesBackend(FleetBackend):
         pod = self._pods.get(slot)
         if pod is None or view_pod(pod).restarts + 1 != incarnation:
             return
-        patch = {"metadata": {"annotations": {conventions.ANN_WEIGHT_VERSION: version}}}
-        task = asyncio.create_task(self._patch_quietly(pod["metadata"]["name"], patch))
+        self._set_mark(slot, pod, weightVersion=version)
+        task = asyncio.create_task(self._write_mark_quietly(slot))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _patch_quietly(self, name: str, patch: dict) -> None:
+    async def _write_mark_quietly(self, slot: int) -> None:
         try:
-            await self.kube.merge_patch(PODS, name, patch, self.namespace)
-        except ApiError as e:
-            log.warning("annotating %s: %s", name, e)
+            await self._write_mark(slot)
+        except (ApiError, OSError, TimeoutError) as e:
+            log.warning("recording the weight version of %s slot %d: %s", self.fleet, slot, e)
 
 
 async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
@@ -382,7 +404,7 @@ def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -
 
 TRAININGRUNS = rlfleet_resource("TrainingRun")
 # The TrainingRun status fields the orchestrator owns; the operator writes the others.
-ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval")
+ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval", "orchestratorFailure")
 
 
 async def report_run_progress(kube: KubeClient, namespace: str, run: str, **fields) -> None:
@@ -400,20 +422,19 @@ async def report_run_progress(kube: KubeClient, namespace: str, run: str, **fiel
 async def fail_run(kube: KubeClient, namespace: str, run: str, *, reason: str, message: str) -> None:
     """Fail the run from the orchestrator (e.g. reason RolloutEnginesUnavailable, the engines' log lines).
 
-    Written as annotations (`rlfleet.io/failed-reason`, `rlfleet.io/failed-message`), never into the
-    status conditions the operator owns; the operator turns them into the run's Failed condition.
+    Written as the run's `status.orchestratorFailure`, never into the status conditions the operator
+    owns; the operator turns it into the run's Failed condition.
     """
-    patch = {"metadata": {"annotations": {conventions.ANN_FAILED_REASON: reason,
-                                          conventions.ANN_FAILED_MESSAGE: redact(message)[-30000:]}}}
-    await kube.merge_patch(TRAININGRUNS, run, patch, namespace)
+    await kube.merge_patch(TRAININGRUNS, run, run_failure_patch(reason[:1024], redact(message)[-30000:]),
+                           namespace, sub="status")
 
 
 async def pin_fleet_snapshot(kube: KubeClient, namespace: str, fleet: str, *, model_path: str, weight_version: str,
                              kind: str = "RolloutFleet") -> None:
-    """Record the snapshot replacement engines of a fleet start from (after each weight sync)."""
-    annotations = {conventions.ANN_MODEL_PATH: model_path, conventions.ANN_WEIGHT_VERSION: weight_version}
-    patch = {"metadata": {"annotations": annotations}}
-    await kube.merge_patch(rlfleet_resource(kind), fleet, patch, namespace)
+    """Record the snapshot replacement engines of a fleet start from (after each weight sync), in the
+    fleet's `status.orchestrator` (used by the operator only under the fleet's snapshot mount)."""
+    await kube.merge_patch(rlfleet_resource(kind), fleet, pin_patch(model_path, weight_version), namespace,
+                           sub="status")
 
 
 FLEET_POLL_S = 2.0

@@ -1,17 +1,19 @@
 """`rlfleet run --kubernetes`: a TrainingRun's orchestrator and trainer, inside its trainer pod.
 
 The operator created the run's fleets, their routers and this pod; this drives them through the API
-server with the pod's own ServiceAccount (RBAC: the run's fleets, their pods, the run's status):
+server with the pod's own ServiceAccount (RBAC: read the fleets, their pods and the run; patch only the
+status of fleets and runs, never a pod or a spec; see `rlfleet.kube.marks`):
 
-- the rollout fleet is attached with the Kubernetes backend: a dead engine is marked on its pod
-  (`rlfleet.io/dead`) and the operator recreates it; the next weight sync waits for the replacement and
+- the rollout fleet is attached with the Kubernetes backend: a dead engine is marked in the fleet's
+  `status.orchestrator` and the operator recreates it; the next weight sync waits for the replacement and
   loads the current weights on it before it rejoins the router;
 - after each step's sync: `status.step`, `weightVersion`, `rewardMean` are written, and the fleet is
-  pinned to the new snapshot (`rlfleet.io/model-path`, `weight-version`) so replacements start from it;
+  pinned to the new snapshot (`status.orchestrator.modelPath`, `weightVersion`) so replacements start
+  from it;
 - eval posture fleet: the run's EvalFleet, pinned per point the same way; `status.lastEval` is written
   after every settled point;
-- a failure (watchdog trip, fleet crash loop, ...) is written as `rlfleet.io/failed-reason` /
-  `failed-message` on the run, which the operator makes its Failed condition; exit status 0 means the
+- a failure (watchdog trip, fleet crash loop, ...) is written as the run's `status.orchestratorFailure`,
+  which the operator makes its Failed condition; exit status 0 means the
   run Succeeded.
 
 Snapshots live on the run's shared claim, mounted at `$RLFLEET_SNAPSHOT_DIR` in this pod and in every

@@ -85,6 +85,8 @@ SERVICEACCOUNTS = Resource("", "v1", "serviceaccounts")
 DEPLOYMENTS = Resource("apps", "v1", "deployments")
 REPLICASETS = Resource("apps", "v1", "replicasets")
 NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies")
+ROLES = Resource("rbac.authorization.k8s.io", "v1", "roles")
+ROLE_BINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings")
 
 
 def rlfleet_resource(kind: str) -> Resource:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from rlfleet.crds import conventions, reasons
 from rlfleet.kube.conditions import parse_time, reason_word
+from rlfleet.kube.marks import mark_of
 from rlfleet.util.redact import redact
 
 # Waiting reasons that never resolve by waiting: the slot is dead.
@@ -45,18 +46,17 @@ def int_or(value, default: int = 0) -> int:
         return default
 
 
-def pod_failure(pod: dict) -> Failure | None:
+def pod_failure(pod: dict, mark: dict | None = None) -> Failure | None:
     """Why this pod cannot serve, from its status and the orchestrator's dead mark (None: it can).
 
-    The message quotes the container's last log lines (its termination message): keys and tokens
-    redacted."""
-    failure = _pod_failure(pod)
+    `mark`: the orchestrator's mark of this pod (`rlfleet.kube.marks.mark_of`), if any. The message
+    quotes the container's last log lines (its termination message): keys and tokens redacted."""
+    failure = _pod_failure(pod, mark)
     return None if failure is None else Failure(failure.reason, redact(failure.message), failure.exit_code)
 
 
-def _pod_failure(pod: dict) -> Failure | None:
-    meta, status = pod.get("metadata", {}), pod.get("status") or {}
-    ann = meta.get("annotations") or {}
+def _pod_failure(pod: dict, mark: dict | None) -> Failure | None:
+    status = pod.get("status") or {}
     statuses = (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
     terminated = next((s["state"]["terminated"] for s in statuses
                        if (s.get("state") or {}).get("terminated")
@@ -65,12 +65,12 @@ def _pod_failure(pod: dict) -> Failure | None:
     if terminated is None and status.get("phase") in ("Failed", "Succeeded"):
         terminated = next((s["state"]["terminated"] for s in statuses if (s.get("state") or {}).get("terminated")),
                           {"exitCode": None, "message": status.get("message", "")})
-    if conventions.ANN_DEAD in ann:
+    if mark is not None and mark.get("dead"):
         code = terminated.get("exitCode") if terminated else None
-        message = ann.get(conventions.ANN_DEAD_MESSAGE, "")
+        message = mark.get("deadMessage") or ""
         if terminated and terminated.get("message"):
             message = f"{message}\n{terminated['message']}".strip()
-        return Failure(reason_word(ann[conventions.ANN_DEAD], reasons.MARKED_DEAD), message, code)
+        return Failure(reason_word(mark["dead"], reasons.MARKED_DEAD), message, code)
     if terminated is not None:
         code = terminated.get("exitCode")
         reason = reasons.EXITED if code == 0 else reasons.CRASHED
@@ -84,7 +84,8 @@ def _pod_failure(pod: dict) -> Failure | None:
     return None
 
 
-def view_pod(pod: dict) -> PodView:
+def view_pod(pod: dict, mark: dict | None = None) -> PodView:
+    """`mark`: the orchestrator's mark of this pod (dead, weight version), if any."""
     meta, status = pod["metadata"], pod.get("status") or {}
     labels, ann = meta.get("labels") or {}, meta.get("annotations") or {}
     slot_label = labels.get(conventions.LABEL_SLOT, "")
@@ -96,5 +97,16 @@ def view_pod(pod: dict) -> PodView:
         phase=status.get("phase", "Pending"), ready=ready and status.get("phase") == "Running",
         terminating=bool(meta.get("deletionTimestamp")),
         pod_ip=status.get("podIP"), created=parse_time(meta.get("creationTimestamp")),
-        failure=pod_failure(pod), weight_version=ann.get(conventions.ANN_WEIGHT_VERSION),
+        failure=pod_failure(pod, mark), weight_version=(mark or {}).get("weightVersion"),
     )
+
+
+def slot_of(pod: dict) -> int | None:
+    """The slot label of an engine pod (None when it has none)."""
+    label = ((pod.get("metadata") or {}).get("labels") or {}).get(conventions.LABEL_SLOT, "")
+    return int(label) if label.isdigit() else None
+
+
+def view_marked(pod: dict, marks: dict[int, dict]) -> PodView:
+    """`view_pod` with the orchestrator's mark of this pod (`marks`: `rlfleet.kube.marks.engine_marks`)."""
+    return view_pod(pod, mark_of(pod, marks, slot_of(pod)))

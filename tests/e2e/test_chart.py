@@ -7,7 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from helpers.cluster import CHART
+from helpers.cluster import CHART, OperatorProcess, get_json, wait_for
+from helpers.cluster import helm as cluster_helm
 from rlfleet.util.binaries import tool_path
 
 
@@ -24,6 +25,7 @@ def rendered(*sets: str) -> list[dict]:
 @pytest.mark.parametrize("sets", [
     (),
     ("watchNamespaces={a,b}", "peering.enabled=true", "operator.replicas=2", "metrics.serviceMonitor.enabled=true"),
+    ("clusterWide=true", "peering.enabled=true", "operator.replicas=2"),
 ])
 def test_lint_is_clean(sets):
     args = [a for s in sets for a in ("--set", s)]
@@ -61,6 +63,43 @@ def test_namespaced_install_grants_no_secrets_and_nothing_cluster_wide():
             "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"} <= crds
 
 
+def test_default_values_serve_the_release_namespace_only_with_a_trainer_account_there():
+    docs = rendered()
+    kinds = {d["kind"] for d in docs}
+    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+    roles = {(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs
+             if d["kind"] in ("Role", "RoleBinding")}
+    assert roles == {(k, n, "rlfleet-system") for k in ("Role", "RoleBinding")
+                     for n in ("rlfleet-operator", "rlfleet-trainer")}
+    accounts = {(d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "ServiceAccount"}
+    assert ("rlfleet-trainer", "rlfleet-system") in accounts
+    args = _operator_args()
+    assert args.namespace == ["rlfleet-system"] and not args.all_namespaces and not args.trainer_rbac
+
+
+def test_cluster_wide_needs_its_own_switch_and_then_the_operator_provisions_trainer_accounts():
+    refused = helm("template", "x", str(CHART), "--set", "clusterWide=true", "--set", "watchNamespaces={a}",
+                   check=False)
+    assert refused.returncode != 0 and "clusterWide=true serves every namespace" in refused.stderr, refused.stderr
+    docs = rendered("clusterWide=true")
+    assert {d["kind"] for d in docs} >= {"ClusterRole", "ClusterRoleBinding"}
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert "rlfleet-trainer" not in {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+    args = _operator_args("--set", "clusterWide=true")
+    assert args.all_namespaces and args.namespace == [] and args.trainer_rbac
+
+
+def test_the_charts_trainer_role_is_the_operators():
+    """The chart renders the same trainer rules the operator grants in cluster-wide installs."""
+    from rlfleet.operator.builders import TRAINER_RULES
+
+    role = next(d for d in rendered("watchNamespaces={team-a}")
+                if d["kind"] == "Role" and d["metadata"]["name"] == "rlfleet-trainer")
+    assert role["rules"] == list(TRAINER_RULES)
+    for rule in role["rules"]:  # read only, except status
+        assert set(rule["verbs"]) <= {"get", "list", "watch"} or all(r.endswith("/status") for r in rule["resources"])
+
+
 def test_crds_come_from_the_one_source(tmp_path):
     """The chart's CRDs are the generated ones in crds/ (links), never copies that drift."""
     for plural in ("trainingruns", "rolloutfleets", "evalfleets"):
@@ -86,7 +125,7 @@ PROMETHEUS_PEERS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metada
                      "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
 
 
-@pytest.mark.parametrize("sets", [("watchNamespaces={team-a}",), ()])
+@pytest.mark.parametrize("sets", [("watchNamespaces={team-a}",), (), ("clusterWide=true",)])
 def test_operator_role_manages_network_policies(sets):
     docs = rendered(*sets)
     role = next(d for d in docs if d["kind"] in ("Role", "ClusterRole") and "rlfleet-operator" in d["metadata"]["name"])
@@ -130,3 +169,66 @@ def test_the_operator_runs_the_operator_image_and_gives_its_pods_the_trainer_ima
     assert f"--rlfleet-image=reg.example/rl/trainer:{chart_version}" in container["command"]
     result = helm("template", "x", str(CHART), "--set", "trainerImage.repository=", check=False)
     assert result.returncode != 0 and "trainerImage" in result.stderr, result.stderr
+
+
+def _trainer_pod(cp, namespace: str, run: str) -> dict | None:
+    return get_json(cp, "pod", f"{run}-trainer", namespace=namespace)
+
+
+@pytest.mark.cluster
+def test_install_with_default_values_admits_the_quickstarts_trainer_pod(control_plane, tmp_path):
+    """`helm install` with default values (the operator Deployment at zero replicas: the operator runs
+    here with the chart's token), then the quickstart in the release namespace: the trainer pod is
+    admitted (its ServiceAccount exists) and the operator has no rights outside the namespace."""
+    cp, ns = control_plane, "chart-default"
+    cluster_helm(cp, "install", "rlfleet-default", str(CHART), "-n", ns, "--create-namespace",
+                 "--set", "operator.replicas=0")
+    op = OperatorProcess(cp.service_account_kubeconfig(ns, "rlfleet-operator"), ns, tmp_path)
+    try:
+        op.start()
+        cp.kubectl("apply", "-n", ns, "-f", str(CHART.parents[1] / "examples" / "quickstart.yaml"))
+        pod = wait_for(lambda: _trainer_pod(cp, ns, "quickstart"), timeout=90, interval=0.5,
+                       what="the quickstart's trainer pod", context=op.tail)
+        assert pod["spec"]["serviceAccountName"] == "rlfleet-trainer"
+        can_i = cp.kubectl("auth", "can-i", "create", "pods", "-n", "kube-system", kubeconfig=op.kubeconfig,
+                           check=False)
+        assert can_i.stdout.strip() == "no"
+    finally:
+        cp.kubectl("delete", "trainingrun", "quickstart", "-n", ns, "--wait=false", check=False)
+        op.stop()
+        cluster_helm(cp, "uninstall", "rlfleet-default", "-n", ns)
+
+
+@pytest.mark.cluster
+def test_cluster_wide_install_gives_each_run_namespace_its_trainer_account(control_plane, tmp_path):
+    cp, system, team = control_plane, "chart-cluster-wide", "cw-team"
+    cp.kubectl("create", "namespace", team, check=False)
+    cluster_helm(cp, "install", "rlfleet-cw", str(CHART), "-n", system, "--create-namespace",
+                 "--set", "clusterWide=true", "--set", "operator.replicas=0")
+    op = OperatorProcess(cp.service_account_kubeconfig(system, "rlfleet-operator"), team, tmp_path,
+                         extra_args=("--trainer-rbac",))
+    run = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "cw", "namespace": team},
+           "spec": {"modelPath": "tiny://llama?seed=0", "trainer": {"backend": "torch", "gpus": 0, "steps": 2},
+                    "rollout": {"replicas": 1, "engine": {"device": "cpu"}}}}
+    try:
+        op.start()
+        cp.kubectl("apply", "-f", "-", input=json.dumps(run))
+        pod = wait_for(lambda: _trainer_pod(cp, team, "cw"), timeout=90, interval=0.5, what="the trainer pod",
+                       context=op.tail)
+        assert pod["spec"]["serviceAccountName"] == "rlfleet-trainer"
+        from rlfleet.operator.builders import TRAINER_RULES
+
+        role = get_json(cp, "role", "rlfleet-trainer", namespace=team)
+        assert role is not None and role["rules"] == list(TRAINER_RULES)
+        trainer = cp.service_account_kubeconfig(team, "rlfleet-trainer")
+
+        def can_i(*args):
+            return cp.kubectl("auth", "can-i", *args, "-n", team, kubeconfig=trainer, check=False).stdout.strip()
+
+        assert can_i("patch", "pods") == "no" and can_i("patch", "trainingruns") == "no"
+        assert can_i("patch", "trainingruns", "--subresource=status") == "yes"
+        assert can_i("patch", "rolloutfleets", "--subresource=status") == "yes"
+    finally:
+        cp.kubectl("delete", "trainingrun", "cw", "-n", team, "--wait=false", check=False)
+        op.stop()
+        cluster_helm(cp, "uninstall", "rlfleet-cw", "-n", system)

@@ -292,7 +292,7 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         status = await asyncio.to_thread(fleet_status, cp, "rf-k")
         assert status["restarts"] == 1 and status["engines"][0]["lastFailure"]["reason"] == "ProbeFailed"
         assert status["engines"][0]["lastFailure"]["message"] == "3 probes timed out"
-        backend.record_weight_version(0, 2, "5")  # shown in the fleet status through the pod annotation
+        backend.record_weight_version(0, 2, "5")  # shown in the fleet status through the orchestrator's mark
         for _ in range(100):
             status = await asyncio.to_thread(fleet_status, cp, "rf-k")
             if status.get("weightVersion") == "5":

@@ -67,12 +67,26 @@ def test_engine_pod_mounts_the_shared_snapshot_claim():
     assert pod["spec"]["containers"][0]["volumeMounts"][0] == {"name": "snapshots", "mountPath": "/snap"}
 
 
-def test_replacement_starts_from_the_fleet_snapshot_annotation():
-    f = fleet()
-    f["metadata"]["annotations"] = {b.ANN_MODEL_PATH: "/snapshots/step_7", b.ANN_WEIGHT_VERSION: "7"}
+def _model_of(f: dict) -> tuple[str, str]:
     cmd = b.build_engine_pod(f, 0)["spec"]["containers"][0]["command"]
-    assert cmd[cmd.index("--model-path") + 1] == "/snapshots/step_7"
-    assert cmd[cmd.index("--weight-version") + 1] == "7"
+    return cmd[cmd.index("--model-path") + 1], cmd[cmd.index("--weight-version") + 1]
+
+
+def test_replacement_starts_from_the_snapshot_the_orchestrator_pinned_on_the_claim():
+    f = fleet(snapshots={"claimName": "run1-snapshots", "mountPath": "/snapshots"})
+    f["status"] = {"orchestrator": {"modelPath": "/snapshots/step_7", "weightVersion": "7"}}
+    assert _model_of(f) == ("/snapshots/step_7", "7")
+    # A pin anywhere but the fleet's own snapshot claim is not used: the spec's model, version 0.
+    for elsewhere in ("/etc", "/snapshots/../etc", "/snapshotsX/step_7", "relative/step_7", "hf-org/model"):
+        f["status"]["orchestrator"]["modelPath"] = elsewhere
+        assert _model_of(f) == ("/models/tiny", "0"), elsewhere
+    unmounted = fleet()
+    unmounted["status"] = {"orchestrator": {"modelPath": "/snapshots/step_7", "weightVersion": "7"}}
+    assert _model_of(unmounted) == ("/models/tiny", "0")
+    # Annotations on the fleet are no channel any more.
+    f["metadata"]["annotations"] = {"rlfleet.io/model-path": "/snapshots/step_9"}
+    del f["status"]
+    assert _model_of(f) == ("/models/tiny", "0")
 
 
 def test_tiny_model_is_written_by_an_init_container_per_pod():

@@ -63,9 +63,15 @@ def test_new_fleet_creates_every_slot_once():
     assert again.create == [(0, 0), (1, 0)] and again.events == []  # same names: the API refuses duplicates
 
 
+def marks(**by_slot):
+    """A fleet status holding only the orchestrator's marks, e.g. marks(s0={...})."""
+    return {"orchestrator": {"engines": {k[1:]: v for k, v in by_slot.items()}}}
+
+
 def test_ready_pods_make_a_ready_fleet_with_urls_and_versions():
-    pods = [pod(0, annotations={b.ANN_WEIGHT_VERSION: "3"}), pod(1, annotations={b.ANN_WEIGHT_VERSION: "3"})]
-    plan = decide(spec(), pods, None, T0)
+    pods = [pod(0), pod(1)]
+    plan = decide(spec(), pods, marks(s0={"podUID": "uid-0-0", "weightVersion": "3"},
+                                      s1={"podUID": "uid-1-0", "weightVersion": "3"}), T0)
     assert plan.create == [] and plan.delete == []
     assert slot(plan, 1) == {"slot": 1, "pod": "f-engine-1", "state": "Ready", "restarts": 0,
                              "url": "http://127.0.0.11:30000", "weightVersion": "3"}
@@ -135,11 +141,22 @@ def test_pod_older_than_the_recorded_recreation_is_deleted_without_counting():
 
 
 def test_orchestrator_dead_mark_recreates_a_running_pod():
-    marked = pod(0, annotations={b.ANN_DEAD: "probe timeout", b.ANN_DEAD_MESSAGE: "3 probes timed out"})
-    dead = decide(spec(replicas=1, backoffBaseSeconds=0.0), [marked], None, T0)
+    mark = {"podUID": "uid-0-0", "dead": "probe timeout", "deadMessage": "3 probes timed out"}
+    dead = decide(spec(replicas=1, backoffBaseSeconds=0.0), [pod(0)], marks(s0=mark), T0)
     assert slot(dead, 0)["lastFailure"]["reason"] == "ProbeTimeout"
     assert slot(dead, 0)["lastFailure"]["message"] == "3 probes timed out"
     assert dead.delete == [("f-engine-0", "uid-0-0")] and slot(dead, 0)["state"] == "Recreating"
+    assert "orchestrator" not in dead.status  # the orchestrator's part of the status is not the operator's
+
+
+def test_a_mark_of_an_earlier_pod_leaves_its_replacement_alone():
+    mark = {"podUID": "uid-0-0", "dead": "probe_failed", "deadMessage": "3 probes timed out", "weightVersion": "2"}
+    status = {"restarts": 1, "engines": [{"slot": 0, "state": "Recreating", "restarts": 1}], **marks(s0=mark)}
+    plan = decide(spec(replicas=1), [pod(0, restarts=1)], status, T0)
+    assert plan.delete == [] and slot(plan, 0)["state"] == "Ready" and "weightVersion" not in slot(plan, 0)
+    # Marks under keys that are no slot, or without a pod UID, are not marks.
+    junk = {"orchestrator": {"engines": {"x": {"podUID": "uid-0-0", "dead": "a"}, "0": {"dead": "b"}}}}
+    assert decide(spec(replicas=1), [pod(0)], junk, T0).delete == []
 
 
 def test_crash_loop_fails_the_fleet_with_the_engine_log_and_exit_code():

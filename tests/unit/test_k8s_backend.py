@@ -42,6 +42,18 @@ def test_slot_states_follow_the_pod():
     assert failed.state is EngineState.FAILED
 
 
+def test_a_dead_mark_in_the_fleet_status_counts_for_its_pod_only():
+    mark = {"podUID": "u0-0", "dead": "probe_failed", "deadMessage": "3 probes timed out", "weightVersion": "4"}
+    dead = slot_view(0, pod(0), None, port=1, marked_dead=None, weight_version=None, mark=mark)
+    assert dead.state is EngineState.DEAD and dead.weight_version == "4"
+    from rlfleet.kube.marks import engine_marks, mark_of
+    marks = engine_marks({"orchestrator": {"engines": {"0": mark}}})
+    assert mark_of(pod(0), marks, 0) == mark and mark_of(pod(0, restarts=1), marks, 0) is None
+    replacement = slot_view(0, pod(0, restarts=1), None, port=1, marked_dead=None, weight_version=None,
+                            mark=mark_of(pod(0, restarts=1), marks, 0))
+    assert replacement.state is EngineState.ALIVE and replacement.weight_version is None
+
+
 def test_operator_failed_condition_becomes_fleet_failed_with_the_log():
     status = {"conditions": [{"type": "Failed", "status": "True", "reason": "EngineCrashLoop",
                               "message": "slot 0 failed ...\nAssertionError: backend"}],

@@ -87,14 +87,14 @@ def test_failed_trainer_fails_the_run_with_its_log_and_nothing_is_recreated():
     assert later.create == [] and later.status["phase"] == "Failed" and later.events == []
 
 
-def test_orchestrator_failure_annotation_fails_the_run():
-    r = run(status={"phase": "Running"})
-    r["metadata"]["annotations"] = {b.ANN_FAILED_REASON: "RolloutEnginesUnavailable",
-                                    b.ANN_FAILED_MESSAGE: "no engine can serve:\nengine 0: CUDA error"}
+def test_orchestrator_failure_report_fails_the_run():
+    r = run(status={"phase": "Running", "orchestratorFailure": {
+        "reason": "RolloutEnginesUnavailable", "message": "no engine can serve:\nengine 0: CUDA error"}})
     plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Running"), pvc={}), now=T0)
     failed = find(plan.status["conditions"], "Failed")
     assert plan.status["phase"] == "Failed" and failed["reason"] == "RolloutEnginesUnavailable"
     assert "CUDA error" in failed["message"] and plan.status["message"].endswith("CUDA error")
+    assert "orchestratorFailure" not in plan.status  # the orchestrator's field: never written by the operator
 
 
 def test_orchestrator_failure_condition_is_kept():
@@ -131,11 +131,11 @@ def test_named_claim_is_not_created():
 def test_adopted_failure_is_the_orchestrators_not_the_operators_own():
     from rlfleet.operator.run_decide import adopted_failure
 
-    ann = {b.ANN_FAILED_REASON: "rollout engines unavailable", b.ANN_FAILED_MESSAGE: "503 storm"}
-    assert adopted_failure(ann, None) == ("RolloutEnginesUnavailable", "503 storm")
+    reported = {"reason": "rollout engines unavailable", "message": "503 storm"}
+    assert adopted_failure(reported, None) == ("RolloutEnginesUnavailable", "503 storm")
     kept = {"type": "Failed", "status": "True", "reason": "RolloutEnginesUnavailable", "message": "m"}
-    assert adopted_failure({}, kept) == ("RolloutEnginesUnavailable", "m")
-    assert adopted_failure({}, {**kept, "reason": "TrainerFailed"}) == (None, None)
+    assert adopted_failure(None, kept) == ("RolloutEnginesUnavailable", "m")
+    assert adopted_failure(None, {**kept, "reason": "TrainerFailed"}) == (None, None)
     assert adopted_failure({}, {**kept, "status": "False"}) == (None, None)
 
 

@@ -49,7 +49,21 @@ app.kubernetes.io/component: operator
   verbs: ["create", "patch"]
 {{- end -}}
 
+{{/* The namespaces the operator serves: watchNamespaces, else the release namespace; [] when clusterWide. */}}
+{{- define "rlfleet.watchNamespaces" -}}
+{{- if .Values.clusterWide -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "clusterWide=true serves every namespace: leave watchNamespaces empty (or set clusterWide=false to serve only the listed ones)" -}}
+{{- end -}}
+{{- toJson list -}}
+{{- else -}}
+{{- toJson (.Values.watchNamespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the chart creates the trainer ServiceAccount and Role: every served namespace plus
+trainer.extraNamespaces (clusterWide: the operator creates them in each run's namespace). */}}
 {{- define "rlfleet.trainerNamespaces" -}}
-{{- $all := concat .Values.watchNamespaces (.Values.trainer.extraNamespaces | default list) | uniq -}}
+{{- $all := concat (include "rlfleet.watchNamespaces" . | fromJsonArray) (.Values.trainer.extraNamespaces | default list) | uniq -}}
 {{- toJson $all -}}
 {{- end -}}
