@@ -28,6 +28,7 @@ from rlfleet.crds.specs import (
 )
 from rlfleet.crds.status import EvalFleetStatus, RolloutFleetStatus, TrainingRunStatus
 
+_WORLD_CEL = "self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize"
 TINY_MODEL_PATTERN = r"^tiny://(llama|qwen2)(\?seed=[0-9]{1,9})?$"
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Child objects are named <run>-rollout, <run>-eval-router, ...: keep room for the longest suffix
@@ -44,9 +45,18 @@ class TrainerSpec(ApiModel):
         "(CPU or GPU).",
     )
     image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, description="Container image of the trainer pod.")
-    gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
+    gpus: int = Field(
+        1, ge=0, le=1024,
+        description="GPUs of each trainer node, one rank per GPU; 0 trains on CPU (one process per rank, gloo).",
+    )
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes the trainer's ranks span (one trainer pod per node).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-model parallelism.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Megatron pipeline-model parallelism.")
+    data_parallel_size: int = Field(
+        1, ge=1, le=1024,
+        description="Data-parallel replicas; the trainer is tensorParallelSize x pipelineParallelSize x "
+        "dataParallelSize torch.distributed ranks, each step's batch split across the replicas.",
+    )
     steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (one weight version each).")
     prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts sampled per step (the rollout batch).")
     samples_per_prompt: int = Field(
@@ -91,16 +101,32 @@ class TrainerSpec(ApiModel):
             message="model parallelism needs backend megatron",
         ),
         Rule(
-            cel="self.gpus == 0 ? self.tensorParallelSize * self.pipelineParallelSize == 1"
-            " : self.gpus % (self.tensorParallelSize * self.pipelineParallelSize) == 0",
-            check=lambda s: (s.tensor_parallel_size * s.pipeline_parallel_size == 1) if s.gpus == 0
-            else s.gpus % (s.tensor_parallel_size * s.pipeline_parallel_size) == 0,
+            cel="self.gpus == 0 || self.gpus * self.nodes == " + _WORLD_CEL,
+            check=lambda s: s.gpus == 0 or s.gpus * s.nodes == s.world_size,
             field="gpus",
-            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize "
-            "(no model parallelism on CPU)",
+            message="gpus x nodes must equal tensorParallelSize x pipelineParallelSize x dataParallelSize "
+            "(one rank per GPU)",
+            message_expression="'gpus x nodes (' + string(self.gpus) + ' x ' + string(self.nodes) + ' = ' + "
+            "string(self.gpus * self.nodes) + ') must equal tensorParallelSize x pipelineParallelSize x "
+            "dataParallelSize (' + string(self.tensorParallelSize) + ' x ' + string(self.pipelineParallelSize) + "
+            "' x ' + string(self.dataParallelSize) + ' = ' + string(" + _WORLD_CEL + ") + '): one rank per GPU'",
+            detail=lambda s: f"gpus x nodes ({s.gpus} x {s.nodes} = {s.gpus * s.nodes}) must equal "
+            f"tensorParallelSize x pipelineParallelSize x dataParallelSize ({s.tensor_parallel_size} x "
+            f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}): one rank per GPU",
+        ),
+        Rule(
+            cel="self.nodes == 1",
+            check=lambda s: s.nodes == 1,
+            field="nodes",
+            message="a trainer across several nodes is not supported yet: nodes must be 1",
         ),
         immutable("backend", "backend", "trainer backend"),
     )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the trainer: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
 
 class TrainingRunSpec(ApiModel):

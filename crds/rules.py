@@ -30,6 +30,8 @@ class Rule:
     check:   the same rule in Python: `check(obj)`, or `check(new, old)` for transitions; True = valid.
     field:   the field the message is about, relative to the object, camelCase, dotted ("" = itself).
     message: what is wrong, naming the rule in words a user understands.
+    message_expression / detail (optional, together): the message with the object's numbers in it, as a
+             CEL string expression for the API server and as a Python function of the object.
     """
 
     cel: str
@@ -37,6 +39,12 @@ class Rule:
     field: str
     message: str
     transition: bool = False
+    message_expression: str | None = None
+    detail: Callable[[Any], str] | None = None
+
+    def message_for(self, obj: Any) -> str:
+        """What a violation of this rule by `obj` says (the detailed message when there is one)."""
+        return self.detail(obj) if self.detail is not None else self.message
 
     def field_path(self) -> str:
         """The CRD `fieldPath` form: a relative JSON path such as `.resumeAtC`."""
@@ -45,6 +53,8 @@ class Rule:
     def to_validation(self) -> dict[str, Any]:
         """The `x-kubernetes-validations` entry."""
         entry: dict[str, Any] = {"rule": self.cel, "message": self.message}
+        if self.message_expression is not None:
+            entry["messageExpression"] = self.message_expression
         if self.field:
             entry["fieldPath"] = self.field_path()
             entry["reason"] = "FieldValueInvalid"
@@ -85,7 +95,7 @@ def object_rules(model_cls: type[BaseModel]) -> tuple[Rule, ...]:
 def check_object(obj: BaseModel) -> list[Violation]:
     """The non-transition rules of one object (not its children) that `obj` breaks."""
     return [
-        Violation(rule.field, rule.message, rule.cel)
+        Violation(rule.field, rule.message_for(obj), rule.cel)
         for rule in object_rules(type(obj))
         if not rule.transition and not rule.check(obj)
     ]
