@@ -1,7 +1,8 @@
 """The `megatron` backend: megatron-core GPTModel (local layer spec) initialised from HF weights.
 
-The model is built to match the HF Llama/Qwen2 architecture of `model_dir` (RMSNorm, SwiGLU,
-rotary embeddings, no linear biases except Qwen2's q/k/v, tied embeddings, GQA) and loaded from
+The model is built to match the HF Llama/Qwen2/Qwen3 architecture of `model_dir` (RMSNorm, SwiGLU,
+rotary embeddings, no linear biases except Qwen2's q/k/v, Qwen3's per-head q/k norms, tied
+embeddings, GQA) and loaded from
 its safetensors through `hf_export.hf_to_megatron`, so export back to HF is exact.
 
 Two execution paths, chosen by `device`:
@@ -127,6 +128,7 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -148,7 +150,7 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
     )
     return GPTModel(
         config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",

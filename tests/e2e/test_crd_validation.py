@@ -78,7 +78,7 @@ def spec(patch: dict) -> dict:
 
 BAD_INPUT: list[Case] = [
     Case("model-path-missing", spec({"modelPath": DELETE}), "spec.modelPath", "Required value"),
-    Case("model-path-tiny-unknown", spec({"modelPath": "tiny://gpt2"}), "spec.modelPath", "tiny://llama or tiny://qwen2"),
+    Case("model-path-tiny-unknown", spec({"modelPath": "tiny://gpt2"}), "spec.modelPath", "tiny://llama, tiny://qwen2 or tiny://qwen3"),
     Case("name-too-long", {"metadata": {"name": "r" * 41}}, "metadata.name", "40"),
     Case("unknown-field", spec({"rollout": {"replica": 2}}), "spec.rollout.replica", "unknown field"),
     Case("backend-unknown", spec({"trainer": {"backend": "jax"}}), "spec.trainer.backend", "Unsupported value"),
@@ -89,12 +89,11 @@ BAD_INPUT: list[Case] = [
     Case("torch-with-tensor-parallel", spec({"trainer": {"tensorParallelSize": 2, "gpus": 2}}),
          "spec.trainer.tensorParallelSize", "model parallelism needs backend megatron"),
     Case("megatron-gpus-not-multiple", spec({"trainer": {"backend": "megatron", "tensorParallelSize": 2, "gpus": 3}}),
-         "spec.trainer.gpus", "gpus x nodes (3 x 1 = 3) must equal tensorParallelSize x pipelineParallelSize "
-         "x dataParallelSize (2 x 1 x 1 = 2)"),
+         "spec.trainer.gpus", "must equal tensorParallelSize x pipelineParallelSize x dataParallelSize"),
     Case("more-gpus-than-ranks", spec({"trainer": {"backend": "megatron", "tensorParallelSize": 2, "gpus": 4}}),
-         "spec.trainer.gpus", "(4 x 1 = 4) must equal"),
+         "spec.trainer.gpus", "gpus x nodes"),
     Case("fewer-gpus-than-ranks", spec({"trainer": {"dataParallelSize": 4, "gpus": 2}}),
-         "spec.trainer.gpus", "(1 x 1 x 4 = 4): one rank per GPU"),
+         "spec.trainer.gpus", "one rank per GPU"),
     Case("trainer-across-nodes", spec({"trainer": {"nodes": 2, "gpus": 1, "dataParallelSize": 2}}),
          "spec.trainer.nodes", "nodes must be 1"),
     Case("trainer-dp-zero", spec({"trainer": {"dataParallelSize": 0}}),
