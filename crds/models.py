@@ -131,7 +131,8 @@ class TrainingRunSpec(ApiModel):
     model_path: str = Field(
         ..., min_length=1, max_length=PATH,
         description="Initial model: a Hugging Face directory (on the snapshot volume in pods), a hub id, or "
-        "tiny://llama?seed=N (also tiny://qwen2, tiny://qwen3) for the project's tiny offline model, generated on first use.",
+        "tiny://llama?seed=N (also tiny://qwen2, tiny://qwen3) for the project's tiny offline model, "
+        "generated on first use.",
     )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     rollout: RolloutTemplateSpec = Field(default_factory=RolloutTemplateSpec)

@@ -78,7 +78,8 @@ def spec(patch: dict) -> dict:
 
 BAD_INPUT: list[Case] = [
     Case("model-path-missing", spec({"modelPath": DELETE}), "spec.modelPath", "Required value"),
-    Case("model-path-tiny-unknown", spec({"modelPath": "tiny://gpt2"}), "spec.modelPath", "tiny://llama, tiny://qwen2 or tiny://qwen3"),
+    Case("model-path-tiny-unknown", spec({"modelPath": "tiny://gpt2"}), "spec.modelPath",
+         "tiny://llama, tiny://qwen2 or tiny://qwen3"),
     Case("name-too-long", {"metadata": {"name": "r" * 41}}, "metadata.name", "40"),
     Case("unknown-field", spec({"rollout": {"replica": 2}}), "spec.rollout.replica", "unknown field"),
     Case("backend-unknown", spec({"trainer": {"backend": "jax"}}), "spec.trainer.backend", "Unsupported value"),

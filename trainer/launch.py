@@ -1,0 +1,91 @@
+"""Start a trainer's ranks on this machine with torch.distributed's elastic launcher (torchrun semantics).
+
+`launch_ranks(entry, args, world=N, log_dir=...)` runs `entry(*args)` in N processes, one per rank,
+after a c10d rendezvous on loopback, with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). No restarts: when any rank exits non-zero the launcher stops the others
+(SIGTERM, then SIGKILL) and `launch_ranks` raises `RankFailed` naming the first rank that failed, its
+exit code and its last log lines. Every rank's output goes to `<log_dir>/rank-<r>.log` (stdout and
+stderr); with `tee` it is also shown on the terminal, prefixed by the rank. A SIGINT or SIGTERM of
+the launching process stops every rank the same way.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlfleet.errors import RunError
+from rlfleet.util.ports import free_port
+from rlfleet.util.procs import tail_file
+
+LOG_TAIL_LINES = 30
+
+
+class RankFailed(RunError):
+    """A trainer rank exited non-zero (or was killed); the group was stopped."""
+
+    def __init__(self, rank: int, exitcode: int, log_tail: str, log_path: Path | None):
+        self.rank, self.exitcode, self.log_tail, self.log_path = rank, exitcode, log_tail, log_path
+        where = f" ({log_path})" if log_path else ""
+        super().__init__(f"trainer rank {rank} exited with {exitcode}; its last log lines{where}:\n{log_tail}",
+                         reason="TrainerRankFailed")
+
+
+def launch_ranks(entry: Callable[..., Any], args: tuple[Any, ...], *, world: int, log_dir: Path,
+                 run_id: str = "rlfleet-trainer", tee: bool = False) -> dict[int, Any]:
+    """Run entry(*args) in `world` local ranks; the return value of every rank, by rank."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port('127.0.0.1')}", local_addr="127.0.0.1",
+        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "elastic"), redirects=Std.ALL,
+                                    tee=Std.ALL if tee else Std.NONE),
+    )
+    # As torchrun does: ranks sharing a machine do not each take all of its cores.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is None and world > 1:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    try:
+        results = elastic_launch(config, entry)(*args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        _collect_logs(log_dir, world)
+        path = log_dir / f"rank-{rank}.log"
+        tail = "\n".join(tail_file(path, LOG_TAIL_LINES) + _traceback_tail(failure))
+        raise RankFailed(rank, failure.exitcode, tail, path if path.exists() else None) from None
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+    _collect_logs(log_dir, world)
+    return dict(results)
+
+
+def _traceback_tail(failure: Any) -> list[str]:
+    """The last lines of the failed rank's traceback (the launcher records it beside the logs)."""
+    data = getattr(failure, "error_file_data", None) or {}
+    message = data.get("message") if isinstance(data, dict) else None
+    stack = message.get("extraInfo", {}).get("py_callstack") if isinstance(message, dict) else None
+    if isinstance(stack, str) and stack:
+        return [line for line in stack.splitlines() if line.strip()][-LOG_TAIL_LINES:]
+    return [str(failure.message)] if failure.message else []
+
+
+def _collect_logs(log_dir: Path, world: int) -> None:
+    """rank-<r>.log beside the elastic agent's nested files: that rank's stdout, then its stderr."""
+    attempts = sorted((log_dir / "elastic").glob("*/attempt_*"), key=os.path.getmtime)
+    if not attempts:
+        return
+    attempt = attempts[-1]
+    for rank in range(world):
+        parts = [attempt / str(rank) / name for name in ("stdout.log", "stderr.log")]
+        text = "".join(p.read_text(errors="replace") for p in parts if p.exists())
+        (log_dir / f"rank-{rank}.log").write_text(text)
