@@ -111,6 +111,13 @@ class TrainerSpec(ApiModel):
             f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}): one rank per GPU",
         ),
         Rule(
+            cel="self.pipelineParallelSize == 1",
+            check=lambda s: s.pipeline_parallel_size == 1,
+            field="pipelineParallelSize",
+            message="pipeline parallelism is not supported by the trainer yet: pipelineParallelSize must be 1 "
+            "(use tensorParallelSize and dataParallelSize)",
+        ),
+        Rule(
             cel="self.nodes == 1",
             check=lambda s: s.nodes == 1,
             field="nodes",

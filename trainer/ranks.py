@@ -15,7 +15,9 @@ snapshot. The other ranks run `follow` until rank 0 says stop.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -104,6 +106,8 @@ class LeadingTrainer:
         self.local = trainer
         self._commands = _Commands()
         self._closed = False
+        # One command at a time, whichever thread calls (the loop trains, eval copies weights).
+        self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
@@ -115,22 +119,25 @@ class LeadingTrainer:
     def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:
         if not batch:
             raise ValueError("train_step needs at least one sample")
-        self._commands.send("train", list(batch))
-        return train_part(self.local, batch)
+        with self._lock:
+            self._commands.send("train", list(batch))
+            return train_part(self.local, batch)
 
     def state_for_export(self) -> ExportState:
-        self._commands.send("state")
-        return self.local.state_for_export()
+        with self._lock:
+            self._commands.send("state")
+            return self.local.state_for_export()
 
-    def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Any:
+    def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Path:
         state = self.state_for_export()
         if step is not None and step != state.step:
             state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
         return write_hf_snapshot(state, out_dir)
 
     def logits(self, input_ids: Any) -> Any:
-        self._commands.send("logits", input_ids)
-        return self.local.logits(input_ids)
+        with self._lock:
+            self._commands.send("logits", input_ids)
+            return self.local.logits(input_ids)
 
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: Sequence[int] = ()) -> list[int]:
@@ -138,9 +145,10 @@ class LeadingTrainer:
 
     def close(self) -> None:
         """Release the other ranks (they return from `follow`). Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._commands.send("stop")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.send("stop")
 
 
 def follow(trainer: Trainer) -> int:

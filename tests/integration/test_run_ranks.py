@@ -1,0 +1,99 @@
+"""`rlfleet run FILE` with a trainer of two ranks (megatron tensor parallel 2, gloo, real ranks from the
+elastic launcher): the run finishes with rank 0 running the loop and the engines; a rank SIGKILLed
+mid-run fails the run naming that rank with its last log lines, and nothing of the run is left running.
+
+One real SGLang CPU engine behind the real router, the quickstart shortened (no eval).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfleet.util.procs import groups_writing_under
+
+pytestmark = pytest.mark.engines
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RLFLEET = [sys.executable, "-P", "-m", "rlfleet.cli"]
+
+
+def two_rank_run(tmp_path: Path, steps: int) -> Path:
+    doc = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    spec = doc["spec"]
+    spec["trainer"].update(backend="megatron", tensorParallelSize=2, steps=steps, promptsPerStep=4,
+                           samplesPerPrompt=4)
+    spec["rollout"]["replicas"] = 1
+    spec.pop("eval", None)
+    spec["metricsPort"] = 19481
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def ranks_of(parent: int) -> dict[int, int]:
+    """rank -> pid of the launcher's rank processes (their environment says RANK)."""
+    found = {}
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        try:
+            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        for entry in env:
+            if entry.startswith(b"RANK="):
+                found[int(entry[5:])] = int(child)
+    return found
+
+
+def test_run_with_two_ranks_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=3)), "--run-dir", str(run_dir),
+                             "--summary", str(tmp_path / "summary.json")],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "starting 2 trainer ranks" in result.stderr
+    assert "megatron trainer: 2 rank(s) (tensor 2 x pipeline 1 x data 1) on cpu, gloo" in result.stdout + result.stderr
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["steps_completed"] == 3 and data["failure"] is None, data
+    assert all(versions for versions in data["engine_versions_per_step"].values()), data
+    assert (run_dir / "trainer-ranks" / "rank-1.log").is_file()
+    assert not groups_writing_under(run_dir), "processes of the run are still running"
+
+
+def test_a_rank_killed_mid_run_fails_the_run_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    out, err = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
+    proc = subprocess.Popen([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=50)), "--run-dir", str(run_dir)],
+                            stdout=out, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        # Wait for a finished step (rank 0 has then trained with rank 1 and synced the engine).
+        while "step 1/50" not in rank0_output(run_dir):
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step within 600 s"
+            time.sleep(1)
+        ranks = ranks_of(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+        err.close()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 1, stderr[-4000:]
+    assert "FAILED (TrainerRankFailed): trainer rank 1 exited with -9" in stderr, stderr[-4000:]
+    assert "last log lines" in stderr
+    assert not groups_writing_under(run_dir), "processes of the run are still running"
+
+
+def rank0_output(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in run_dir.glob("trainer-ranks/elastic/*/attempt_*/0/*.log"))
