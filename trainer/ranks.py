@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
