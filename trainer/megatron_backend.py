@@ -10,7 +10,8 @@ Two execution paths, chosen by `device`:
   places on this path: the attention-score buffer, the default causal mask (we pass our own), the
   rotary frequencies (moved to the current CUDA device on first use), and attention dropout forks
   a CUDA RNG tracker; see `_cpu_workarounds`.
-- CUDA: megatron's own DistributedDataParallel and `get_megatron_optimizer` (`_MegatronGpuStep`).
+- CUDA: megatron's own DistributedDataParallel and `get_megatron_optimizer` with the distributed
+  optimizer (`_MegatronGpuStep`).
 With `options.parallel` above one rank, the process is one rank of a torch.distributed group the
 launcher started (trainer/launch.py, trainer/ranks.py): megatron's model-parallel state splits it into
 tensor-parallel groups (each rank holds its shards, trainer/shards.py) and data-parallel replicas
@@ -419,7 +420,8 @@ class _MegatronGpuStep:
         module = Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt
         self.model = DistributedDataParallel(
             config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=True),
             module=module,
         )
         self.optimizer = get_megatron_optimizer(
@@ -433,6 +435,8 @@ class _MegatronGpuStep:
                 bf16=config.bf16,
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
+                # The optimizer state is sharded across the data-parallel replicas (ZeRO-1).
+                use_distributed_optimizer=True,
             ),
             [self.model],
         )
