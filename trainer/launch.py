@@ -3,10 +3,11 @@
 `launch_ranks(entry, args, world=N, log_dir=...)` runs `entry(*args)` in N processes, one per rank,
 after a c10d rendezvous on loopback, with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT). No restarts: when any rank exits non-zero the launcher stops the others
-(SIGTERM, then SIGKILL) and `launch_ranks` raises `RankFailed` naming the first rank that failed, its
-exit code and its last log lines. Every rank's output goes to `<log_dir>/rank-<r>.log` (stdout and
-stderr); with `tee` it is also shown on the terminal, prefixed by the rank. A SIGINT or SIGTERM of
-the launching process stops every rank the same way.
+(SIGTERM, then SIGKILL) and `launch_ranks` raises `RankFailed` naming the rank that failed (see
+`culprit`), its exit code and its last log lines. Every rank's output goes to `<log_dir>/rank-<r>.log` (stdout and
+stderr); with `tee`, rank 0's is also shown on the terminal. A SIGINT or SIGTERM of the launching
+process is passed to every rank (SIGKILL after SHUTDOWN_TIMEOUT_S), then raises the launcher's
+SignalException (its `sigval` is the signal).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from rlfleet.util.ports import free_port
 from rlfleet.util.procs import tail_file
 
 LOG_TAIL_LINES = 30
+# How long a stopping rank may take (rank 0 of a run stops its engines and router within 20 s) before
+# the launcher kills it.
+SHUTDOWN_TIMEOUT_S = 30
 
 
 class RankFailed(RunError):
@@ -46,9 +50,9 @@ def launch_ranks(entry: Callable[..., Any], args: tuple[Any, ...], *, world: int
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port('127.0.0.1')}", local_addr="127.0.0.1",
-        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        max_restarts=0, monitor_interval=0.5, start_method="spawn", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir / "elastic"), redirects=Std.ALL,
-                                    tee=Std.ALL if tee else Std.NONE),
+                                    tee=Std.ALL if tee else Std.NONE, local_ranks_filter={0} if tee else None),
     )
     # As torchrun does: ranks sharing a machine do not each take all of its cores.
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -57,7 +61,7 @@ def launch_ranks(entry: Callable[..., Any], args: tuple[Any, ...], *, world: int
     try:
         results = elastic_launch(config, entry)(*args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = culprit(exc.failures)
         _collect_logs(log_dir, world)
         path = log_dir / f"rank-{rank}.log"
         tail = "\n".join(tail_file(path, LOG_TAIL_LINES) + _traceback_tail(failure))
@@ -67,6 +71,18 @@ def launch_ranks(entry: Callable[..., Any], args: tuple[Any, ...], *, world: int
             os.environ.pop("OMP_NUM_THREADS", None)
     _collect_logs(log_dir, world)
     return dict(results)
+
+
+def culprit(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank to blame: the first other rank that failed, else rank 0.
+
+    Rank 0 runs the run: alone, its failure is the run's own (it says why). When another rank dies,
+    rank 0 usually fails too (a collective with a dead peer), in the same instant.
+    """
+    others = {r: f for r, f in failures.items() if r != 0}
+    pool = others or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
 
 
 def _traceback_tail(failure: Any) -> list[str]:

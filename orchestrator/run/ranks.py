@@ -39,6 +39,8 @@ def check_before_launch(run: TrainingRun, model_dir: Path) -> None:
 
 def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path) -> int:
     """Launch the run's ranks (this process is their agent); the exit status of the run."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     from rlfleet.trainer.launch import RankFailed, launch_ranks
 
     world = layout_of(run.spec).world
@@ -52,6 +54,9 @@ def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path
             return exc.exitcode  # the run itself failed: rank 0 has said why
         print(f"rlfleet run: FAILED ({exc.reason}): {exc}", file=sys.stderr)
         return 1
+    except SignalException as exc:
+        print(f"rlfleet run: stopped by {exc.sigval.name}; trainer ranks, engines and router stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -105,3 +105,16 @@ def test_gated_fc1_shard_holds_its_gate_rows_then_its_up_rows():
 def test_a_dimension_that_does_not_split_is_named():
     with pytest.raises(ValueError, match="qkv: dimension 0 of size 8 does not split into 3 shards"):
         split_for_rank(full_state(), PLAN, 0, 3)
+
+
+def test_the_rank_to_blame_is_another_rank_before_rank_0():
+    from types import SimpleNamespace
+
+    from rlfleet.trainer.launch import culprit
+
+    def failed(at: int) -> SimpleNamespace:
+        return SimpleNamespace(timestamp=at)
+
+    assert culprit({0: failed(5)})[0] == 0  # the run itself failed
+    assert culprit({0: failed(4), 1: failed(5)})[0] == 1  # rank 0 lost a peer in a collective
+    assert culprit({2: failed(6), 3: failed(5), 0: failed(1)})[0] == 3
