@@ -37,9 +37,17 @@ def trainer_kwargs(spec: TrainingRunSpec) -> dict[str, Any]:
 def build_rank_trainer(spec: TrainingRunSpec, model_dir: Path) -> Trainer:
     """This rank's trainer; with more than one rank, after joining the launcher's process group."""
     kwargs = trainer_kwargs(spec)
-    if kwargs["parallel"].world > 1:
+    layout = kwargs["parallel"]
+    if layout.world > 1:
         from rlfleet.trainer.ranks import init_process_group
 
+        if rank_env()[1] != layout.world:
+            raise ValueError(
+                f"spec.trainer asks for {layout.world} ranks (tensorParallelSize {layout.tensor} x "
+                f"pipelineParallelSize {layout.pipeline} x dataParallelSize {layout.data}) but this process was "
+                "not started as one of them: `rlfleet run FILE` starts the ranks itself; a trainer pod "
+                "(rlfleet run --kubernetes) runs one rank only for now"
+            )
         kwargs["device"] = init_process_group(kwargs["device"])
     return build_trainer(spec.trainer.backend, model_dir, spec.trainer.learning_rate, **kwargs)
 

@@ -52,6 +52,30 @@ def ranks_of(parent: int) -> dict[int, int]:
     return found
 
 
+def test_a_layout_the_model_cannot_take_is_refused_before_anything_starts(tmp_path, capsys):
+    from rlfleet.orchestrator.run.cli import main
+
+    path = two_rank_run(tmp_path, steps=3)
+    doc = yaml.safe_load(path.read_text())
+    doc["spec"]["trainer"]["tensorParallelSize"] = 4  # the tiny model has 2 key/value heads
+    path.write_text(yaml.safe_dump(doc))
+    assert main([str(path), "--run-dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "TrainerSetupFailed" in err
+    assert "spec.trainer.tensorParallelSize 4 does not divide the model's num_key_value_heads 2" in err
+    assert not (tmp_path / "run").exists(), "something started"
+
+
+def test_a_trainer_of_several_ranks_outside_a_launch_is_refused(tiny_model):
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer
+
+    run = load_training_run(EXAMPLES / "quickstart.yaml")
+    run.spec.trainer.data_parallel_size = 2
+    with pytest.raises(ValueError, match="asks for 2 ranks .* not started as one of them"):
+        build_rank_trainer(run.spec, tiny_model)
+
+
 def test_run_with_two_ranks_finishes(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=3)), "--run-dir", str(run_dir),
