@@ -118,6 +118,17 @@ class TrainerSpec(ApiModel):
             "(use tensorParallelSize and dataParallelSize)",
         ),
         Rule(
+            cel="self.promptsPerStep * self.samplesPerPrompt >= self.dataParallelSize",
+            check=lambda s: s.prompts_per_step * s.samples_per_prompt >= s.data_parallel_size,
+            field="dataParallelSize",
+            message="every data-parallel replica needs a sample of each step: promptsPerStep x samplesPerPrompt "
+            "must be at least dataParallelSize",
+            detail=lambda s: f"every data-parallel replica needs a sample of each step: promptsPerStep x "
+            f"samplesPerPrompt ({s.prompts_per_step} x {s.samples_per_prompt} = "
+            f"{s.prompts_per_step * s.samples_per_prompt}) must be at least dataParallelSize "
+            f"({s.data_parallel_size})",
+        ),
+        Rule(
             cel="self.nodes == 1",
             check=lambda s: s.nodes == 1,
             field="nodes",
