@@ -12,6 +12,7 @@ SignalException (its `sigval` is the signal).
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,16 @@ class RankFailed(RunError):
     def __init__(self, rank: int, exitcode: int, log_tail: str, log_path: Path | None):
         self.rank, self.exitcode, self.log_tail, self.log_path = rank, exitcode, log_tail, log_path
         where = f" ({log_path})" if log_path else ""
-        super().__init__(f"trainer rank {rank} exited with {exitcode}; its last log lines{where}:\n{log_tail}",
+        how = f"was killed by {_signal_name(-exitcode)}" if exitcode < 0 else f"exited with {exitcode}"
+        super().__init__(f"trainer rank {rank} {how}; its last log lines{where}:\n{log_tail}",
                          reason="TrainerRankFailed")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def launch_ranks(entry: Callable[..., Any], args: tuple[Any, ...], *, world: int, log_dir: Path,

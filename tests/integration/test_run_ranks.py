@@ -114,7 +114,7 @@ def test_a_rank_killed_mid_run_fails_the_run_naming_it(tmp_path):
         err.close()
     stderr = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 1, stderr[-4000:]
-    assert "FAILED (TrainerRankFailed): trainer rank 1 exited with -9" in stderr, stderr[-4000:]
+    assert "FAILED (TrainerRankFailed): trainer rank 1 was killed by SIGKILL" in stderr, stderr[-4000:]
     assert "last log lines" in stderr
     assert not groups_writing_under(run_dir), "processes of the run are still running"
 
