@@ -32,7 +32,6 @@ def two_rank_run(tmp_path: Path, steps: int) -> Path:
                            samplesPerPrompt=4)
     spec["rollout"]["replicas"] = 1
     spec.pop("eval", None)
-    spec["metricsPort"] = 19481
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -79,7 +78,7 @@ def test_a_trainer_of_several_ranks_outside_a_launch_is_refused(tiny_model):
 def test_run_with_two_ranks_finishes(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=3)), "--run-dir", str(run_dir),
-                             "--summary", str(tmp_path / "summary.json")],
+                             "--metrics-port", "0", "--summary", str(tmp_path / "summary.json")],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "starting 2 trainer ranks" in result.stderr
@@ -94,7 +93,8 @@ def test_run_with_two_ranks_finishes(tmp_path):
 def test_a_rank_killed_mid_run_fails_the_run_naming_it(tmp_path):
     run_dir = tmp_path / "run"
     out, err = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
-    proc = subprocess.Popen([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=50)), "--run-dir", str(run_dir)],
+    proc = subprocess.Popen([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=50)), "--run-dir", str(run_dir),
+                             "--metrics-port", "0"],
                             stdout=out, stderr=err, text=True)
     try:
         deadline = time.monotonic() + 600
