@@ -38,16 +38,16 @@ def two_rank_run(tmp_path: Path, steps: int) -> Path:
 
 
 def ranks_of(parent: int) -> dict[int, int]:
-    """rank -> pid of the launcher's rank processes (their environment says RANK)."""
+    """rank -> pid of the launcher's rank processes (each writes its stdout to the launcher's rank log)."""
     found = {}
     for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
         try:
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        except FileNotFoundError:
+            stdout = os.readlink(f"/proc/{child}/fd/1")
+        except OSError:
             continue
-        for entry in env:
-            if entry.startswith(b"RANK="):
-                found[int(entry[5:])] = int(child)
+        parts = Path(stdout).parts
+        if stdout.endswith("stdout.log") and len(parts) > 2 and parts[-3].startswith("attempt_"):
+            found[int(parts[-2])] = int(child)
     return found
 
 
