@@ -44,7 +44,8 @@ def parse_tiny_model(model_path: str) -> TinyModelRef | None:
     tiny:// path raises ValueError."""
     tiny = match_tiny_model(model_path)
     if tiny is None and model_path.startswith(TINY_SCHEME):
-        raise ValueError(f"{model_path!r}: a tiny model path reads tiny://llama or tiny://qwen2, optionally ?seed=N")
+        raise ValueError(f"{model_path!r}: a tiny model path reads tiny://llama, tiny://qwen2 or tiny://qwen3, "
+                         "optionally ?seed=N")
     return tiny
 
 

@@ -31,7 +31,8 @@ from rlfleet.crds.specs import (
 )
 from rlfleet.crds.status import EvalFleetStatus, RolloutFleetStatus, TrainingRunStatus
 
-TINY_MODEL_PATTERN = r"^tiny://(llama|qwen2)(\?seed=[0-9]{1,9})?$"
+_WORLD_CEL = "self.tensorParallelSize * self.pipelineParallelSize * self.dataParallelSize"
+TINY_MODEL_PATTERN = r"^tiny://(llama|qwen2|qwen3)(\?seed=[0-9]{1,9})?$"
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # Runs and fleets name Services (`<fleet>-router`): DNS-1035 labels, a letter first.
 SERVICE_NAME_PATTERN = kv.DNS1035_LABEL
@@ -54,9 +55,18 @@ class TrainerSpec(ApiModel):
     )
     image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, pattern=kv.IMAGE,
                        description="Container image of the trainer pod.")
-    gpus: int = Field(1, ge=0, le=1024, description="GPUs of the trainer; 0 trains on CPU.")
+    gpus: int = Field(
+        1, ge=0, le=1024,
+        description="GPUs of each trainer node, one rank per GPU; 0 trains on CPU (one process per rank, gloo).",
+    )
+    nodes: int = Field(1, ge=1, le=1024, description="Nodes the trainer's ranks span (one trainer pod per node).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-model parallelism.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Megatron pipeline-model parallelism.")
+    data_parallel_size: int = Field(
+        1, ge=1, le=1024,
+        description="Data-parallel replicas; the trainer is tensorParallelSize x pipelineParallelSize x "
+        "dataParallelSize torch.distributed ranks, each step's batch split across the replicas.",
+    )
     steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (one weight version each).")
     prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts sampled per step (the rollout batch).")
     samples_per_prompt: int = Field(
@@ -101,13 +111,38 @@ class TrainerSpec(ApiModel):
             message="model parallelism needs backend megatron",
         ),
         Rule(
-            cel="self.gpus == 0 ? self.tensorParallelSize * self.pipelineParallelSize == 1"
-            " : self.gpus % (self.tensorParallelSize * self.pipelineParallelSize) == 0",
-            check=lambda s: (s.tensor_parallel_size * s.pipeline_parallel_size == 1) if s.gpus == 0
-            else s.gpus % (s.tensor_parallel_size * s.pipeline_parallel_size) == 0,
+            cel="self.gpus == 0 || self.gpus * self.nodes == " + _WORLD_CEL,
+            check=lambda s: s.gpus == 0 or s.gpus * s.nodes == s.world_size,
             field="gpus",
-            message="gpus must be a multiple of tensorParallelSize x pipelineParallelSize "
-            "(no model parallelism on CPU)",
+            message="gpus x nodes must equal tensorParallelSize x pipelineParallelSize x dataParallelSize "
+            "(one rank per GPU)",
+            detail=lambda s: f"gpus x nodes ({s.gpus} x {s.nodes} = {s.gpus * s.nodes}) must equal "
+            f"tensorParallelSize x pipelineParallelSize x dataParallelSize ({s.tensor_parallel_size} x "
+            f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}): one rank per GPU",
+        ),
+        Rule(
+            cel="self.pipelineParallelSize == 1",
+            check=lambda s: s.pipeline_parallel_size == 1,
+            field="pipelineParallelSize",
+            message="pipeline parallelism is not supported by the trainer yet: pipelineParallelSize must be 1 "
+            "(use tensorParallelSize and dataParallelSize)",
+        ),
+        Rule(
+            cel="self.promptsPerStep * self.samplesPerPrompt >= self.dataParallelSize",
+            check=lambda s: s.prompts_per_step * s.samples_per_prompt >= s.data_parallel_size,
+            field="dataParallelSize",
+            message="every data-parallel replica needs a sample of each step: promptsPerStep x samplesPerPrompt "
+            "must be at least dataParallelSize",
+            detail=lambda s: f"every data-parallel replica needs a sample of each step: promptsPerStep x "
+            f"samplesPerPrompt ({s.prompts_per_step} x {s.samples_per_prompt} = "
+            f"{s.prompts_per_step * s.samples_per_prompt}) must be at least dataParallelSize "
+            f"({s.data_parallel_size})",
+        ),
+        Rule(
+            cel="self.nodes == 1",
+            check=lambda s: s.nodes == 1,
+            field="nodes",
+            message="a trainer across several nodes is not supported yet: nodes must be 1",
         ),
         NODE_SELECTOR_RULE,
         Rule(
@@ -119,6 +154,11 @@ class TrainerSpec(ApiModel):
         immutable("backend", "backend", "trainer backend"),
     )
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of the trainer: tensor x pipeline x data parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
 
 class TrainingRunSpec(ApiModel):
     """An RL post-training run: a trainer, its rollout fleet, and optional evaluation."""
@@ -126,7 +166,8 @@ class TrainingRunSpec(ApiModel):
     model_path: str = Field(
         ..., min_length=1, max_length=PATH,
         description="Initial model: a Hugging Face directory (on the snapshot volume in pods), a hub id, or "
-        "tiny://llama?seed=N (also tiny://qwen2) for the project's tiny offline model, generated on first use.",
+        "tiny://llama?seed=N (also tiny://qwen2, tiny://qwen3) for the project's tiny offline model, "
+        "generated on first use.",
     )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     rollout: RolloutTemplateSpec = Field(default_factory=RolloutTemplateSpec)
@@ -145,7 +186,7 @@ class TrainingRunSpec(ApiModel):
             check=lambda s: (not s.model_path.startswith("tiny://")
                              or re.match(TINY_MODEL_PATTERN, s.model_path) is not None),
             field="modelPath",
-            message="a tiny model path reads tiny://llama or tiny://qwen2, optionally with ?seed=N",
+            message="a tiny model path reads tiny://llama, tiny://qwen2 or tiny://qwen3, optionally with ?seed=N",
         ),
         Rule(
             cel="self.weightSync.mode != 'nccl' || (self.trainer.gpus > 0 && self.rollout.engine.device == 'cuda')",

@@ -30,6 +30,9 @@ class Rule:
     check:   the same rule in Python: `check(obj)`, or `check(new, old)` for transitions; True = valid.
     field:   the field the message is about, relative to the object, camelCase, dotted ("" = itself).
     message: what is wrong, naming the rule in words a user understands.
+    detail:  (optional) the message with the object's numbers in it, for the loader (a function of the
+             object). The API server says `message`: a CEL messageExpression that formats numbers
+             (`string(int)`) is refused by its cost estimate.
     """
 
     cel: str
@@ -37,6 +40,11 @@ class Rule:
     field: str
     message: str
     transition: bool = False
+    detail: Callable[[Any], str] | None = None
+
+    def message_for(self, obj: Any) -> str:
+        """What a violation of this rule by `obj` says (the detailed message when there is one)."""
+        return self.detail(obj) if self.detail is not None else self.message
 
     def field_path(self) -> str:
         """The CRD `fieldPath` form: a relative JSON path such as `.resumeAtC`."""
@@ -85,7 +93,7 @@ def object_rules(model_cls: type[BaseModel]) -> tuple[Rule, ...]:
 def check_object(obj: BaseModel) -> list[Violation]:
     """The non-transition rules of one object (not its children) that `obj` breaks."""
     return [
-        Violation(rule.field, rule.message, rule.cel)
+        Violation(rule.field, rule.message_for(obj), rule.cel)
         for rule in object_rules(type(obj))
         if not rule.transition and not rule.check(obj)
     ]

@@ -25,6 +25,7 @@ from typing import Any
 from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.trainer.hf_export import hf_state_for_save
+from rlfleet.trainer.parallel import ParallelLayout
 
 BACKENDS = ("torch", "megatron")
 
@@ -41,6 +42,9 @@ class TrainerOptions:
     loss: grpo.LossConfig = field(default_factory=grpo.LossConfig)
     seed: int = 0
     dtype: str | None = None  # parameter dtype; None: float32 on CPU, bfloat16 on CUDA
+    # tensor x pipeline x data parallel ranks; above 1 the process runs in a torch.distributed group
+    # (trainer/ranks.py) and `train_step` takes this data-parallel replica's part of the step's batch.
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -121,7 +125,9 @@ class Trainer(abc.ABC):
         size = self.options.micro_batch_size or len(batch)
         chunks = [batch[i : i + size] for i in range(0, len(batch), size)]
         collated = [grpo.collate(c, pad_id=self.pad_id, device=self.device) for c in chunks]
-        total_tokens = float(sum(c.num_tokens for c in collated))
+        # The loss is normalised by the step's tokens over every data-parallel replica, so the replicas'
+        # summed gradients are the gradient of the whole batch.
+        (total_tokens,) = self._data_parallel_reduce([float(sum(c.num_tokens for c in collated))], "sum")
         if total_tokens == 0:
             raise ValueError("batch has no response tokens")
         self._set_train(True)
@@ -143,6 +149,11 @@ class Trainer(abc.ABC):
                     sums[key] = max(sums.get(key, 0.0), value)
                 elif key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
+        keys = sorted(k for k in sums if k != "ratio_max")
+        loss_sum, *summed = self._data_parallel_reduce([loss_sum, *(sums[k] for k in keys)], "sum")
+        sums.update(zip(keys, summed, strict=True))
+        if "ratio_max" in sums:
+            (sums["ratio_max"],) = self._data_parallel_reduce([sums["ratio_max"]], "max")
         if not math.isfinite(loss_sum):
             # Stepping on a non-finite loss would poison the weights; leave them as they were.
             self._zero_grad()
@@ -158,6 +169,11 @@ class Trainer(abc.ABC):
             "step_seconds": time.perf_counter() - started,
             **sums,
         }
+
+    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
+        """`values` summed ("sum") or maximised ("max") over the data-parallel replicas; a single
+        replica returns them as they are. Backends that run data parallel override it."""
+        return values
 
     def _reference_logprobs(self, input_ids: Any) -> Any:
         """Per-token log-probs of the initial weights (no grad), or None when the KL penalty is off."""

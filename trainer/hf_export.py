@@ -1,9 +1,11 @@
-"""Weight layout conversion between Hugging Face Llama/Qwen2 and megatron-core GPTModel (local spec).
+"""Weight layout conversion between Hugging Face Llama/Qwen2/Qwen3 and megatron-core GPTModel (local spec).
 
 Pure functions over state dicts (name -> tensor); no I/O. Megatron fuses q/k/v into one
 `linear_qkv` laid out per query group ([q heads of the group, k, v] for each of the
 `num_query_groups` groups) and gate/up into `linear_fc1` ([gate; up]); Hugging Face keeps them
-apart. Norms are separate modules in the local spec (`input_layernorm`, `pre_mlp_layernorm`).
+apart. Norms are separate modules in the local spec (`input_layernorm`, `pre_mlp_layernorm`), and
+Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`) is megatron's `q_layernorm` /
+`k_layernorm` (qk_layernorm), applied to each head before the rotary embedding in both.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Architecture:
     vocab_size: int
     tied_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of every query and key head
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
@@ -47,8 +50,10 @@ class Architecture:
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported: the megatron model uses SwiGLU (silu)")
-        if model_type == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
-            raise ValueError("Llama with attention_bias or mlp_bias is not supported")
+        if model_type in ("llama", "qwen3") and (config.get("attention_bias") or config.get("mlp_bias")):
+            raise ValueError(f"{model_type} with attention_bias or mlp_bias is not supported")
+        if config.get("use_sliding_window") and config.get("sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window) is not supported")
         # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling.
         rope = dict(config.get("rope_scaling") or {})
         rope.update(config.get("rope_parameters") or {})
@@ -73,6 +78,7 @@ class Architecture:
             vocab_size=int(config["vocab_size"]),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
             rope_theta=rope_theta,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -94,10 +100,19 @@ _LAYER_RENAMES = (
     ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
     ("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
+# Qwen3's per-head query/key norms (qk_norm architectures only).
+_QK_NORM_RENAMES = (
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)
 _GLOBAL_RENAMES = (
     ("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
     ("decoder.final_layernorm.weight", "model.norm.weight"),
 )
+
+
+def _layer_renames(arch: Architecture) -> tuple[tuple[str, str], ...]:
+    return _LAYER_RENAMES + (_QK_NORM_RENAMES if arch.qk_norm else ())
 
 
 def fuse_qkv(q: Any, k: Any, v: Any, arch: Architecture) -> Any:
@@ -124,7 +139,7 @@ def split_qkv(qkv: Any, arch: Architecture) -> tuple[Any, Any, Any]:
 
 
 def hf_to_megatron(hf: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
-    """HF Llama/Qwen2 state dict -> megatron GPTModel (local spec) state dict."""
+    """HF Llama/Qwen2/Qwen3 state dict -> megatron GPTModel (local spec) state dict."""
     import torch
 
     _expect_keys(hf, expected_hf_keys(arch), "HF")
@@ -135,7 +150,7 @@ def hf_to_megatron(hf: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(arch.num_layers):
         h, m = _hf_layer(i), _mg_layer(i)
-        for mg_suffix, hf_suffix in _LAYER_RENAMES:
+        for mg_suffix, hf_suffix in _layer_renames(arch):
             out[m + mg_suffix] = hf[h + hf_suffix]
         attn = h + "self_attn."
         out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -152,7 +167,7 @@ def hf_to_megatron(hf: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
 
 
 def megatron_to_hf(mg: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
-    """Megatron GPTModel (local spec) state dict -> HF Llama/Qwen2 names.
+    """Megatron GPTModel (local spec) state dict -> HF Llama/Qwen2/Qwen3 names.
 
     `_extra_state` entries (serialisation state of some megatron modules) are ignored. With tied
     embeddings there is no `lm_head.weight`: HF re-ties it on load.
@@ -166,7 +181,7 @@ def megatron_to_hf(mg: Mapping[str, Any], arch: Architecture) -> dict[str, Any]:
         out["lm_head.weight"] = weights["output_layer.weight"]
     for i in range(arch.num_layers):
         h, m = _hf_layer(i), _mg_layer(i)
-        for mg_suffix, hf_suffix in _LAYER_RENAMES:
+        for mg_suffix, hf_suffix in _layer_renames(arch):
             out[h + hf_suffix] = weights[m + mg_suffix]
         attn = h + "self_attn."
         q, k, v = split_qkv(weights[m + "self_attention.linear_qkv.weight"], arch)
@@ -185,7 +200,7 @@ def expected_hf_keys(arch: Architecture) -> set[str]:
         keys.add("lm_head.weight")
     for i in range(arch.num_layers):
         h = _hf_layer(i)
-        keys.update(h + hf for _, hf in _LAYER_RENAMES)
+        keys.update(h + hf for _, hf in _layer_renames(arch))
         keys.update(h + f"self_attn.{p}_proj.weight" for p in "qkv")
         if arch.qkv_bias:
             keys.update(h + f"self_attn.{p}_proj.bias" for p in "qkv")
@@ -199,7 +214,7 @@ def expected_megatron_keys(arch: Architecture) -> set[str]:
         keys.add("output_layer.weight")
     for i in range(arch.num_layers):
         m = _mg_layer(i)
-        keys.update(m + mg for mg, _ in _LAYER_RENAMES)
+        keys.update(m + mg for mg, _ in _layer_renames(arch))
         keys.update({m + "self_attention.linear_qkv.weight", m + "mlp.linear_fc1.weight"})
         if arch.qkv_bias:
             keys.add(m + "self_attention.linear_qkv.bias")

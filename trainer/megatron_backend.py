@@ -1,7 +1,8 @@
 """The `megatron` backend: megatron-core GPTModel (local layer spec) initialised from HF weights.
 
-The model is built to match the HF Llama/Qwen2 architecture of `model_dir` (RMSNorm, SwiGLU,
-rotary embeddings, no linear biases except Qwen2's q/k/v, tied embeddings, GQA) and loaded from
+The model is built to match the HF Llama/Qwen2/Qwen3 architecture of `model_dir` (RMSNorm, SwiGLU,
+rotary embeddings, no linear biases except Qwen2's q/k/v, Qwen3's per-head q/k norms, tied
+embeddings, GQA) and loaded from
 its safetensors through `hf_export.hf_to_megatron`, so export back to HF is exact.
 
 Two execution paths, chosen by `device`:
@@ -9,8 +10,13 @@ Two execution paths, chosen by `device`:
   places on this path: the attention-score buffer, the default causal mask (we pass our own), the
   rotary frequencies (moved to the current CUDA device on first use), and attention dropout forks
   a CUDA RNG tracker; see `_cpu_workarounds`.
-- CUDA: megatron's own DistributedDataParallel and `get_megatron_optimizer` (`_MegatronGpuStep`).
-Both run in a single-rank process group (tensor/pipeline parallel size 1).
+- CUDA: megatron's own DistributedDataParallel and `get_megatron_optimizer` with the distributed
+  optimizer (`_MegatronGpuStep`).
+With `options.parallel` above one rank, the process is one rank of a torch.distributed group the
+launcher started (trainer/launch.py, trainer/ranks.py): megatron's model-parallel state splits it into
+tensor-parallel groups (each rank holds its shards, trainer/shards.py) and data-parallel replicas
+(gradients summed across them); the HF export gathers the shards. Pipeline parallelism is refused at
+set-up (`check_layout`) until its schedule is in place.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from typing import Any
 
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.hf_export import Architecture, hf_to_megatron, megatron_to_hf
+from rlfleet.trainer.parallel import ParallelLayout, check_layout
+from rlfleet.trainer.shards import ShardPlan, join_shards, split_for_rank
 
 
 def _cpu_workarounds() -> None:
@@ -39,9 +47,24 @@ def _cpu_workarounds() -> None:
         return buffer[:required].view(*tensor_shape)
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor_on_cpu
+    tensor_parallel.mappings._gather_along_last_dim = gather_along_last_dim_on_cpu
     RotaryEmbedding.get_emb = rotary_emb_on_cpu
     # Megatron's own no-op tracker: fork() is a nullcontext, dropout uses the CPU generator.
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def gather_along_last_dim_on_cpu(input_, group):
+    """megatron's `_gather_along_last_dim` (the vocab-parallel logits' gather under tensor parallelism)
+    with its output on the input's device instead of the current CUDA device."""
+    import torch
+    import torch.distributed as dist
+
+    world_size = group.size()
+    if world_size == 1:
+        return input_
+    shards = [torch.empty_like(input_) for _ in range(world_size)]
+    dist.all_gather(shards, input_.contiguous(), group=group)
+    return torch.cat(shards, dim=-1).contiguous()
 
 
 def rotary_emb_on_cpu(self, max_seq_len: int, offset: int = 0):
@@ -79,8 +102,12 @@ def hide_unloadable_flash_mla() -> None:
         sys.modules["flash_mla"] = None  # type: ignore[assignment]  # typeshed has no None in sys.modules
 
 
-def _init_single_rank(device: str, seed: int) -> None:
-    """A world-size-1 process group (gloo on CPU, nccl on CUDA) and model-parallel state."""
+def _init_ranks(device: str, seed: int, layout: ParallelLayout) -> None:
+    """Megatron's model-parallel state over this process's torch.distributed group.
+
+    One rank: a world-size-1 group of its own (gloo on CPU, nccl on CUDA). More: the group the
+    launcher's rendezvous made (trainer/ranks.py), which must be exactly `layout.world` ranks.
+    """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -88,14 +115,20 @@ def _init_single_rank(device: str, seed: int) -> None:
     from rlfleet.util.ports import free_port
 
     if not dist.is_initialized():
+        if layout.world != 1:
+            raise RuntimeError(f"a trainer of {layout.world} ranks runs in a torch.distributed group: "
+                               "start it with the rank launcher (rlfleet.trainer.launch)")
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(
             backend, world_size=1, rank=0, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
         )
-    if dist.get_world_size() != 1:
-        raise RuntimeError("the megatron backend runs as a single rank (tensor/pipeline parallel size 1)")
+    if dist.get_world_size() != layout.world:
+        raise RuntimeError(f"the process group has {dist.get_world_size()} ranks, the layout {layout.world} "
+                           f"(tensor {layout.tensor} x pipeline {layout.pipeline} x data {layout.data})")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline
+        )
     if device.startswith("cuda"):
         index = torch.device(device).index
         if index is not None:
@@ -105,7 +138,7 @@ def _init_single_rank(device: str, seed: int) -> None:
         _cpu_workarounds()
 
 
-def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
+def build_gpt_model(arch: Architecture, dtype: Any, layout: ParallelLayout | None = None) -> Any:
     """A megatron-core GPTModel with the local layer spec, shaped like the HF model (uninitialised)."""
     import torch
 
@@ -127,6 +160,7 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -137,8 +171,11 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=layout.tensor if layout else 1,
+        pipeline_model_parallel_size=layout.pipeline if layout else 1,
+        # The loss is already normalised by the step's tokens: megatron's DDP sums the replicas'
+        # gradients instead of averaging them.
+        calculate_per_token_loss=True,
         use_cpu_initialization=True,
         perform_initialization=False,  # every weight is loaded from the HF checkpoint
         params_dtype=dtype,
@@ -146,9 +183,9 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
     )
-    return GPTModel(
+    model = GPTModel(
         config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         position_embedding_type="rope",
@@ -157,6 +194,36 @@ def build_gpt_model(arch: Architecture, dtype: Any) -> Any:
         share_embeddings_and_output_weights=arch.tied_embeddings,
         parallel_output=False,
     )
+    mark_tensor_parallel(model)
+    return model
+
+
+def mark_tensor_parallel(model: Any) -> None:
+    """Set megatron's tensor-parallel attributes on every sharded parameter.
+
+    Megatron sets them only while it initialises weights, and ours are loaded instead
+    (perform_initialization=False); without them neither our shard plan nor megatron's own
+    gradient-norm and optimizer code could tell a shard from a replicated tensor.
+    """
+    import torch
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear):
+            dims = {"weight": 1}  # its bias is added after the reduction: whole on every rank
+        else:
+            continue
+        for name, dim in dims.items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 def load_hf_weights(model_dir: Any) -> dict[str, Any]:
@@ -190,11 +257,14 @@ class MegatronTrainer(Trainer):
         import torch
 
         self.arch = Architecture.from_hf_config(self.hf_config)
+        self.layout = options.parallel
+        check_layout(self.layout, "megatron", self.arch, device)
         self._dtype = resolve_dtype(options.dtype, device)
         torch.manual_seed(options.seed)
-        _init_single_rank(device, options.seed)
-        self.gpt = build_gpt_model(self.arch, self._dtype)
-        initial = hf_to_megatron(load_hf_weights(model_dir), self.arch)
+        _init_ranks(device, options.seed, self.layout)
+        self.gpt = build_gpt_model(self.arch, self._dtype, self.layout)
+        self._plan = ShardPlan.of(self.gpt)
+        initial = self._this_ranks_part(hf_to_megatron(load_hf_weights(model_dir), self.arch))
         load_into(self.gpt, initial)
         self.gpt.to(device)
         self.reference = self._build_reference(initial) if options.loss.uses_reference else None
@@ -209,6 +279,45 @@ class MegatronTrainer(Trainer):
                 self.gpt.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
             )
         self._masks: dict[int, Any] = {}
+
+    # --- ranks -------------------------------------------------------------------------------
+
+    def _this_ranks_part(self, full: dict[str, Any]) -> dict[str, Any]:
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        part = split_for_rank(full, self._plan, rank, self.layout.tensor)
+        # Buffers and extra state megatron keeps beside the parameters load as they are.
+        return {**{k: v for k, v in full.items() if k not in self._plan.dims}, **part}
+
+    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
+        if self.layout.data == 1:
+            return values
+        from megatron.core import parallel_state
+
+        from rlfleet.trainer.collectives import reduce_scalars
+
+        return reduce_scalars(values, op, parallel_state.get_data_parallel_group())
+
+    def _full_state(self) -> dict[str, Any]:
+        """Every parameter whole: the tensor-parallel shards gathered (a collective of the TP group)."""
+        state = self.gpt.state_dict()
+        if self.layout.tensor == 1:
+            return dict(state)
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        out = dict(state)
+        for name in sorted(self._plan.dims):
+            if self._plan.dims[name] is None:
+                continue
+            local = state[name].detach().contiguous()
+            shards = [torch.empty_like(local) for _ in range(self.layout.tensor)]
+            dist.all_gather(shards, local, group=group)
+            out[name] = join_shards(name, shards, self._plan)
+        return out
 
     @property
     def param_dtype(self) -> Any:
@@ -230,7 +339,7 @@ class MegatronTrainer(Trainer):
         Not wrapped in DDP (it never takes a gradient); on CUDA in half precision it gets the same
         Float16Module wrapper as the policy, so both compute their logits the same way.
         """
-        reference = build_gpt_model(self.arch, self._dtype)
+        reference = build_gpt_model(self.arch, self._dtype, self.layout)
         load_into(reference, initial)
         reference.to(self.device)
         if self.device.startswith("cuda") and (reference.config.bf16 or reference.config.fp16):
@@ -266,15 +375,33 @@ class MegatronTrainer(Trainer):
         import torch
 
         max_norm = self.options.max_grad_norm or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm)
+        if self.layout.world == 1:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm))
+        else:
+            norm = self._clip_across_ranks(max_norm)
         self.optimizer.step()
-        return float(norm)
+        return norm
+
+    def _clip_across_ranks(self, max_norm: float) -> float:
+        """Sum the replicas' gradients, then clip by the norm over every tensor-parallel shard."""
+        from megatron.core import parallel_state
+
+        from rlfleet.trainer.collectives import clip_grad_norm, sum_gradients
+
+        params = list(self.gpt.parameters())
+        if self.layout.data > 1:
+            sum_gradients(params, parallel_state.get_data_parallel_group())
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        group = parallel_state.get_model_parallel_group() if self.layout.tensor * self.layout.pipeline > 1 else None
+        # A replicated tensor (a norm) has the same gradient on every tensor-parallel rank: count it once.
+        return clip_grad_norm(params, max_norm, group,
+                              counts=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
 
     def _set_train(self, training: bool) -> None:
         self.model.train(training)
 
     def hf_state_dict(self) -> dict[str, Any]:
-        return megatron_to_hf(self.gpt.state_dict(), self.arch)
+        return megatron_to_hf(self._full_state(), self.arch)
 
 
 class _MegatronGpuStep:
@@ -293,7 +420,8 @@ class _MegatronGpuStep:
         module = Float16Module(config, gpt) if (config.bf16 or config.fp16) else gpt
         self.model = DistributedDataParallel(
             config,
-            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                          use_distributed_optimizer=True),
             module=module,
         )
         self.optimizer = get_megatron_optimizer(
@@ -307,6 +435,8 @@ class _MegatronGpuStep:
                 bf16=config.bf16,
                 fp16=config.fp16,
                 params_dtype=config.params_dtype,
+                # The optimizer state is sharded across the data-parallel replicas (ZeRO-1).
+                use_distributed_optimizer=True,
             ),
             [self.model],
         )

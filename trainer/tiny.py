@@ -2,9 +2,11 @@
 
 The model is a Llama-architecture transformer of about 95k parameters with a byte-level tokenizer
 (256 byte symbols, no merges, three special tokens). Transformers and SGLang both load the
-directory with no hub access. Tests, benchmarks and the quickstart use it.
+directory with no hub access. Tests, benchmarks and the quickstart use it. One generator per family
+the trainer supports (ARCHS): qwen2 adds q/k/v biases; qwen3 adds per-head q/k RMSNorm and a head_dim
+other than hidden_size / heads, as the real Qwen3 models have.
 
-    python -m rlfleet.trainer.tiny OUT_DIR [--seed 0] [--arch llama|qwen2]
+    python -m rlfleet.trainer.tiny OUT_DIR [--seed 0] [--arch llama|qwen2|qwen3]
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+ARCHS = ("llama", "qwen2", "qwen3")
 VOCAB_SIZE = 320  # 256 bytes + specials, rounded up so embeddings stay aligned
 SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|pad|>")
 MODEL_SETTINGS = dict(
@@ -51,7 +54,7 @@ def build_tokenizer():
 
 
 def build_config(arch: str = "llama"):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     tokenizer_ids = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
     common: dict[str, Any] = dict(
@@ -65,7 +68,9 @@ def build_config(arch: str = "llama"):
         return LlamaConfig(attention_bias=False, mlp_bias=False, **common)
     if arch == "qwen2":
         return Qwen2Config(**common)
-    raise ValueError(f"unknown architecture {arch!r}: expected 'llama' or 'qwen2'")
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=32, attention_bias=False, use_sliding_window=False, **common)
+    raise ValueError(f"unknown architecture {arch!r}: expected one of {ARCHS}")
 
 
 def write_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "llama") -> Path:
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--if-missing", action="store_true", help="keep an existing model of the same seed")
     args = parser.parse_args(argv)
     write = ensure_tiny_model if args.if_missing else write_tiny_model

@@ -1,4 +1,9 @@
-"""The `torch` backend: a Hugging Face transformers causal LM with AdamW (CPU or one GPU)."""
+"""The `torch` backend: a Hugging Face transformers causal LM with AdamW (CPU or GPUs).
+
+Data parallel (`options.parallel.data` > 1): the process is one replica of a torch.distributed group
+the launcher started (trainer/ranks.py); the replicas' gradients are summed before each step (the loss
+is normalised by the step's tokens over every replica), so every replica takes the same step.
+"""
 from __future__ import annotations
 
 import copy
@@ -6,6 +11,7 @@ import os
 from typing import Any
 
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
+from rlfleet.trainer.parallel import check_layout
 
 
 class TorchTrainer(Trainer):
@@ -16,6 +22,14 @@ class TorchTrainer(Trainer):
         import torch
         from transformers import AutoModelForCausalLM
 
+        self.layout = options.parallel
+        check_layout(self.layout, "torch", device=device)
+        if self.layout.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized() or dist.get_world_size() != self.layout.world:
+                raise RuntimeError(f"a trainer of {self.layout.world} data-parallel ranks runs in a torch.distributed "
+                                   "group of that size: start it with the rank launcher (rlfleet.trainer.launch)")
         torch.manual_seed(options.seed)
         self._dtype = resolve_dtype(options.dtype, device)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self._dtype)
@@ -48,9 +62,20 @@ class TorchTrainer(Trainer):
         import torch
 
         max_norm = self.options.max_grad_norm or float("inf")
+        if self.layout.data > 1:
+            from rlfleet.trainer.collectives import sum_gradients
+
+            sum_gradients(self.model.parameters(), None)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         return float(norm)
+
+    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
+        if self.layout.data == 1:
+            return values
+        from rlfleet.trainer.collectives import reduce_scalars
+
+        return reduce_scalars(values, op, None)
 
     def _set_train(self, training: bool) -> None:
         self.model.train(training)

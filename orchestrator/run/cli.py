@@ -83,11 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     from rlfleet.orchestrator.run.local import LocalRun
 
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if run.spec.trainer.world_size > 1 and "RANK" not in os.environ:  # this process launches the ranks
+        return _launch_ranks(run, list(sys.argv[1:] if argv is None else argv), run_dir)
     options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",
                        manifest_dir=Path(args.file).resolve().parent)
     local = LocalRun(run, options)
     return _finish(local.execute,
                    force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None))
+
+
+def _launch_ranks(run: TrainingRun, argv: list[str], run_dir: Path) -> int:
+    """A trainer of several ranks: check the layout against the model, then launch; rank 0 runs the run."""
+    from rlfleet.orchestrator.run.loop import resolve_model_dir
+    from rlfleet.orchestrator.run.ranks import check_before_launch, launch_run
+
+    try:
+        model_dir = resolve_model_dir(run.spec.model_path)
+        check_before_launch(run, model_dir)
+    except RunFailed as exc:
+        print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        print(f"rlfleet run: FAILED (TrainerSetupFailed): {run.spec.trainer.backend} trainer on "
+              f"{run.spec.model_path}: {exc}", file=sys.stderr)
+        return 1
+    return launch_run(run, argv, model_dir, run_dir)
 
 
 def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:

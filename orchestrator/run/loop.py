@@ -40,8 +40,9 @@ from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSetti
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
+from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.trainer import grpo
-from rlfleet.trainer.base import build_trainer
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
 
@@ -162,16 +163,13 @@ class RunLoop:
             self._phase("loading the trainer")
             model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
             try:
-                trainer = await asyncio.to_thread(
-                    build_trainer, spec.trainer.backend, model_dir, spec.trainer.learning_rate,
-                    seed=spec.trainer.seed, device="cpu" if spec.trainer.gpus == 0 else "cuda",
-                    max_grad_norm=spec.trainer.grad_clip, micro_batch_size=spec.trainer.micro_batch_size,
-                    loss=grpo.LossConfig(clip_low=spec.trainer.eps_clip, clip_high=spec.trainer.eps_clip,
-                                         temperature=spec.trainer.temperature or 1.0, kl_coef=spec.trainer.kl_coef),
-                )
+                trainer = await asyncio.to_thread(build_run_trainer, spec, model_dir)
             except (ValueError, OSError) as exc:  # before any engine starts: a reason, not a traceback
                 raise RunFailed("TrainerSetupFailed",
                                 f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
+            if isinstance(trainer, LeadingTrainer):  # rank 0 of several: the other ranks stop when the run does
+                stack.push_async_callback(asyncio.to_thread, trainer.close)
+            self.progress.event(describe_trainer(spec))
             self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
 
             # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---

@@ -21,6 +21,8 @@ LLAMA = {
 }
 QWEN2 = dict(LLAMA, model_type="qwen2", tie_word_embeddings=False, num_key_value_heads=1, rope_theta=1e6)
 QWEN2.pop("rope_parameters")
+# Qwen3: per-head q/k norms, no biases, head_dim (8) other than hidden_size / heads (4).
+QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=8, tie_word_embeddings=False, attention_bias=False)
 
 
 def random_hf_state(arch: Architecture, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -42,6 +44,8 @@ def random_hf_state(arch: Architecture, seed: int = 0) -> dict[str, torch.Tensor
             p + "mlp.up_proj.weight": (arch.ffn_hidden_size, h),
             p + "mlp.down_proj.weight": (h, arch.ffn_hidden_size),
         })
+        if arch.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if arch.qkv_bias:
             shapes.update({
                 p + "self_attn.q_proj.bias": (arch.num_heads * hd,),
@@ -51,7 +55,8 @@ def random_hf_state(arch: Architecture, seed: int = 0) -> dict[str, torch.Tensor
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN2], ids=["llama-gqa-tied", "qwen2-mqa-bias-untied"])
+@pytest.mark.parametrize("config", [LLAMA, QWEN2, QWEN3],
+                         ids=["llama-gqa-tied", "qwen2-mqa-bias-untied", "qwen3-qk-norm-head-dim"])
 def test_hf_to_megatron_to_hf_is_exact(config):
     arch = Architecture.from_hf_config(config)
     hf = random_hf_state(arch)
@@ -112,8 +117,28 @@ def test_architecture_reads_both_rope_conventions():
     assert Architecture.from_hf_config(LLAMA).head_dim == 4
 
 
+def test_qwen3_qk_norms_map_to_megatron_qk_layernorm():
+    arch = Architecture.from_hf_config(QWEN3)
+    assert arch.qk_norm and not arch.qkv_bias and arch.head_dim == 8
+    hf = random_hf_state(arch)
+    mg = hf_to_megatron(hf, arch)
+    assert torch.equal(mg["decoder.layers.1.self_attention.q_layernorm.weight"],
+                       hf["model.layers.1.self_attn.q_norm.weight"])
+    assert torch.equal(mg["decoder.layers.0.self_attention.k_layernorm.weight"],
+                       hf["model.layers.0.self_attn.k_norm.weight"])
+    # heads x head_dim (32) rows of q, kv heads x head_dim of k and v, fused: (4 + 2 + 2) x 8.
+    assert mg["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (64, 16)
+
+
+def test_unsupported_family_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported: expected one of \('llama', 'qwen2', 'qwen3'\)"):
+        Architecture.from_hf_config(dict(LLAMA, model_type="gpt2"))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "mistral"}, "model_type"),
+    ({"model_type": "qwen3", "attention_bias": True}, "qwen3 with attention_bias"),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16}, "sliding-window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "llama3"),

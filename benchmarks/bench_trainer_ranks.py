@@ -1,0 +1,140 @@
+"""Step time and tokens/s of 1, 2 and 4 CPU trainer ranks on the same global batch, and the rank plumbing's cost.
+
+Each layout runs in real torch.distributed ranks (gloo) started by the project's rank launcher, on the
+tiny model, with the quickstart's batch shape. Per step, rank 0 splits its wall time into forward,
+backward, optimizer step (with the gradient all-reduce shown apart) and the rest: what the rank
+plumbing adds is the rest minus the rest of one rank (commands, sharding, statistics reductions), as a
+share of the step. The baseline is one rank measured in the same run; speed-up is step time of one
+rank / step time of N. On a 2-core machine expect little speed-up: N ranks share the same cores.
+
+    python benchmarks/bench_trainer_ranks.py [--backend megatron|torch] [--steps 10] [--prompts 16 --group 16]
+    python benchmarks/bench_trainer_ranks.py --layouts 1,1,1 2,1,1 1,1,2 2,1,2    # tensor,pipeline,data
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def timed(holder: dict[str, float], key: str, fn: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            holder[key] = holder.get(key, 0.0) + time.perf_counter() - started
+
+    return wrapper
+
+
+def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, prompts: int,
+               group: int) -> dict[str, Any] | None:
+    """Every rank: build, warm up, train `steps` steps; rank 0 returns its per-step split of the time."""
+    import torch
+    from trainer_step import make_batch
+
+    from rlfleet.trainer import collectives
+    from rlfleet.trainer.base import build_trainer
+    from rlfleet.trainer.parallel import ParallelLayout
+    from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
+
+    parallel = ParallelLayout(*layout)
+    if parallel.world > 1:
+        init_process_group("cpu")
+    trainer = build_trainer(backend, model_dir, lr=1e-3, seed=0, parallel=parallel)
+    if rank_env()[0] != 0:
+        follow(trainer)
+        return None
+    spent: dict[str, float] = {}
+    trainer._forward_logits = timed(spent, "forward", trainer._forward_logits)  # type: ignore[method-assign]
+    trainer._optimizer_step = timed(spent, "optimizer", trainer._optimizer_step)  # type: ignore[method-assign]
+    collectives.sum_gradients = timed(spent, "grad_allreduce", collectives.sum_gradients)
+    torch.Tensor.backward = timed(spent, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
+    trainer._data_parallel_reduce = timed(spent, "plumbing", trainer._data_parallel_reduce)  # type: ignore[method-assign]
+    lead: Any = LeadingTrainer(trainer) if parallel.world > 1 else trainer
+    if parallel.world > 1:
+        lead._commands.send = timed(spent, "plumbing", lead._commands.send)
+    batch = make_batch(prompts, group, 0)
+    tokens = sum(len(s.response_ids) for s in batch)
+    try:
+        lead.train_step(batch)  # warm-up
+        rows = []
+        for _ in range(steps):
+            spent.clear()
+            started = time.perf_counter()
+            lead.train_step(batch)
+            rows.append({"step": time.perf_counter() - started, **spent})
+    finally:
+        if parallel.world > 1:
+            lead.close()
+    return {"rows": rows, "tokens": tokens, "samples": len(batch)}
+
+
+def summarise(result: dict[str, Any]) -> dict[str, float]:
+    rows = result["rows"]
+
+    def med(key: str) -> float:
+        return statistics.median(r.get(key, 0.0) for r in rows)
+
+    step = med("step")
+    optimizer = med("optimizer")
+    allreduce = med("grad_allreduce")
+    compute = med("forward") + med("backward") + optimizer - allreduce
+    return {"step": step, "forward": med("forward"), "backward": med("backward"), "optimizer": optimizer - allreduce,
+            "grad_allreduce": allreduce, "other": step - compute - allreduce, "plumbing": med("plumbing"),
+            "tokens_per_s": result["tokens"] / step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["megatron", "torch"], default="megatron")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--layouts", nargs="+", default=["1,1,1", "1,1,2", "1,1,4"],
+                        help="tensor,pipeline,data per layout; the first is the baseline (one rank)")
+    args = parser.parse_args(argv)
+
+    from rlfleet.trainer.launch import launch_ranks
+    from rlfleet.trainer.tiny import ensure_tiny_model
+    from rlfleet.util.binaries import CACHE_DIR
+
+    model_dir = str(ensure_tiny_model(CACHE_DIR / "models" / "tiny-llama-seed0", seed=0))
+    layouts = [tuple(int(x) for x in text.split(",")) for text in args.layouts]
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in layouts:
+            tp, pp, dp = layout
+            world = tp * pp * dp
+            started = time.perf_counter()
+            results = launch_ranks(rank_entry, (args.backend, model_dir, layout, args.steps, args.prompts, args.group),
+                                   world=world, log_dir=Path(tmp) / f"logs-{tp}-{pp}-{dp}")
+            figures[layout] = summarise(results[0])
+            print(f"  tp{tp} pp{pp} dp{dp} ({world} ranks): launched and ran in {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr)
+    base = figures[layouts[0]]
+    print(f"{args.backend} trainer, tiny model, global batch {args.prompts} x {args.group} samples, "
+          f"median of {args.steps} steps (rank 0's view)")
+    print(f"{'layout':<14}{'ranks':>6}{'step s':>9}{'tok/s':>9}{'speed-up':>10}{'fwd':>8}{'bwd':>8}{'opt':>8}"
+          f"{'allred':>8}{'other':>8}{'plumbing':>10}")
+    for layout, f in figures.items():
+        tp, pp, dp = layout
+        plumbing = f["plumbing"] / f["step"]
+        print(f"{f'tp{tp} pp{pp} dp{dp}':<14}{tp * pp * dp:>6}{f['step']:>9.4f}{f['tokens_per_s']:>9.0f}"
+              f"{base['step'] / f['step']:>9.2f}x{f['forward']:>8.4f}{f['backward']:>8.4f}{f['optimizer']:>8.4f}"
+              f"{f['grad_allreduce']:>8.4f}{f['other']:>8.4f}{plumbing:>9.1%}")
+    print("other = the step outside forward/backward/optimizer/gradient all-reduce (collation, loss, plumbing); "
+          "plumbing = rank 0 handing the batch to the ranks + the step statistics' reductions, as a share of the "
+          "step; goal <= 5%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

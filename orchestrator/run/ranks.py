@@ -1,0 +1,85 @@
+"""`rlfleet run FILE` with a trainer of several ranks: this process launches them, rank 0 runs the run.
+
+When `spec.trainer` asks for more than one rank (tensor x pipeline x data parallel), `rlfleet run`
+checks the layout against the model (before anything starts), then becomes the ranks' launcher
+(torch.distributed's elastic agent, trainer/launch.py): rank 0 runs the whole run (the loop, the engines,
+the router, the watchdog, eval) exactly as a single-rank run does, every other rank builds its part of
+the trainer and follows rank 0's steps (trainer/ranks.py). Output of rank 0 is shown on the terminal;
+every rank logs to `<run dir>/trainer-ranks/rank-<r>.log`.
+
+Stopping: Ctrl-C / SIGTERM reach the launcher, which stops every rank (rank 0 stops its engines and
+router first, as a single-rank run does). A rank that dies stops the group: the run fails with
+`TrainerRankFailed`, naming the rank, its exit code and its last log lines.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlfleet.crds.models import TrainingRun
+from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer, device_of, layout_of
+
+
+def check_before_launch(run: TrainingRun, model_dir: Path) -> None:
+    """ValueError naming the field and the numbers when the ranks could not run this model here."""
+    from rlfleet.trainer.base import read_hf_config
+    from rlfleet.trainer.hf_export import Architecture
+    from rlfleet.trainer.parallel import check_layout
+
+    spec = run.spec
+    arch = Architecture.from_hf_config(read_hf_config(model_dir))
+    available = None
+    if device_of(spec) == "cuda":
+        import torch
+
+        available = torch.cuda.device_count()
+    check_layout(layout_of(spec), spec.trainer.backend, arch, device_of(spec), available)
+
+
+def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path) -> int:
+    """Launch the run's ranks (this process is their agent); the exit status of the run."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from rlfleet.trainer.launch import RankFailed, launch_ranks
+
+    world = layout_of(run.spec).world
+    print(f"rlfleet run: starting {world} trainer ranks; rank logs in {run_dir / 'trainer-ranks'}",
+          file=sys.stderr, flush=True)
+    try:
+        launch_ranks(rank_main, (argv, str(model_dir), str(run_dir)), world=world, log_dir=run_dir / "trainer-ranks",
+                     run_id=run.metadata.name or "rlfleet", tee=True)
+    except RankFailed as exc:
+        if exc.rank == 0 and exc.exitcode > 0:
+            return exc.exitcode  # the run itself failed: rank 0 has said why
+        print(f"rlfleet run: FAILED ({exc.reason}): {exc}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        print(f"rlfleet run: stopped by {exc.sigval.name}; trainer ranks, engines and router stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def rank_main(argv: list[str], model_dir: str, run_dir: str) -> None:
+    """Every rank's entry: rank 0 runs `rlfleet run` itself (same arguments), the others follow it."""
+    from rlfleet.trainer.ranks import rank_env
+
+    if rank_env()[0] == 0:
+        from rlfleet.orchestrator.run.cli import main
+
+        code = main([*argv, "--run-dir", run_dir])
+        if code:
+            raise SystemExit(code)
+        return
+    follow_run(argv, Path(model_dir))
+
+
+def follow_run(argv: list[str], model_dir: Path) -> None:
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.cli import build_parser
+    from rlfleet.trainer.ranks import follow
+
+    args = build_parser().parse_args(argv)
+    run = load_training_run(args.file)
+    trainer: Any = build_rank_trainer(run.spec, model_dir)
+    follow(trainer)

@@ -1,0 +1,123 @@
+"""Multi-rank trainers on CPU (gloo, real megatron-core, real torch.distributed ranks from the elastic launcher)
+train like one rank.
+
+The same four GRPO steps (the tiny Llama; batches scored by the initial weights, so later steps are
+off-policy and the loss depends on the weights) through megatron TP=2, DP=2 and TP=2 x DP=2 and torch
+DP=2, against one rank of the same backend: the loss and gradient norm of every step and every
+exported HF weight agree within 1e-4 (float32), and each export is one snapshot in the single-rank
+layout (same files, tensor names, shapes and dtypes). SGLang loading that layout is proven in
+test_trainer_parity.py (the single-rank export); here an engine loads the TP=2 x DP=2 export and its
+greedy tokens equal the single-rank trainer's. A rank that dies stops the group and is named with its
+last log lines.
+
+World 2 runs its three layouts one after another in the same ranks (one launch); world 4 is one more.
+"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from safetensors.torch import load_file
+
+from helpers.rank_steps import train_layouts, train_steps
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.snapshot.format import validate_snapshot
+from rlfleet.trainer import grpo
+from rlfleet.trainer.launch import RankFailed, launch_ranks
+
+STEPS = 4
+TOLERANCE = 1e-4
+WORLD_2 = [("megatron", (2, 1, 1)), ("megatron", (1, 1, 2)), ("torch", (1, 1, 2))]
+WORLD_4 = [("megatron", (2, 1, 2))]
+LAYOUTS = WORLD_2 + WORLD_4
+
+
+def layout_id(run: tuple[str, tuple[int, int, int]]) -> str:
+    backend, (tp, pp, dp) = run
+    return f"{backend}-tp{tp}-pp{pp}-dp{dp}"
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("one-rank")
+    return {b: train_steps(b, str(tiny_model), (1, 1, 1), STEPS, str(out / b)) for b in ("megatron", "torch")}
+
+
+@pytest.fixture(scope="module")
+def many_ranks(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    results: dict[str, dict] = {}
+    for world, runs in ((2, WORLD_2), (4, WORLD_4)):
+        by_rank = launch_ranks(train_layouts, (runs, str(tiny_model), STEPS, str(out / f"world{world}")),
+                               world=world, log_dir=out / f"logs{world}")
+        assert all(by_rank[r] == [None] * len(runs) for r in range(1, world)), "only rank 0 reports"
+        for run, result in zip(runs, by_rank[0], strict=True):
+            print(f"{layout_id(run)}: {STEPS} steps in {result['seconds']:.1f} s (rank 0, with set-up)")
+            results[layout_id(run)] = result
+    return results
+
+
+@pytest.mark.parametrize("run", LAYOUTS, ids=layout_id)
+def test_every_step_matches_one_rank(run, single_rank, many_ranks):
+    ours, reference = many_ranks[layout_id(run)], single_rank[run[0]]
+    loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"], strict=True))
+    norm_diff = max(abs(a - b) for a, b in zip(ours["grad_norms"], reference["grad_norms"], strict=True))
+    print(f"{layout_id(run)}: max |loss - one rank's| {loss_diff:.2e}, max |grad norm diff| {norm_diff:.2e}")
+    assert len(set(round(x, 4) for x in reference["losses"])) > 1, "the loss does not depend on the weights"
+    assert loss_diff < TOLERANCE and norm_diff < TOLERANCE
+
+
+@pytest.mark.parametrize("run", LAYOUTS, ids=layout_id)
+def test_export_is_one_snapshot_with_the_weights_of_one_rank(run, single_rank, many_ranks, tiny_model):
+    ours, reference = Path(many_ranks[layout_id(run)]["snapshot"]), Path(single_rank[run[0]]["snapshot"])
+    validate_snapshot(ours)
+    assert {p.name for p in ours.iterdir()} == {p.name for p in reference.iterdir()}
+    mine, theirs = load_file(str(ours / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {k: (v.shape, v.dtype) for k, v in theirs.items()}
+    worst = max((mine[k] - theirs[k]).abs().max().item() for k in mine)
+    moved = max((theirs[k] - initial[k]).abs().max().item() for k in theirs)
+    print(f"{layout_id(run)}: max |weight - one rank's| {worst:.2e} (the steps moved weights by up to {moved:.2e})")
+    assert worst < TOLERANCE
+    assert moved > 100 * TOLERANCE
+
+
+def test_a_dying_rank_stops_the_group_and_is_named(tiny_model, tmp_path):
+    with pytest.raises(RankFailed) as failed:
+        launch_ranks(train_steps, ("megatron", str(tiny_model), (2, 1, 1), STEPS, str(tmp_path / "out"), 1),
+                     world=2, log_dir=tmp_path / "logs")
+    assert failed.value.rank == 1 and failed.value.exitcode == 3
+    assert "rank 1: failing on purpose" in failed.value.log_tail
+    assert "trainer rank 1 exited with 3" in str(failed.value) and failed.value.reason == "TrainerRankFailed"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def float32_engine(session_sglang_engines, tiny_model):
+    engine = await session_sglang_engines.start(tiny_model, name="ranks-engine", extra_args=("--dtype", "float32"))
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+@pytest.mark.engines
+async def test_sglang_serves_the_gathered_export_like_one_rank(float32_engine, many_ranks, single_rank):
+    from rlfleet.trainer.base import build_trainer
+
+    snapshot = Path(many_ranks[layout_id(WORLD_4[0])]["snapshot"])
+    one_rank = await asyncio.to_thread(build_trainer, "torch", Path(single_rank["megatron"]["snapshot"]), lr=1e-3)
+    async with aiohttp.ClientSession() as session:
+        client = EngineClient(session, float32_engine.url)
+        result = await client.update_weights_from_disk(str(snapshot), str(STEPS))
+        assert result.success, result.message
+        for text in ("abc=", "dcba=", "bad=", "cb="):
+            prompt = list(text.encode())
+            body = await client.generate({"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}})
+            sample = grpo.sample_from_generate(prompt, body)
+            assert sample.weight_version == str(STEPS)
+            expected = await asyncio.to_thread(one_rank.greedy_generate, prompt, 6)
+            assert list(sample.response_ids) == expected, f"greedy tokens differ for {text!r}"

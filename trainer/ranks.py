@@ -1,0 +1,169 @@
+"""One trainer, many ranks: rank 0 leads, every other rank follows its commands.
+
+The run loop (and everything else that drives a trainer) lives in rank 0 only. It holds a
+`LeadingTrainer`: each `train_step` first hands the step's whole batch to every rank (a broadcast on
+a gloo group of its own, so a rank may wait through a long rollout without a collective timing out),
+then every rank trains on its data-parallel replica's part of it; `state_for_export` (and so
+`export_hf`) has every rank join the gather of the tensor-parallel shards, and only rank 0 writes the
+snapshot. The other ranks run `follow` until rank 0 says stop.
+
+    init_process_group(device)                     # in each rank, from torchrun's environment
+    trainer = build_trainer(..., parallel=layout)  # each rank its shards
+    if rank == 0: lead = LeadingTrainer(trainer); ...; lead.close()
+    else: follow(trainer)
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
+from rlfleet.trainer import grpo
+from rlfleet.trainer.base import Trainer
+
+# Rank 0 may spend a whole rollout (or an eval) between two commands.
+COMMAND_TIMEOUT = timedelta(days=7)
+# Collectives inside a step (gradients, gathers) are bounded by the group's own timeout.
+STEP_TIMEOUT = timedelta(minutes=30)
+
+
+def rank_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun sets them; (0, 1, 0) outside a launch."""
+    env = os.environ
+    return int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0"))
+
+
+def init_process_group(device: str) -> str:
+    """Join the launcher's rendezvous (env://): gloo on CPU, NCCL on CUDA (one GPU per local rank).
+
+    Returns the device this rank trains on ("cpu" or "cuda:<local rank>").
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local = rank_env()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
+                                timeout=STEP_TIMEOUT)
+    return device
+
+
+class _Commands:
+    """The broadcast channel from rank 0 to every rank (a gloo group, whatever the training backend)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+        if not isinstance(group, dist.ProcessGroup):  # new_group's non-member marker; every rank is a member
+            raise RuntimeError("this rank is not in the trainer's command group")
+        self.group = group
+
+    def send(self, *command: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([command], src=0, group=self.group)
+
+    def receive(self) -> tuple[Any, ...]:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def train_part(trainer: Trainer, batch: Sequence[grpo.Sample]) -> dict[str, float]:
+    """This rank's share of one step: its data-parallel replica's part of `batch`, then one step.
+
+    Sample count and reward mean are of the whole batch, as one rank would report them.
+    """
+    from rlfleet.trainer.parallel import ParallelLayout
+
+    layout: ParallelLayout = trainer.options.parallel
+    rank, _, _ = rank_env()
+    _, data_rank, _ = layout.coords(rank)
+    metrics = trainer.train_step(layout.data_shard(list(batch), data_rank))
+    metrics["samples"] = float(len(batch))
+    metrics["reward_mean"] = sum(s.reward for s in batch) / len(batch)
+    return metrics
+
+
+class LeadingTrainer:
+    """Rank 0's trainer: what a single-rank Trainer offers, each call run by every rank.
+
+    Attributes that involve no other rank (step, model_dir, hf_config, options, ...) are the local
+    trainer's.
+    """
+
+    def __init__(self, trainer: Trainer):
+        self.local = trainer
+        self._commands = _Commands()
+        self._closed = False
+        # One command at a time, whichever thread calls (the loop trains, eval copies weights).
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+    @property
+    def world(self) -> int:
+        return self.local.options.parallel.world
+
+    def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:
+        if not batch:
+            raise ValueError("train_step needs at least one sample")
+        with self._lock:
+            self._commands.send("train", list(batch))
+            return train_part(self.local, batch)
+
+    def state_for_export(self) -> ExportState:
+        with self._lock:
+            self._commands.send("state")
+            return self.local.state_for_export()
+
+    def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Path:
+        state = self.state_for_export()
+        if step is not None and step != state.step:
+            state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+        return write_hf_snapshot(state, out_dir)
+
+    def logits(self, input_ids: Any) -> Any:
+        with self._lock:
+            self._commands.send("logits", input_ids)
+            return self.local.logits(input_ids)
+
+    def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                        stop_ids: Sequence[int] = ()) -> list[int]:
+        return Trainer.greedy_generate(self, prompt_ids, max_new_tokens, stop_ids)  # type: ignore[arg-type]  # its logits are every rank's
+
+    def close(self) -> None:
+        """Release the other ranks (they return from `follow`). Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.send("stop")
+
+
+def follow(trainer: Trainer) -> int:
+    """Run rank 0's commands on this rank until it says stop; returns the steps trained."""
+    commands = _Commands()
+    while True:
+        command = commands.receive()
+        kind = command[0]
+        if kind == "train":
+            train_part(trainer, command[1])
+        elif kind == "state":
+            trainer.state_for_export()
+        elif kind == "logits":
+            trainer.logits(command[1])
+        elif kind == "stop":
+            return trainer.step
+        else:
+            raise RuntimeError(f"unknown trainer command {kind!r} from rank 0")
