@@ -114,10 +114,14 @@ def router_services(name, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_FLEET]): name}
 
 
-@kopf.index("networking.k8s.io", "v1", "networkpolicies",
-            labels={b.LABEL_COMPONENT: b.NETWORK_POLICY_COMPONENT, b.LABEL_FLEET: kopf.PRESENT})
+def _fleet_policy(labels, **_) -> bool:
+    return labels.get(b.LABEL_COMPONENT) in (b.NETWORK_POLICY_COMPONENT, b.ROUTER_NETWORK_POLICY_COMPONENT)
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels={b.LABEL_FLEET: kopf.PRESENT}, when=_fleet_policy)
 def network_policies(body, namespace, labels, **_):
-    return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
+    """A fleet's engine and router NetworkPolicies, keyed by (namespace, fleet, component)."""
+    return {(namespace, labels[b.LABEL_FLEET], labels[b.LABEL_COMPONENT]): _identity_and_spec(body)}
 
 
 @kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
@@ -228,7 +232,8 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
             memo.kube, fleet, [plain(p) for p in engine_pods.get(key, [])],
             router_deployment=_one(router_deployments, key),
             router_service=bool(list(router_services.get(key, []))),
-            network_policy=_one(network_policies, key),
+            network_policy=_one(network_policies, (*key, b.NETWORK_POLICY_COMPONENT)),
+            router_network_policy=_one(network_policies, (*key, b.ROUTER_NETWORK_POLICY_COMPONENT)),
             settings=memo.settings)
         return plan.requeue_after
 

@@ -22,12 +22,14 @@ from rlfleet.kube.client import (
     NETWORK_POLICIES,
     PODS,
     PVCS,
+    SECRETS,
     SERVICES,
     ApiError,
     KubeClient,
     Resource,
 )
 from rlfleet.observability import metrics
+from rlfleet.sglang.http import new_api_key
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import (
     Event,
@@ -104,11 +106,11 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
 
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,
                           router_service: bool, network_policy: dict | None, settings: Settings,
-                          now: float | None = None) -> FleetPlan:
+                          now: float | None = None, router_network_policy: dict | None = None) -> FleetPlan:
     """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and child objects.
 
-    `router_deployment`, `network_policy`: the fleet's router Deployment and engine NetworkPolicy as
-    observed (None: there is none).
+    `router_deployment`, `network_policy`, `router_network_policy`: the fleet's router Deployment,
+    engine NetworkPolicy and router NetworkPolicy as observed (None: there is none).
     """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
@@ -117,12 +119,15 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
                                 generation=meta.get("generation"))
     res = custom(PLURALS[fleet["kind"]])
     await write_status(kube, res, fleet, plan.status, fleet.get("status") or {})
+    router = decide_router_deployment(fleet, router_deployment, spec)
+    if not spec.run_name and (plan.create or (router is not None and router.verb == "create")):
+        # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
+        await _create(kube, SECRETS, b.build_api_key_secret(fleet, name, new_api_key()))
     for pod_name, uid in plan.delete:
         await kube.delete(PODS, pod_name, ns, uid=uid)
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
                                                      rlfleet_image=settings.rlfleet_image, spec=spec))
-    router = decide_router_deployment(fleet, router_deployment, spec)
     if router is not None and router.verb == "create":
         await _create(kube, DEPLOYMENTS, router.obj)
     elif router is not None:
@@ -132,6 +137,7 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     if not router_service:
         await _create(kube, SERVICES, b.build_router_service(fleet, spec))
     await _apply_network_policy(kube, fleet, spec, network_policy, plan, settings)
+    await _apply_router_network_policy(kube, fleet, spec, router_network_policy, plan, settings)
     if plan.recreated:
         metrics.OPERATOR_RECREATIONS.labels(namespace=ns, fleet=name).inc(len(plan.recreated))
     if plan.given_up:
@@ -163,6 +169,28 @@ async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, 
                                  f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
 
 
+async def _apply_router_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
+                                       plan: FleetPlan, settings: Settings) -> None:
+    action = decide_network_policy(fleet, current, enabled=settings.network_policy,
+                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec,
+                                   build=b.build_router_network_policy)
+    if action is None:
+        return
+    ns, name = fleet["metadata"]["namespace"], action.obj["metadata"]["name"]
+    who = f"the trainer pod of run {spec.run_name}" if spec.run_name else f'pods labelled {b.LABEL_CLIENT}: "true"'
+    if action.verb == "create":
+        if await _create(kube, NETWORK_POLICIES, action.obj):
+            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
+                                     f"NetworkPolicy {name}: the router admits only {who}"))
+    elif action.verb == "patch":
+        await kube.merge_patch(NETWORK_POLICIES, name, {"spec": action.obj["spec"]}, ns)
+        plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
+                                 f"NetworkPolicy {name} had been changed; restored: the router admits only {who}"))
+    elif await kube.delete(NETWORK_POLICIES, name, ns, uid=action.obj["metadata"].get("uid")) is not None:
+        plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
+                                 f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
+
+
 def _admitted(fleet: dict, spec: FleetSpec, settings: Settings) -> str:
     run_name = spec.run_name
     who = [f"router pods of {fleet['metadata']['name']}",
@@ -187,12 +215,24 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     plan = decide_run(run, children, now=now or time.time(), rlfleet_image=settings.rlfleet_image)
     await write_status(kube, TRAININGRUNS, run, plan.status, owned_status(run.get("status")),
                        owned=OPERATOR_STATUS_KEYS)
+    await _create_api_keys(kube, run, plan.create)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj)
     for kind, name, spec in plan.patch_fleet_specs:
         await kube.merge_patch(_RESOURCES[kind], name, {"spec": spec}, meta["namespace"])
     await _post_events(kube, run, plan.events, settings)
     return plan
+
+
+async def _create_api_keys(kube: KubeClient, run: dict, create: list[dict]) -> None:
+    """Before the run's fleets (and its trainer) are created: their Secrets `<fleet>-api-key`, owned by
+    the run, one key for both fleets (the trainer holds one). An existing Secret is kept as it is."""
+    fleets = [obj["metadata"]["name"] for obj in create if obj["kind"] in ("RolloutFleet", "EvalFleet")]
+    if not fleets:
+        return
+    key = new_api_key()
+    for fleet_name in fleets:
+        await _create(kube, SECRETS, b.build_api_key_secret(run, fleet_name, key))
 
 
 def compact_pod(body: Any) -> dict:
