@@ -29,7 +29,6 @@ from rlfleet.kube.client import (
     Resource,
 )
 from rlfleet.observability import metrics
-from rlfleet.sglang.http import new_api_key
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import (
     Event,
@@ -39,6 +38,7 @@ from rlfleet.operator.fleet_decide import (
     decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+from rlfleet.sglang.http import new_api_key
 
 log = logging.getLogger("rlfleet.operator")
 

@@ -40,6 +40,7 @@ from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSetti
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.sglang.http import client_session
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 from rlfleet.util.binaries import CACHE_DIR
@@ -117,6 +118,7 @@ class RunLoop:
         self.evaluation: RunEvaluation | None = None
         self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
         self._client: RolloutClient | None = None
+        self.api_key: str | None = None  # the fleets' key (subclasses set it): every call to them sends it
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -190,7 +192,8 @@ class RunLoop:
             self._engines_changed()
             self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)
 
-            session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            session = await stack.enter_async_context(client_session(self.api_key,
+                                                                     connector=aiohttp.TCPConnector(limit=0)))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
                                     engine_logs=self._engine_logs)
             fleet = self.fleet

@@ -169,7 +169,8 @@ def test_router_policy_selects_only_the_fleets_router_pods():
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     selector = policy["spec"]["podSelector"]
     assert selects(selector, b.build_router_deployment(f)["spec"]["template"]["metadata"]["labels"])
-    assert not selects(selector, b.build_router_deployment(fleet(name="other"))["spec"]["template"]["metadata"]["labels"])
+    other = b.build_router_deployment(fleet(name="other"))["spec"]["template"]["metadata"]["labels"]
+    assert not selects(selector, other)
     assert not selects(selector, b.build_engine_pod(f, 0)["metadata"]["labels"])
 
 
