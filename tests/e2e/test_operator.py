@@ -125,6 +125,10 @@ def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
     assert as_operator("auth", "can-i", "create", "pods", "-n", NS).stdout.strip() == "yes"
     assert as_operator("auth", "can-i", "delete", "rolloutfleets", "-n", NS).stdout.strip() == "no"
     assert as_operator("auth", "can-i", "get", "configmaps", "-n", NS).stdout.strip() == "no"
+    # Fleet keys: the operator creates their Secrets; it can neither read nor change one.
+    assert as_operator("auth", "can-i", "create", "secrets", "-n", NS).stdout.strip() == "yes"
+    for verb in ("get", "list", "watch", "patch", "update", "delete"):
+        assert as_operator("auth", "can-i", verb, "secrets", "-n", NS).stdout.strip() == "no", verb
 
 
 @pytest.mark.engines
