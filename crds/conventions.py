@@ -35,6 +35,13 @@ ENGINE_CONTAINER = "engine"
 TRAINER_SERVICE_ACCOUNT = "rlfleet-trainer"
 DEFAULT_RLFLEET_IMAGE = "rlfleet/rlfleet:0.1.0"
 SNAPSHOT_VOLUME = "snapshots"
+# Each fleet's engines and router require its API key (Bearer); it lives in the Secret
+# `<fleet>-api-key` (key `api-key`), reaches containers as this environment variable.
+API_KEY_ENV = "RLFLEET_API_KEY"
+API_KEY_SECRET_KEY = "api-key"
+# Pods the operator builds run as this non-root user and group (Pod Security `restricted`); fsGroup too,
+# so the trainer can write a fresh snapshot claim and engines read what it wrote.
+POD_USER_ID = 1000
 
 def engine_pod_name(fleet_name: str, slot: int) -> str:
     return f"{fleet_name}-engine-{slot}"
@@ -70,6 +77,14 @@ def engine_selector(fleet_name: str) -> str:
 
 def network_policy_name(fleet_name: str) -> str:
     return f"{fleet_name}-engines"
+
+
+def router_network_policy_name(fleet_name: str) -> str:
+    return f"{fleet_name}-router"
+
+
+def api_key_secret_name(fleet_name: str) -> str:
+    return f"{fleet_name}-api-key"
 
 
 def router_labels(fleet_name: str) -> dict[str, str]:

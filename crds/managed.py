@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfleet.crds.conventions import API_KEY_ENV
+
 
 @dataclass(frozen=True)
 class ManagedFlag:
@@ -104,6 +106,7 @@ class ReservedEnv:
     SLOT = "RLFLEET_SLOT"
     TRAINING_RUN = "RLFLEET_TRAINING_RUN"
     SNAPSHOT_DIR = "RLFLEET_SNAPSHOT_DIR"
+    API_KEY = API_KEY_ENV  # the fleet's key, from its Secret
 
 
 # Every RLFLEET_* name is reserved, the ones set today and the ones to come.

@@ -1,5 +1,15 @@
 """Pure builders of the Kubernetes objects the operator owns. No I/O: the object and its typed spec in, dict out.
 
+Every pod passes Pod Security `restricted` (`POD_SECURITY` and `CONTAINER_SECURITY`): non-root
+(uid/gid/fsGroup 1000), no privilege escalation, all capabilities dropped, the runtime's seccomp
+profile. An SGLang GPU engine needs nothing beyond it: the GPUs come from the device plugin's
+resource (`nvidia.com/gpu`), shared memory from a memory-backed emptyDir. Engines mount the snapshot
+claim read-only; only the trainer (and a tiny model's init container, into its own directory) writes.
+
+Engines and the router require the fleet's API key (Secret `<fleet>-api-key`, key `api-key`, given to
+the containers by `secretKeyRef` as $RLFLEET_API_KEY; `build_api_key_secret`); the router's pods admit
+only the run's trainer (NetworkPolicy `<fleet>-router`, `build_router_network_policy`).
+
 A TrainingRun owns (ownerReferences, controller) a RolloutFleet `<run>-rollout`, an optional
 EvalFleet `<run>-eval`, the trainer pod `<run>-trainer` and the snapshot claim `<run>-snapshots`
 (unless the run names an existing claim). A fleet owns one engine pod per slot,
@@ -15,6 +25,8 @@ from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
     ANN_RESTARTS,
+    API_KEY_ENV,
+    API_KEY_SECRET_KEY,
     API_VERSION,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
@@ -27,9 +39,11 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     LABEL_RUN,
     LABEL_SLOT,
     MANAGER,
+    POD_USER_ID,
     ROUTER_METRICS_PORT,
     SNAPSHOT_VOLUME,
     TRAINER_SERVICE_ACCOUNT,
+    api_key_secret_name,
     engine_labels,
     engine_pod_name,
     engine_selector,
@@ -38,6 +52,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     rollout_fleet_name,
     router_labels,
     router_name,
+    router_network_policy_name,
     trainer_pod_name,
 )
 from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
@@ -54,6 +69,25 @@ DEFAULT_MOUNT_PATH: str = SnapshotMountSpec.model_fields["mount_path"].default
 # Pod-level fields every pod we build shares: no service links (hundreds of env vars in big
 # namespaces), explicit grace period, logs as the termination message on failure.
 _TERMINATION = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+
+# Pod Security `restricted`, for every pod we build (see the module's docstring).
+POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": POD_USER_ID,
+    "runAsGroup": POD_USER_ID,
+    "fsGroup": POD_USER_ID,
+    # Chown a claim once (a fresh one), not on every pod start of a volume with thousands of files.
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _secure(container: dict) -> dict:
+    return {**container, "securityContext": dict(CONTAINER_SECURITY)}
 
 
 def owner_reference(owner: dict) -> dict:
@@ -96,6 +130,12 @@ def _user_env(defaults: dict[str, str], user: Sequence[EnvVarSpec]) -> list[dict
     `valueFrom` (Secret and ConfigMap keys) included. Reserved names never get here (the API refuses them)."""
     mine = {e.name for e in user}
     return _env({k: v for k, v in defaults.items() if k not in mine}) + [e.to_pod() for e in user]
+
+
+def api_key_env(fleet_name: str) -> dict:
+    """$RLFLEET_API_KEY of a container: the fleet's key, from its Secret."""
+    return {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": api_key_secret_name(fleet_name),
+                                                                "key": API_KEY_SECRET_KEY}}}
 
 
 def _tolerations(items: list) -> list[dict]:
@@ -149,49 +189,60 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     init_containers: list[dict] = []
     volumes: list[dict] = []
     mounts: list[dict] = []
+    engine_mounts: list[dict] = []
     if spec.snapshots:
-        volumes.append({"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": spec.snapshots.claim_name}})
+        # Read-only: no engine can rewrite the snapshots the others (and the trainer) load.
+        volumes.append({"name": SNAPSHOT_VOLUME, "persistentVolumeClaim": {"claimName": spec.snapshots.claim_name,
+                                                                           "readOnly": True}})
         mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
+        engine_mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path, "readOnly": True})
     # A fleet's modelPath is not pattern-checked: a malformed tiny:// path is served as given, and the
     # engine's own error (in the fleet's Failed condition) says what is wrong with it.
     tiny = match_tiny_model(model_path)
     if tiny:
-        if not spec.snapshots:
+        if spec.snapshots:
+            # The init container writes the model into the claim: that volume is mounted writable
+            # (for the init container only; the engine's mount stays read-only).
+            volumes[-1]["persistentVolumeClaim"].pop("readOnly")
+        else:
             volumes.append({"name": SNAPSHOT_VOLUME, "emptyDir": {}})
             mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path})
+            engine_mounts.append({"name": SNAPSHOT_VOLUME, "mountPath": mount_path, "readOnly": True})
         model_path = f"{mount_path}/models/$(POD_NAME)/{tiny.cache_name}"
-        init_containers.append({
+        init_containers.append(_secure({
             "name": "tiny-model",
             "image": rlfleet_image,
             "command": ["rlfleet", "tiny-model", model_path, "--seed", str(tiny.seed), "--arch", tiny.arch],
             "env": _downward_env(),
             "volumeMounts": mounts,
             **_TERMINATION,
-        })
-    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path, weight_version=weight_version)
+        }))
+    launch = build_engine_launch(eng, host="$(POD_IP)", model_path=model_path, weight_version=weight_version,
+                                 api_key=f"$({API_KEY_ENV})")
     gpus = eng.gpus_per_engine if eng.device == "cuda" else 0
     if eng.device == "cuda":
         # NCCL and the engine's worker processes need more shared memory than the default 64 MiB.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts = [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}]
-    container = {
+        engine_mounts = [*engine_mounts, {"name": "dshm", "mountPath": "/dev/shm"}]
+    container = _secure({
         "name": ENGINE_CONTAINER,
         "image": eng.image,
         "command": launch.argv("python3"),
         # Downward API first: $(POD_IP) in the command refers to it.
-        "env": _downward_env() + _env({ReservedEnv.FLEET: fname, ReservedEnv.SLOT: str(slot)})
-        + _user_env(launch.env, eng.env),
+        "env": _downward_env() + [api_key_env(fname)]
+        + _env({ReservedEnv.FLEET: fname, ReservedEnv.SLOT: str(slot)}) + _user_env(launch.env, eng.env),
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
         # /health generates one token (up to 20 s on a busy engine): allow it before counting a failure.
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                            "timeoutSeconds": 25, "failureThreshold": 3, "successThreshold": 1},
         "resources": _resources(eng.resources, gpus),
-        "volumeMounts": mounts,
+        "volumeMounts": engine_mounts,
         **_TERMINATION,
-    }
+    })
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts engines: within a budget, with backoff, counted.
         "restartPolicy": "Never",
+        "securityContext": dict(POD_SECURITY),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
@@ -219,7 +270,8 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
 def _router_command(router: RouterSpec) -> list[str]:
     args = build_router_args(host="$(POD_IP)", port=router.port, metrics_port=ROUTER_METRICS_PORT,
                              health_interval_s=router.health_check_interval_seconds,
-                             health_failure_threshold=router.health_failure_threshold)
+                             health_failure_threshold=router.health_failure_threshold,
+                             api_key=f"$({API_KEY_ENV})")
     return ["python3", *args, "--policy", router.policy]
 
 
@@ -228,17 +280,17 @@ def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
     spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     labels = router_labels(fname)
-    container = {
+    container = _secure({
         "name": "router",
         "image": spec.router.image,
         "command": _router_command(spec.router),
-        "env": _downward_env(),
+        "env": [*_downward_env(), api_key_env(fname)],
         "ports": [{"name": "http", "containerPort": spec.router.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ROUTER_METRICS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
                            "timeoutSeconds": 5, "failureThreshold": 3},
         **_TERMINATION,
-    }
+    })
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -249,6 +301,7 @@ def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
+                         "securityContext": dict(POD_SECURITY),
                          "terminationGracePeriodSeconds": 10, "containers": [container]},
             },
         },
@@ -345,6 +398,63 @@ def build_engine_network_policy(fleet: dict, *, metrics_from: Sequence[dict] = (
     }
 
 
+# Router NetworkPolicy and the fleet's API key -------------------------------------------------------------
+ROUTER_NETWORK_POLICY_COMPONENT = "router-network-policy"
+
+
+def router_network_policy_labels(fleet_name: str) -> dict[str, str]:
+    return {**network_policy_labels(fleet_name), LABEL_COMPONENT: ROUTER_NETWORK_POLICY_COMPONENT}
+
+
+def build_router_network_policy(fleet: dict, *, metrics_from: Sequence[dict] = (),
+                                spec: FleetSpec | None = None) -> dict:
+    """Ingress to the fleet's router pods only from the run's trainer pod (its HTTP port).
+
+    The router's HTTP port serves `POST /workers` and `DELETE /workers/{id}`: whoever reaches it
+    (and holds the key) could register a fake engine or drain the fleet. A fleet of no run admits pods
+    labelled `rlfleet.io/client: "true"` in its namespace instead. `metrics_from` peers (e.g.
+    Prometheus) may reach the router's metrics port. Egress is not restricted.
+    """
+    spec = spec or fleet_spec(fleet)
+    fname = fleet["metadata"]["name"]
+    http = [{"port": spec.router.port, "protocol": "TCP"}]
+    if spec.run_name:
+        client = {LABEL_COMPONENT: "trainer", LABEL_RUN: spec.run_name}
+    else:
+        client = {LABEL_CLIENT: "true"}
+    ingress: list[dict] = [{"from": [{"podSelector": {"matchLabels": client}}], "ports": http}]
+    if metrics_from:
+        ingress.append({"from": [dict(p) for p in metrics_from],
+                        "ports": [{"port": ROUTER_METRICS_PORT, "protocol": "TCP"}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(router_network_policy_name(fname), fleet, router_network_policy_labels(fname)),
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def api_key_labels(fleet_name: str) -> dict[str, str]:
+    return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "api-key", LABEL_MANAGED_BY: MANAGER, LABEL_FLEET: fleet_name}
+
+
+def build_api_key_secret(owner: dict, fleet_name: str, api_key: str) -> dict:
+    """The Secret `<fleet>-api-key` holding the key the fleet's engines and router require.
+
+    Owned by `owner`: the run for its fleets (created before them, so the trainer and every engine
+    find it at start, with one key for both of the run's fleets), the fleet itself otherwise.
+    `api_key` comes from the caller (rlfleet.sglang.http.new_api_key): the builder stays pure.
+    """
+    # Immutable: whoever may patch Secrets cannot swap the key under running engines.
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+            "metadata": _meta(api_key_secret_name(fleet_name), owner, api_key_labels(fleet_name)),
+            "stringData": {API_KEY_SECRET_KEY: api_key}}
+
+
 # TrainingRun children --------------------------------------------------------------------------------
 def run_labels(run_name: str, component: str) -> dict[str, str]:
     return {LABEL_NAME: "rlfleet", LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER, LABEL_RUN: run_name}
@@ -400,11 +510,11 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
     name = run["metadata"]["name"]
     trainer = spec.trainer
     mount_path = spec.weight_sync.mount_path
-    env = _downward_env() + _env({
+    env = _downward_env() + [api_key_env(rollout_fleet_name(name))] + _env({
         ReservedEnv.TRAINING_RUN: name,
         ReservedEnv.SNAPSHOT_DIR: mount_path,
     }) + _user_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, trainer.env)
-    container = {
+    container = _secure({
         "name": "trainer",
         "image": trainer.image,
         "command": trainer_command(run),
@@ -413,10 +523,12 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
         "resources": _resources(trainer.resources, trainer.gpus),
         "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": mount_path}],
         **_TERMINATION,
-    }
+    })
     pod_spec: dict[str, Any] = {
         # A failed trainer fails the run: its reason is in the termination message, not in a retry.
         "restartPolicy": "Never",
+        # fsGroup: the non-root trainer can write a fresh claim.
+        "securityContext": dict(POD_SECURITY),
         "serviceAccountName": TRAINER_SERVICE_ACCOUNT,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,

@@ -21,7 +21,7 @@ caches.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -313,14 +313,16 @@ class ChildAction:
 
 
 def decide_network_policy(fleet: dict, current: dict | None, *, enabled: bool,
-                          metrics_from: Sequence[dict] = (), spec: FleetSpec | None = None) -> ChildAction | None:
-    """Converge the fleet's engine NetworkPolicy: exists and matches when enabled, absent when not.
+                          metrics_from: Sequence[dict] = (), spec: FleetSpec | None = None,
+                          build: Callable[..., dict] = b.build_engine_network_policy) -> ChildAction | None:
+    """Converge one of the fleet's NetworkPolicies (`build`: the engines', by default, or the
+    router's, `b.build_router_network_policy`): exists and matches when enabled, absent when not.
 
     `current` is the policy observed now (labelled for this fleet), None when there is none.
     """
     if not enabled:
         return ChildAction("delete", current) if current and not current["metadata"].get("deletionTimestamp") else None
-    desired = b.build_engine_network_policy(fleet, metrics_from=metrics_from, spec=spec)
+    desired = build(fleet, metrics_from=metrics_from, spec=spec)
     if current is None:
         return ChildAction("create", desired)
     if current["metadata"].get("deletionTimestamp"):

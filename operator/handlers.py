@@ -119,10 +119,14 @@ def router_services(body, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
 
 
-@kopf.index("networking.k8s.io", "v1", "networkpolicies",
-            labels={b.LABEL_COMPONENT: b.NETWORK_POLICY_COMPONENT, b.LABEL_FLEET: kopf.PRESENT})
+def _fleet_policy(labels, **_) -> bool:
+    return labels.get(b.LABEL_COMPONENT) in (b.NETWORK_POLICY_COMPONENT, b.ROUTER_NETWORK_POLICY_COMPONENT)
+
+
+@kopf.index("networking.k8s.io", "v1", "networkpolicies", labels={b.LABEL_FLEET: kopf.PRESENT}, when=_fleet_policy)
 def network_policies(body, namespace, labels, **_):
-    return {(namespace, labels[b.LABEL_FLEET]): _identity_and_spec(body)}
+    """A fleet's engine and router NetworkPolicies, keyed by (namespace, fleet, component)."""
+    return {(namespace, labels[b.LABEL_FLEET], labels[b.LABEL_COMPONENT]): _identity_and_spec(body)}
 
 
 @kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
@@ -233,12 +237,16 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
         pods, foreign_pods = partition(_all(engine_pods, key), uid)
         deployments, foreign_deployments = partition(_all(router_deployments, key), uid)
         services, foreign_services = partition(_all(router_services, key), uid)
-        policies, foreign_policies = partition(_all(network_policies, key), uid)
+        policies, foreign_policies = partition(_all(network_policies, (*key, b.NETWORK_POLICY_COMPONENT)), uid)
+        router_policies, foreign_router_policies = partition(
+            _all(network_policies, (*key, b.ROUTER_NETWORK_POLICY_COMPONENT)), uid)
         foreign = [*(("Pod", o) for o in foreign_pods), *(("Deployment", o) for o in foreign_deployments),
-                   *(("Service", o) for o in foreign_services), *(("NetworkPolicy", o) for o in foreign_policies)]
+                   *(("Service", o) for o in foreign_services),
+                   *(("NetworkPolicy", o) for o in [*foreign_policies, *foreign_router_policies])]
         plan = await reconcile_fleet(
             memo.kube, fleet, pods, router_deployment=deployments[0] if deployments else None,
             router_service=bool(services), network_policy=policies[0] if policies else None,
+            router_network_policy=router_policies[0] if router_policies else None,
             settings=memo.settings, foreign=foreign, reported=memo.foreign_reported)
         return plan.requeue_after
 

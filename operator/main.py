@@ -13,7 +13,9 @@ Each fleet gets a NetworkPolicy `<fleet>-engines`: its engine pods accept ingres
 router pods and its run's trainer pod (a fleet of no run: pods labelled `rlfleet.io/client: "true"`),
 plus the peers of --network-policy-metrics-from (a JSON list of NetworkPolicy peers, e.g.
 '[{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]') on the
-engines' HTTP port, which serves /metrics. --no-network-policy deletes the policies it made.
+engines' HTTP port, which serves /metrics. A second policy `<fleet>-router` admits only the run's trainer
+(or the client pods) to the router, and those peers to its metrics port. --no-network-policy deletes the
+policies it made.
 """
 from __future__ import annotations
 

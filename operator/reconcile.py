@@ -30,6 +30,7 @@ from rlfleet.kube.client import (
     PVCS,
     ROLE_BINDINGS,
     ROLES,
+    SECRETS,
     SERVICEACCOUNTS,
     SERVICES,
     ApiError,
@@ -50,6 +51,7 @@ from rlfleet.operator.fleet_decide import (
     decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+from rlfleet.sglang.http import new_api_key
 from rlfleet.util.redact import redact
 
 log = logging.getLogger("rlfleet.operator")
@@ -156,14 +158,14 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,
                           router_service: bool, network_policy: dict | None, settings: Settings,
                           now: float | None = None, foreign: Sequence[tuple[str, dict]] = (),
-                          reported: set[str] | None = None) -> FleetPlan:
+                          reported: set[str] | None = None, router_network_policy: dict | None = None) -> FleetPlan:
     """One level-based reconcile of a RolloutFleet/EvalFleet from its engine pods and child objects.
 
-    `pods`, `router_deployment`, `network_policy`: the fleet's own children (owned by its UID) as
-    observed (None: there is none). `foreign`: (kind, object) labelled as its children but not owned:
-    reported once each (by UID, in `reported`), never touched. A child the API server refuses sets
-    the ChildRejected condition within this pass (a second status write); a permanent refusal holds
-    the fleet's creations until its spec changes.
+    `pods`, `router_deployment`, `network_policy`, `router_network_policy`: the fleet's own children
+    (owned by its UID) as observed (None: there is none). `foreign`: (kind, object) labelled as its
+    children but not owned: reported once each (by UID, in `reported`), never touched. A child the API
+    server refuses sets the ChildRejected condition within this pass (a second status write); a
+    permanent refusal holds the fleet's creations until its spec changes.
     """
     meta = fleet["metadata"]
     name, ns = meta["name"], meta["namespace"]
@@ -182,7 +184,7 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     refused: list[Rejection] = []
     if rejections.held(previous, generation) is None:
         await _write_fleet_children(kube, fleet, spec, plan, router_deployment, router_service, network_policy,
-                                    settings, refused)
+                                    router_network_policy, settings, refused)
     final = rejections.apply(plan.status, refused, previous, now=now, generation=generation)
     await write_status(kube, res, fleet, final, first)
     plan.status = final
@@ -202,12 +204,18 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
 
 async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, plan: FleetPlan,
                                 router_deployment: dict | None, router_service: bool, network_policy: dict | None,
-                                settings: Settings, refused: list[Rejection]) -> None:
-    """Engine pods, the router Deployment and Service, the engine NetworkPolicy; refusals to `refused`."""
+                                router_network_policy: dict | None, settings: Settings,
+                                refused: list[Rejection]) -> None:
+    """The fleet's API key Secret (a fleet of no run), engine pods, the router Deployment and Service,
+    the engine and router NetworkPolicies; refusals to `refused`."""
+    router = decide_router_deployment(fleet, router_deployment, spec)
+    if not spec.run_name and (plan.create or (router is not None and router.verb == "create")):
+        # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
+        await _create(kube, SECRETS, b.build_api_key_secret(fleet, fleet["metadata"]["name"], new_api_key()),
+                      refused)
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
                                                      rlfleet_image=settings.rlfleet_image, spec=spec), refused)
-    router = decide_router_deployment(fleet, router_deployment, spec)
     if router is not None and router.verb == "create":
         await _create(kube, DEPLOYMENTS, router.obj, refused)
     elif router is not None and await _patch(kube, DEPLOYMENTS, router.obj, {"spec": router.obj["spec"]}, refused):
@@ -216,6 +224,7 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
     if not router_service:
         await _create(kube, SERVICES, b.build_router_service(fleet, spec), refused)
     await _apply_network_policy(kube, fleet, spec, network_policy, plan, settings, refused)
+    await _apply_router_network_policy(kube, fleet, spec, router_network_policy, plan, settings, refused)
 
 
 async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
@@ -237,6 +246,29 @@ async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, 
                                  f"NetworkPolicy {name} had been changed; restored: engines admit only "
                                  f"{_admitted(fleet, spec, settings)}"))
     elif await kube.delete(NETWORK_POLICIES, name, ns, uid=meta.get("uid")) is not None:
+        plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
+                                 f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
+
+
+async def _apply_router_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
+                                       plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
+    action = decide_network_policy(fleet, current, enabled=settings.network_policy,
+                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec,
+                                   build=b.build_router_network_policy)
+    if action is None:
+        return
+    ns, name = fleet["metadata"]["namespace"], action.obj["metadata"]["name"]
+    who = f"the trainer pod of run {spec.run_name}" if spec.run_name else f'pods labelled {b.LABEL_CLIENT}: "true"'
+    if action.verb == "create":
+        if await _create(kube, NETWORK_POLICIES, action.obj, refused):
+            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
+                                     f"NetworkPolicy {name}: the router admits only {who}"))
+    elif action.verb == "patch":
+        if not await _patch(kube, NETWORK_POLICIES, action.obj, {"spec": action.obj["spec"]}, refused):
+            return
+        plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
+                                 f"NetworkPolicy {name} had been changed; restored: the router admits only {who}"))
+    elif await kube.delete(NETWORK_POLICIES, name, ns, uid=action.obj["metadata"].get("uid")) is not None:
         plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
                                  f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
 
@@ -279,6 +311,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     first = rejections.carry(plan.status, previous, generation)
     await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
     refused: list[Rejection] = []
+    await _create_api_keys(kube, run, plan.create, refused)
     if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
         for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
             await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
@@ -301,6 +334,17 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     if any(not r.permanent for r in refused):
         raise ChildrenRefused(rejections.message([r for r in refused if not r.permanent]))
     return plan
+
+
+async def _create_api_keys(kube: KubeClient, run: dict, create: list[dict], refused: list[Rejection]) -> None:
+    """Before the run's fleets (and its trainer) are created: their Secrets `<fleet>-api-key`, owned by
+    the run, one key for both fleets (the trainer holds one). An existing Secret is kept as it is."""
+    fleets = [obj["metadata"]["name"] for obj in create if obj["kind"] in ("RolloutFleet", "EvalFleet")]
+    if not fleets:
+        return
+    key = new_api_key()
+    for fleet_name in fleets:
+        await _create(kube, SECRETS, b.build_api_key_secret(run, fleet_name, key), refused)
 
 
 def compact_pod(body: Any) -> dict:

@@ -24,6 +24,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState, SlotFlee
 from rlfleet.policy.recovery import engine_error_line
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
+from rlfleet.sglang.http import client_session
 from rlfleet.sglang.launch import build_engine_launch
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint
@@ -50,7 +51,7 @@ class LocalBackend(SlotFleetBackend):
     def __init__(self, *, engine: EngineSpec, replicas: int, recovery: RecoverySpec, run_dir: str | os.PathLike,
                  fleet: str = "rollout", min_ready: int | None = None, weight_version: str = "0",
                  startup_timeout_s: float = 600.0, ready_poll_s: float = 1.0, ready_probe_timeout_s: float = 10.0,
-                 stop_grace_s: float = 8.0, python: str | None = None):
+                 stop_grace_s: float = 8.0, python: str | None = None, api_key: str | None = None):
         super().__init__(fleet=fleet, replicas=replicas, recovery=recovery, min_ready=min_ready)
         self.engine = engine
         self.run_dir = Path(run_dir)
@@ -60,11 +61,12 @@ class LocalBackend(SlotFleetBackend):
         self.ready_probe_timeout_s = ready_probe_timeout_s
         self.stop_grace_s = stop_grace_s
         self.python = python or python_executable()
+        self.api_key = api_key  # engines start with --api-key: without the key they answer 401
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self, url: str) -> EngineClient:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = client_session(self.api_key)
         return EngineClient(self._session, url)
 
     def log_path(self, slot: int, incarnation: int) -> Path:
@@ -74,7 +76,8 @@ class LocalBackend(SlotFleetBackend):
 
     async def _launch(self, rec: SlotRecord) -> None:
         host, port = allocate_endpoint()
-        launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version)
+        launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version,
+                                     api_key=self.api_key)
         log_path = self.log_path(rec.slot, rec.incarnation)
         process = ManagedProcess(f"{self.fleet}-slot{rec.slot}-inc{rec.incarnation}", launch.argv(self.python),
                                  log_path=log_path, env=launch.env,

@@ -15,14 +15,12 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import aiohttp
-
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.errors import ROUTER_FAILED_REASON, RouterFailed
 from rlfleet.policy.recovery import RouterGiveUp, plan_router_restart
 from rlfleet.sglang.errors import CallError
-from rlfleet.sglang.http import call
+from rlfleet.sglang.http import call, client_session
 from rlfleet.sglang.launch import build_router_args
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint, free_port
@@ -41,12 +39,13 @@ class RouterStartFailed(RuntimeError):
 
 class LocalRouter:
     def __init__(self, run_dir: str | os.PathLike, *, name: str = "router", health_interval_s: int = 2,
-                 health_failure_threshold: int = 2, python: str | None = None):
+                 health_failure_threshold: int = 2, python: str | None = None, api_key: str | None = None):
         self.run_dir = Path(run_dir)
         self.name = name
         self.health_interval_s = health_interval_s
         self.health_failure_threshold = health_failure_threshold
         self.python = python or python_executable()
+        self.api_key = api_key  # the router requires it on /generate and /workers
         self.process: ManagedProcess | None = None
         self.url: str | None = None
         self.stopping = False
@@ -65,7 +64,7 @@ class LocalRouter:
         metrics_port = free_port(host)
         args = build_router_args(host=host, port=port, metrics_port=metrics_port,
                                  health_interval_s=self.health_interval_s,
-                                 health_failure_threshold=self.health_failure_threshold)
+                                 health_failure_threshold=self.health_failure_threshold, api_key=self.api_key)
         self.process = ManagedProcess(self.name, [self.python, *args], log_path=self.log_path, die_with_parent=True)
         self.starts += 1
         await self.process.start()
@@ -73,7 +72,7 @@ class LocalRouter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         last = "no answer yet"
-        async with aiohttp.ClientSession() as session:
+        async with client_session(self.api_key) as session:
             while True:
                 if self.process.returncode is not None:
                     raise RouterStartFailed(f"router exited with code {self.process.returncode}; last log lines:\n"

@@ -24,6 +24,7 @@ from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
 from rlfleet.sglang.errors import CallError
+from rlfleet.sglang.http import client_session
 from rlfleet.sglang.router import RouterClient, normalize_url
 from rlfleet.snapshot.format import SnapshotReference
 
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 class FleetRuntime:
     def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
                  reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
-                 timeouts: EngineTimeouts | None = None):
+                 timeouts: EngineTimeouts | None = None, api_key: str | None = None):
         self.backend = backend
+        self.api_key = api_key  # the fleet's key: every call to its engines and router sends it
         self.fleet = backend.fleet
         self.health_spec = health
         self.router_url = router_url
@@ -73,7 +75,7 @@ class FleetRuntime:
     async def start(self) -> None:
         """Create the clients and loops; launch the engines (not yet in the router)."""
         # No connection cap: a thousand engines are probed in the same round.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.session = client_session(self.api_key, connector=aiohttp.TCPConnector(limit=0))
         self.router = RouterClient(self.session, self.router_url)
         self.membership = RouterMembership(self.router, engine_client=self.engine_client,
                                            alive_urls=self._alive_urls, fleet=self.fleet,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 from rlfleet.crds import conventions
@@ -54,6 +55,8 @@ class KubernetesRun(RunLoop):
         self._eval_runtime: FleetRuntime | None = None
         self._router_ports: dict[str, int] = {}
         self._router_budgets: dict[str, int] = {}
+        # The run's fleets' key, from their Secret (the pod's env, secretKeyRef).
+        self.api_key = os.environ.get(conventions.API_KEY_ENV) or None
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
@@ -72,7 +75,7 @@ class KubernetesRun(RunLoop):
         self._phase(f"waiting for {spec.rollout.replicas} engines")
         self.backend = backend
         self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
-                                  reference=self.current_snapshot)
+                                  reference=self.current_snapshot, api_key=self.api_key)
         stack.push_async_callback(self._flush_status_writes)
         return url
 
@@ -88,7 +91,8 @@ class KubernetesRun(RunLoop):
             fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
             self._router_ports[name] = fleet_spec.router.port
             self._router_budgets[name] = fleet_spec.router.max_restarts
-            runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync)
+            runtime = FleetRuntime(backend, url, health=fleet_spec.health, weight_sync=self.spec.weight_sync,
+                                   api_key=self.api_key)
             await runtime.start()
             self._eval_runtime = runtime
             assert self.spec.eval is not None, "the eval fleet starts only for a run with eval"

@@ -20,6 +20,7 @@ from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter, RouterSupervisor
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
+from rlfleet.sglang.http import new_api_key
 from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
 
 __all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
@@ -37,12 +38,15 @@ class LocalRun(RunLoop):
         self.eval_router: LocalRouter | None = None
         self.eval_runtime: FleetRuntime | None = None
         self.supervisors: dict[str, RouterSupervisor] = {}
+        # A fresh key per run: the local engines and routers listen on this machine's ports.
+        self.api_key = new_api_key()
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
         self._phase("starting the router")
         router = LocalRouter(self.options.run_dir, health_interval_s=spec.rollout.router.health_check_interval_seconds,
-                             health_failure_threshold=spec.rollout.router.health_failure_threshold)
+                             health_failure_threshold=spec.rollout.router.health_failure_threshold,
+                             api_key=self.api_key)
         router_url = await router.start()
         stack.push_async_callback(router.stop)
         self.router = router
@@ -51,9 +55,10 @@ class LocalRun(RunLoop):
         engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
         self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
-                                    weight_version="0")
+                                    weight_version="0", api_key=self.api_key)
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
-                                  weight_sync=spec.weight_sync, reference=self.current_snapshot)
+                                  weight_sync=spec.weight_sync, reference=self.current_snapshot,
+                                  api_key=self.api_key)
         return router_url
 
     def _eval_fleet_factory(self):
@@ -62,7 +67,8 @@ class LocalRun(RunLoop):
         async def start(launch_model: Path):
             fleet, router = await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
                                                          run_dir=self.options.run_dir,
-                                                         python=self.options.eval_engine_python)
+                                                         python=self.options.eval_engine_python,
+                                                         api_key=self.api_key)
             assert isinstance(router, LocalRouter)
             self.eval_router, self.eval_runtime = router, fleet.runtime
             return fleet, router

@@ -42,6 +42,7 @@ from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
+from rlfleet.sglang.http import client_session
 from rlfleet.trainer import grpo
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
@@ -118,6 +119,7 @@ class RunLoop:
         self.evaluation: RunEvaluation | None = None
         self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
         self._client: RolloutClient | None = None
+        self.api_key: str | None = None  # the fleets' key (subclasses set it): every call to them sends it
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -188,7 +190,8 @@ class RunLoop:
             self._engines_changed()
             self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)
 
-            session = await stack.enter_async_context(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+            session = await stack.enter_async_context(client_session(self.api_key,
+                                                                     connector=aiohttp.TCPConnector(limit=0)))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
                                     engine_logs=self._engine_logs)
             fleet = self.fleet

@@ -2,10 +2,15 @@
 
 Every call has a deadline that covers connect, send and the whole body. Transport failures and
 non-accepted statuses raise the CallError subclass for their kind (rlfleet.sglang.errors).
+
+`client_session(api_key)` is the one place the sessions towards engines and routers are opened: with
+a key, every request on it carries `Authorization: Bearer <key>` (engines started with `--api-key`,
+routers with `--api-key` and `--control-plane-api-keys`, answer 401 without it).
 """
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -16,6 +21,22 @@ import aiohttp
 from rlfleet.sglang.errors import BadResponse, FailureKind, classify_exception, classify_status, error_for
 
 BODY_EXCERPT_CHARS = 500
+
+
+def new_api_key() -> str:
+    """A fresh random key for one fleet (or one local run): 256 bits, hex (no `:`, which sglang-router's
+    `id:name:role:key` format would split on)."""
+    return secrets.token_hex(32)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def client_session(api_key: str | None = None, **kwargs: Any) -> aiohttp.ClientSession:
+    """A session whose every request sends the fleet's key (none: no Authorization header)."""
+    headers = {**auth_headers(api_key), **(kwargs.pop("headers", None) or {})}
+    return aiohttp.ClientSession(headers=headers or None, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ def build_engine_launch(
 
     `model_path` overrides the spec's (a replacement engine starts from the current snapshot);
     `weight_version` labels the weights it starts with, so read-back is meaningful from the start;
-    `api_key` (e.g. `$(RLFLEET_API_KEY)` in a pod) makes the engine require it. Environment variables
-    with `valueFrom` are not in `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
+    `api_key` (a value, or `$(RLFLEET_API_KEY)` in a pod) makes every route but /health*, /ready* and
+    /metrics require `Authorization: Bearer <key>`. Environment variables with `valueFrom` are not in
+    `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
     """
     f = EngineFlags
     args: list[str] = [
@@ -79,7 +80,7 @@ def build_engine_launch(
         args += [f.ATTENTION_BACKEND.flag, engine.attention_backend]
     if enable_metrics:
         args.append(f.ENABLE_METRICS.flag)
-    if api_key is not None:
+    if api_key:
         args += [f.API_KEY.flag, api_key]
     args += list(engine.extra_args)
     env = dict(BASE_ENV)
@@ -87,9 +88,20 @@ def build_engine_launch(
     return EngineLaunch(args=tuple(args), env=env)
 
 
+# The one control-plane key sglang-router is given: `id:name:role:key`, role admin (POST/DELETE /workers).
+ROUTER_CONTROL_KEY_ID = "rlfleet"
+
+
 def build_router_args(*, host: str, port: int, metrics_port: int, health_interval_s: int = 2,
-                      health_failure_threshold: int = 2) -> list[str]:
-    """Arguments for `python -m sglang_router.launch_router` with no workers: membership is ours."""
+                      health_failure_threshold: int = 2, api_key: str | None = None) -> list[str]:
+    """Arguments for `python -m sglang_router.launch_router` with no workers: membership is ours.
+
+    With `api_key` one key guards both planes of sglang-router 0.3.2: `--api-key` (required on
+    /generate and the other data routes, and sent to the workers as their Bearer key) and
+    `--control-plane-api-keys` (required on /workers). /health, /liveness, /readiness stay open.
+    """
+    auth = ["--api-key", api_key, "--control-plane-api-keys",
+            f"{ROUTER_CONTROL_KEY_ID}:{ROUTER_CONTROL_KEY_ID}:admin:{api_key}"] if api_key else []
     return [
         "-m", "sglang_router.launch_router",
         "--host", host,
@@ -98,4 +110,5 @@ def build_router_args(*, host: str, port: int, metrics_port: int, health_interva
         "--prometheus-port", str(metrics_port),
         "--health-check-interval-secs", str(health_interval_s),
         "--health-failure-threshold", str(health_failure_threshold),
+        *auth,
     ]

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 MASK = "***"
 
 # A name that looks like it holds a secret: ends in key, token, secret, password, ... (any case,
-# any separator), e.g. api_key, admin-api-key, HF_TOKEN, clientSecret. `max_total_tokens` does not.
-_SECRET_NAME = r"[A-Za-z0-9_.-]*(?:key|token|secret|password|passwd|pwd|credentials?|auth)"
+# any separator), e.g. api_key, admin-api-key, control-plane-api-keys, HF_TOKEN, clientSecret.
+# `max_total_tokens` does not (the name must end there).
+_SECRET_NAME = r"[A-Za-z0-9_.-]*(?:keys?|token|secrets?|password|passwd|pwd|credentials?|auth)"
 
 _PATTERNS = (
     # --api-key VALUE, --api-key=VALUE, --hf-token VALUE

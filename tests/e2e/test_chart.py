@@ -48,7 +48,7 @@ def test_two_replicas_need_peering():
     assert result.returncode != 0 and "needs peering.enabled=true" in result.stderr
 
 
-def test_namespaced_install_grants_no_secrets_and_nothing_cluster_wide():
+def test_namespaced_install_grants_no_secret_reads_and_nothing_cluster_wide():
     docs = rendered("watchNamespaces={team-a}")
     kinds = {d["kind"] for d in docs}
     assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
@@ -57,7 +57,9 @@ def test_namespaced_install_grants_no_secrets_and_nothing_cluster_wide():
         ("rlfleet-operator", "team-a"), ("rlfleet-trainer", "team-a")}
     for role in roles:
         for rule in role["rules"]:
-            assert "secrets" not in rule["resources"] and "*" not in rule["resources"] + rule["verbs"]
+            assert "*" not in rule["resources"] + rule["verbs"]
+            if "secrets" in rule["resources"]:  # the operator creates fleet keys; nobody may read a Secret
+                assert role["metadata"]["name"] == "rlfleet-operator" and rule["verbs"] == ["create"], rule
     crds = {d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"}
     assert {"trainingruns.rlfleet.io", "rolloutfleets.rlfleet.io", "evalfleets.rlfleet.io",
             "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"} <= crds
@@ -130,6 +132,17 @@ def test_operator_role_manages_network_policies(sets):
     docs = rendered(*sets)
     role = next(d for d in docs if d["kind"] in ("Role", "ClusterRole") and "rlfleet-operator" in d["metadata"]["name"])
     assert NETWORK_POLICY_RULE in role["rules"]
+
+
+SECRET_RULE = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}
+
+
+@pytest.mark.parametrize("sets", [("watchNamespaces={team-a}",), ()])
+def test_operator_may_create_fleet_key_secrets_but_not_read_any(sets):
+    docs = rendered(*sets)
+    role = next(d for d in docs if d["kind"] in ("Role", "ClusterRole") and "rlfleet-operator" in d["metadata"]["name"])
+    assert SECRET_RULE in role["rules"]
+    assert not [r for r in role["rules"] if "secrets" in r["resources"] and set(r["verbs"]) - {"create"}]
 
 
 def _operator_args(*helm_args: str):

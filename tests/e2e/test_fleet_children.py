@@ -8,8 +8,10 @@ ServiceAccount token. No node agent: engine and router pods are created but neve
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers.cluster import (
     OPERATOR_SA,
@@ -17,6 +19,7 @@ from helpers.cluster import (
     OperatorProcess,
     apply,
     chart_installed,
+    fleet_api_key,
     get_json,
     wait_for,
 )
@@ -28,6 +31,7 @@ NS = "rlfleet-netpol"
 RUN_FLEET, RUN = "np-run-rollout", "np-run"
 SOLO_FLEET = "np-solo"
 ENGINE_PORT = 31000
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
 
@@ -124,6 +128,67 @@ def test_each_fleet_gets_an_owned_policy_admitting_only_its_router_and_trainer(c
                              "ports": http}
     wait_for(lambda: "NetworkPolicyCreated" in event_reasons(cp, SOLO_FLEET), timeout=30, interval=0.5,
              what="the NetworkPolicyCreated Event")
+
+
+def test_each_router_admits_only_its_trainer_and_a_fleet_of_no_run_holds_its_own_key(control_plane, operator,
+                                                                                   fleets):
+    cp = control_plane
+    for name, fleet in fleets.items():
+        pol = wait_for(lambda name=name: get_json(cp, "networkpolicy", b.router_network_policy_name(name),
+                                                  namespace=NS), timeout=60, interval=0.5,
+                       what=f"{name}'s router NetworkPolicy", context=operator.tail)
+        assert pol["metadata"]["ownerReferences"][0]["uid"] == fleet["metadata"]["uid"]
+        assert pol["spec"] == b.build_router_network_policy(fleet, metrics_from=PROMETHEUS)["spec"]
+        routers = wait_for(lambda pol=pol: pods_selected(cp, pol["spec"]["podSelector"]), timeout=60,
+                           what=f"{name}'s router pod")
+        assert all(r.startswith(f"{name}-router-") for r in routers), routers
+        assert pods_selected(cp, pol["spec"]["podSelector"]).isdisjoint({f"{name}-engine-0"})
+    assert policy_from(cp, RUN_FLEET) == {"app.kubernetes.io/component": "trainer", "rlfleet.io/run": RUN}
+    assert policy_from(cp, SOLO_FLEET) == {"rlfleet.io/client": "true"}
+
+    # The fleet of no run: its own Secret, owned by it, immutable; its engine and router read it.
+    secret = wait_for(lambda: get_json(cp, "secret", b.api_key_secret_name(SOLO_FLEET), namespace=NS),
+                      timeout=60, interval=0.5, what="the solo fleet's API key Secret", context=operator.tail)
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == fleets[SOLO_FLEET]["metadata"]["uid"]
+    assert secret["immutable"] is True
+    assert len(fleet_api_key(cp, SOLO_FLEET, NS)) == 64
+    pod = get_json(cp, "pod", f"{SOLO_FLEET}-engine-0", namespace=NS)
+    key_env = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "RLFLEET_API_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"]["name"] == b.api_key_secret_name(SOLO_FLEET)
+    # A run's fleet gets its key from the run, never from whoever names it in runName.
+    assert get_json(cp, "secret", b.api_key_secret_name(RUN_FLEET), namespace=NS) is None
+
+
+def test_a_run_creates_one_key_for_its_fleets_before_them_and_its_trainer_reads_it(control_plane, operator):
+    cp = control_plane
+    name = "np-keyed"
+    run = yaml.safe_load(QUICKSTART.read_text())  # its eval posture is fleet: two fleets
+    run["metadata"] = {"name": name, "namespace": NS}
+    apply(cp, run)
+    try:
+        uid = get_json(cp, "trainingrun", name, namespace=NS)["metadata"]["uid"]
+        fleets = (f"{name}-rollout", f"{name}-eval")
+        secrets = [wait_for(lambda f=f: get_json(cp, "secret", b.api_key_secret_name(f), namespace=NS), timeout=60,
+                            interval=0.5, what=f"the Secret of {f}", context=operator.tail) for f in fleets]
+        assert [s["metadata"]["ownerReferences"][0]["uid"] for s in secrets] == [uid, uid]
+        keys = {fleet_api_key(cp, f, NS) for f in fleets}
+        assert len(keys) == 1 and len(keys.pop()) == 64  # one key: the trainer holds one
+        trainer = wait_for(lambda: get_json(cp, "pod", f"{name}-trainer", namespace=NS), timeout=60, interval=0.5,
+                           what="the trainer pod", context=operator.tail)
+        key_env = next(e for e in trainer["spec"]["containers"][0]["env"] if e["name"] == "RLFLEET_API_KEY")
+        assert key_env["valueFrom"]["secretKeyRef"]["name"] == b.api_key_secret_name(f"{name}-rollout")
+        # Created before the fleets and the trainer: none of them ever waited for a missing Secret.
+        created = {s["metadata"]["name"]: s["metadata"]["creationTimestamp"] for s in secrets}
+        for kind, obj in (("rolloutfleet", fleets[0]), ("evalfleet", fleets[1]), ("pod", f"{name}-trainer")):
+            stamp = get_json(cp, kind, obj, namespace=NS)["metadata"]["creationTimestamp"]
+            assert all(stamp >= c for c in created.values()), (obj, stamp, created)
+    finally:
+        cp.kubectl("delete", "trainingrun", name, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+def policy_from(cp, fleet: str) -> dict:
+    pol = get_json(cp, "networkpolicy", b.router_network_policy_name(fleet), namespace=NS)
+    return pol["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
 
 
 def test_a_deleted_or_loosened_policy_is_restored(control_plane, operator, fleets):

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from helpers.cluster import (
     apply,
     chart_installed,
     engine_pgid,
+    fleet_api_key,
     get_json,
     helm,
     http_json,
@@ -123,6 +125,10 @@ def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
     assert as_operator("auth", "can-i", "create", "pods", "-n", NS).stdout.strip() == "yes"
     assert as_operator("auth", "can-i", "delete", "rolloutfleets", "-n", NS).stdout.strip() == "no"
     assert as_operator("auth", "can-i", "get", "configmaps", "-n", NS).stdout.strip() == "no"
+    # Fleet keys: the operator creates their Secrets; it can neither read nor change one.
+    assert as_operator("auth", "can-i", "create", "secrets", "-n", NS).stdout.strip() == "yes"
+    for verb in ("get", "list", "watch", "patch", "update", "delete"):
+        assert as_operator("auth", "can-i", verb, "secrets", "-n", NS).stdout.strip() == "no", verb
 
 
 @pytest.mark.engines
@@ -139,8 +145,12 @@ def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control
         ready_s = time.monotonic() - started
         engines = {e["slot"]: e for e in status["engines"]}
         assert [engines[s]["state"] for s in (0, 1)] == ["Ready", "Ready"]
-        for e in engines.values():  # the real engine answers on the pod's own address
-            assert http_json(e["url"] + "/model_info")["model_path"] == str(tiny_model)
+        key = fleet_api_key(cp, "rf-a", NS)
+        for e in engines.values():  # the real engine answers on the pod's own address, to the fleet's key
+            assert http_json(e["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
+            with pytest.raises(urllib.error.HTTPError) as refused:  # and to nobody else
+                http_json(e["url"] + "/model_info")
+            assert refused.value.code == 401
         assert engines[0]["url"] != engines[1]["url"]
         assert condition(status, "Ready")["status"] == "True"
         table = cp.kubectl("get", "rf", "rf-a", "-n", NS).stdout
@@ -178,7 +188,7 @@ def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control
         slot0 = next(e for e in status["engines"] if e["slot"] == 0)
         assert slot0["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
         assert slot0["lastFailure"]["reason"] == "Crashed" and slot0["lastFailure"]["exitCode"] == 137
-        assert http_json(slot0["url"] + "/model_info")["model_path"] == str(tiny_model)
+        assert http_json(slot0["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
         reasons = {e["reason"] for e in events_of(cp, "rf-a")}
         assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
         metrics = operator.metrics()
@@ -281,7 +291,8 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         backend.subscribe(deaths.append)
         first = await backend.wait_all_alive(timeout=ENGINE_START_S)
         assert [(e.slot, e.incarnation, e.state) for e in first] == [(0, 1, EngineState.ALIVE)]
-        assert http_json(first[0].url + "/model_info")["model_path"] == str(tiny_model)
+        key = await asyncio.to_thread(fleet_api_key, cp, "rf-k", NS)
+        assert http_json(first[0].url + "/model_info", api_key=key)["model_path"] == str(tiny_model)
 
         # Marked dead by the orchestrator -> the operator recreates the slot.
         assert await backend.mark_dead(0, "3 probes timed out", cause=DeathCause.PROBE_FAILED, incarnation=1)

@@ -5,6 +5,7 @@ agent running pods as local process groups, the operator running with its own Se
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -154,6 +155,17 @@ def engine_pgid(pod_ip: str) -> int | None:
     return None
 
 
-def http_json(url: str, timeout: float = 30) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def http_json(url: str, timeout: float = 30, *, api_key: str | None = None) -> dict:
+    """GET url; with `api_key`, as the fleet's clients do (engines and routers answer 401 without it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def fleet_api_key(cp, fleet: str, namespace: str) -> str:
+    """The key in the fleet's Secret `<fleet>-api-key` (read as the admin: the operator cannot)."""
+    from rlfleet.crds.conventions import API_KEY_SECRET_KEY, api_key_secret_name
+
+    secret = get_json(cp, "secret", api_key_secret_name(fleet), namespace=namespace)
+    assert secret is not None, f"no Secret {api_key_secret_name(fleet)}"
+    return base64.b64decode(secret["data"][API_KEY_SECRET_KEY]).decode()

@@ -155,14 +155,14 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
 
 async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: str | None = None,
                        weight_version: str = "0", extra_args: tuple[str, ...] = (),
-                       max_total_tokens: int | None = None,
+                       max_total_tokens: int | None = None, api_key: str | None = None,
                        ready_timeout_s: float = ENGINE_READY_TIMEOUT_S) -> EngineProcess:
     """Start one real SGLang CPU engine on its own loopback address and wait until it generates."""
     name = name or f"engine-{next(_serial)}"
     host, port = allocate_endpoint()
     spec = EngineSpec(model_path=str(model_path), device="cpu", port=port,
                       max_total_tokens=max_total_tokens, extra_args=list(extra_args))
-    launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version)
+    launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version, api_key=api_key)
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(
         name, launch.argv(python_executable()), log_path=log_dir / f"{name}.log", env=launch.env,
@@ -182,14 +182,14 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
 
 
 async def start_router(*, log_dir: Path, name: str | None = None, health_interval_s: int = 2,
-                       health_failure_threshold: int = 2,
+                       health_failure_threshold: int = 2, api_key: str | None = None,
                        ready_timeout_s: float = ROUTER_READY_TIMEOUT_S) -> RouterProcess:
     """Start a real sglang-router with no workers and wait until GET /health answers."""
     name = name or f"router-{next(_serial)}"
     host, port = allocate_endpoint()
     metrics_port = free_port(host)
     args = build_router_args(host=host, port=port, metrics_port=metrics_port, health_interval_s=health_interval_s,
-                             health_failure_threshold=health_failure_threshold)
+                             health_failure_threshold=health_failure_threshold, api_key=api_key)
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(name, [python_executable(), *args], log_path=log_dir / f"{name}.log",
                              env={"PYTHONUNBUFFERED": "1"}, cwd=str(log_dir), die_with_parent=True)

@@ -40,7 +40,7 @@ def test_engine_command_is_the_one_builder_output_bound_to_the_pod_ip():
     pod = b.build_engine_pod(fleet(), 0)
     c = pod["spec"]["containers"][0]
     expected = build_engine_launch(EngineSpec.model_validate(fleet()["spec"]["engine"]), host="$(POD_IP)",
-                                   model_path="/models/tiny", weight_version="0")
+                                   model_path="/models/tiny", weight_version="0", api_key="$(RLFLEET_API_KEY)")
     assert c["command"] == expected.argv("python3")
     assert c["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     names = [e["name"] for e in c["env"]]
@@ -60,11 +60,76 @@ def test_gpu_engine_requests_gpus_and_shared_memory():
     assert "nvidia.com/gpu" not in str(cpu["resources"])
 
 
-def test_engine_pod_mounts_the_shared_snapshot_claim():
+def test_engine_pod_mounts_the_shared_snapshot_claim_read_only():
     f = fleet(snapshots={"claimName": "run1-snapshots", "mountPath": "/snap"})
     pod = b.build_engine_pod(f, 0)
-    assert pod["spec"]["volumes"][0] == {"name": "snapshots", "persistentVolumeClaim": {"claimName": "run1-snapshots"}}
-    assert pod["spec"]["containers"][0]["volumeMounts"][0] == {"name": "snapshots", "mountPath": "/snap"}
+    assert pod["spec"]["volumes"][0] == {"name": "snapshots",
+                                         "persistentVolumeClaim": {"claimName": "run1-snapshots", "readOnly": True}}
+    assert pod["spec"]["containers"][0]["volumeMounts"][0] == {"name": "snapshots", "mountPath": "/snap",
+                                                               "readOnly": True}
+
+
+def test_tiny_model_init_container_writes_the_claim_the_engine_reads_read_only():
+    f = fleet(engine={"modelPath": "tiny://qwen2?seed=3", "device": "cpu"},
+              snapshots={"claimName": "run1-snapshots", "mountPath": "/snap"})
+    spec = b.build_engine_pod(f, 0)["spec"]
+    init, engine = spec["initContainers"][0], spec["containers"][0]
+    assert init["volumeMounts"] == [{"name": "snapshots", "mountPath": "/snap"}]
+    assert engine["volumeMounts"] == [{"name": "snapshots", "mountPath": "/snap", "readOnly": True}]
+    assert "readOnly" not in spec["volumes"][0]["persistentVolumeClaim"]  # else the init container could not write
+
+
+RESTRICTED_POD = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                  "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_specs():
+    gpu = fleet(engine={"modelPath": "/m", "device": "cuda", "gpusPerEngine": 2, "tensorParallelSize": 2})
+    tiny = fleet(engine={"modelPath": "tiny://qwen2?seed=3", "device": "cpu"})
+    return {"cpu engine": b.build_engine_pod(fleet(), 0)["spec"], "gpu engine": b.build_engine_pod(gpu, 0)["spec"],
+            "tiny engine": b.build_engine_pod(tiny, 0)["spec"],
+            "router": b.build_router_deployment(fleet())["spec"]["template"]["spec"],
+            "trainer": b.build_trainer_pod(run())["spec"]}
+
+
+@pytest.mark.parametrize("which", ["cpu engine", "gpu engine", "tiny engine", "router", "trainer"])
+def test_every_pod_and_container_is_pod_security_restricted(which):
+    spec = _pod_specs()[which]
+    assert spec["securityContext"] == RESTRICTED_POD
+    containers = spec["containers"] + spec.get("initContainers", [])
+    assert len(containers) == (2 if which == "tiny engine" else 1)
+    for c in containers:
+        assert c["securityContext"] == RESTRICTED_CONTAINER, c["name"]
+    assert not any("hostPath" in v for v in spec.get("volumes", []))
+
+
+def _key_env(container: dict) -> dict:
+    return next(e for e in container["env"] if e["name"] == "RLFLEET_API_KEY")
+
+
+def test_engines_router_and_trainer_get_the_fleet_key_from_its_secret():
+    engine = b.build_engine_pod(fleet(), 0)["spec"]["containers"][0]
+    ref = {"secretKeyRef": {"name": "run1-rollout-api-key", "key": "api-key"}}
+    assert _key_env(engine)["valueFrom"] == ref
+    assert engine["command"][engine["command"].index("--api-key") + 1] == "$(RLFLEET_API_KEY)"
+    router = b.build_router_deployment(fleet())["spec"]["template"]["spec"]["containers"][0]
+    assert _key_env(router)["valueFrom"] == ref
+    cmd = router["command"]
+    assert cmd[cmd.index("--api-key") + 1] == "$(RLFLEET_API_KEY)"
+    assert cmd[cmd.index("--control-plane-api-keys") + 1] == "rlfleet:rlfleet:admin:$(RLFLEET_API_KEY)"
+    trainer = b.build_trainer_pod(run())["spec"]["containers"][0]
+    assert _key_env(trainer)["valueFrom"] == ref  # the rollout fleet's Secret: the eval fleet's holds the same key
+    assert "value" not in _key_env(trainer)  # the key itself is never in a pod spec
+
+
+def test_api_key_secret_is_owned_immutable_and_labelled_for_its_fleet():
+    secret = b.build_api_key_secret(run(), "run1-rollout", "k" * 64)
+    assert secret["metadata"]["name"] == "run1-rollout-api-key"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "run-uid"
+    assert secret["immutable"] is True
+    assert secret["stringData"] == {"api-key": "k" * 64}
+    assert secret["metadata"]["labels"][b.LABEL_FLEET] == "run1-rollout"
 
 
 def _model_of(f: dict) -> tuple[str, str]:

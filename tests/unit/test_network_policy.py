@@ -156,3 +156,55 @@ def test_bad_metrics_peers_flag_is_a_clear_error(text, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--namespace", "team", "--network-policy-metrics-from", text])
     assert "not a JSON list of NetworkPolicy peers" in capsys.readouterr().err
+
+
+# The router's NetworkPolicy -----------------------------------------------------------------------------
+def test_router_policy_selects_only_the_fleets_router_pods():
+    f = fleet()
+    policy = b.build_router_network_policy(f)
+    meta = policy["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("run1-rollout-router", "team")
+    assert meta["ownerReferences"][0]["uid"] == "fleet-uid"
+    assert meta["labels"][b.LABEL_COMPONENT] == b.ROUTER_NETWORK_POLICY_COMPONENT
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    selector = policy["spec"]["podSelector"]
+    assert selects(selector, b.build_router_deployment(f)["spec"]["template"]["metadata"]["labels"])
+    other = b.build_router_deployment(fleet(name="other"))["spec"]["template"]["metadata"]["labels"]
+    assert not selects(selector, other)
+    assert not selects(selector, b.build_engine_pod(f, 0)["metadata"]["labels"])
+
+
+def test_only_the_runs_trainer_reaches_the_router():
+    f = fleet()
+    policy = b.build_router_network_policy(f)
+    trainer = b.build_trainer_pod({"metadata": {"name": "run1", "namespace": "team", "uid": "u"},
+                                   "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+                                   "spec": {"modelPath": "/m"}})["metadata"]["labels"]
+    port = b.fleet_spec(f).router.port
+    assert admitted(policy, trainer, port)
+    assert not admitted(policy, trainer, b.ROUTER_METRICS_PORT)  # no metrics peers configured
+    assert not admitted(policy, b.run_labels("run2", "trainer"), port)  # another run's trainer
+    assert not admitted(policy, b.engine_labels("run1-rollout", 0), port)  # engines never call the router
+    assert not admitted(policy, {b.LABEL_CLIENT: "true"}, port)
+    assert not admitted(policy, {}, port)  # any other pod of the namespace
+
+
+def test_router_of_no_run_admits_labelled_clients_and_metrics_peers_reach_its_metrics_port():
+    policy = b.build_router_network_policy(fleet(name="solo", run_name=None), metrics_from=PROMETHEUS)
+    port = b.fleet_spec(fleet(name="solo", run_name=None)).router.port
+    assert admitted(policy, {b.LABEL_CLIENT: "true"}, port)
+    assert not admitted(policy, b.run_labels("solo", "trainer"), port)
+    assert policy["spec"]["ingress"][-1] == {"from": PROMETHEUS,
+                                             "ports": [{"port": b.ROUTER_METRICS_PORT, "protocol": "TCP"}]}
+
+
+def test_router_policy_decision_creates_restores_and_deletes():
+    f = fleet()
+    build = b.build_router_network_policy
+    action = decide_network_policy(f, None, enabled=True, build=build)
+    assert action.verb == "create" and action.obj == build(f)
+    current = observed(action.obj)
+    assert decide_network_policy(f, current, enabled=True, build=build) is None
+    current["spec"]["ingress"] = [{"from": [{"podSelector": {}}]}]
+    assert decide_network_policy(f, current, enabled=True, build=build).verb == "patch"
+    assert decide_network_policy(f, current, enabled=False, build=build).verb == "delete"

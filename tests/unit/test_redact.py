@@ -52,3 +52,10 @@ def test_pod_failures_conditions_and_the_summary_are_redacted():
     assert "sk-123" not in cond["message"] and "--api-key ***" in cond["message"]
     summary = RunSummary(steps_planned=1, failure="RolloutEnginesUnavailable: " + SERVER_ARGS)
     assert "sk-live-123" not in summary.to_dict()["failure"]
+
+
+def test_the_routers_control_plane_keys_are_redacted():
+    line = ("sglang::router --api-key abc123 --control-plane-api-keys rlfleet:rlfleet:admin:abc123 "
+            "--max-total-tokens 4096")
+    out = redact(line)
+    assert "abc123" not in out and "--max-total-tokens 4096" in out

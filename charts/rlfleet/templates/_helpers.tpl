@@ -47,6 +47,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+# Each fleet's API key: created once (immutable), never read back by the operator.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 {{- end -}}
 
 {{/* The namespaces the operator serves: watchNamespaces, else the release namespace; [] when clusterWide. */}}

@@ -217,7 +217,8 @@ class PinnedEvalFleet:
 
 
 async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run_dir: Path,
-                                 python: str | None = None) -> tuple[PinnedEvalFleet, object]:
+                                 python: str | None = None,
+                                 api_key: str | None = None) -> tuple[PinnedEvalFleet, object]:
     """Start the eval router and the eval engines as local processes (not waited for: the first pin
     waits). Returns the fleet and the router (stop both: fleet.close(), router.stop())."""
     from rlfleet.crds.derive import eval_fleet_spec
@@ -230,15 +231,16 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     eval_dir = Path(run_dir) / "eval"
     router_spec = fleet_spec.router
     router = LocalRouter(eval_dir, name="eval-router", health_interval_s=router_spec.health_check_interval_seconds,
-                         health_failure_threshold=router_spec.health_failure_threshold)
+                         health_failure_threshold=router_spec.health_failure_threshold, api_key=api_key)
     router_url = await router.start()
     try:
         engine = fleet_spec.engine.model_copy(update={"model_path": str(launch_model)})
         backend = LocalBackend(engine=engine, replicas=fleet_spec.replicas, recovery=fleet_spec.recovery,
                                run_dir=eval_dir, fleet="eval", min_ready=fleet_spec.min_ready_engines,
                                weight_version="0", startup_timeout_s=fleet_spec.health.startup_timeout_seconds,
-                               python=python)
-        runtime = FleetRuntime(backend, router_url, health=fleet_spec.health, weight_sync=spec.weight_sync)
+                               python=python, api_key=api_key)
+        runtime = FleetRuntime(backend, router_url, health=fleet_spec.health, weight_sync=spec.weight_sync,
+                               api_key=api_key)
         await runtime.start()
     except BaseException:
         await router.stop()
