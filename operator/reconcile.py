@@ -99,17 +99,19 @@ class ChildrenRefused(Exception):
     """Children refused for a reason that clears by itself (shown as Degraded): retry with backoff."""
 
 
-async def _create(kube: KubeClient, res: Resource, obj: dict, refused: list[Rejection] | None = None) -> bool:
+async def _create(kube: KubeClient, res: Resource, obj: dict, refused: list[Rejection] | None = None, *,
+                  readable: bool = True) -> bool:
     """Create; an object of ours that already exists (by name) is fine: that is how duplicates are
     prevented. A refusal goes to `refused` (when given), the server's message kept; a name held by an
-    object its owner does not own is a refusal too (never adopted)."""
+    object its owner does not own is a refusal too (never adopted). `readable=False` (Secrets: the
+    operator may create them, never read them): an existing namesake is kept as it is, unchecked."""
     meta = obj["metadata"]
     try:
         await kube.create(res, obj, meta["namespace"])
         return True
     except ApiError as e:
         if e.conflict:
-            if refused is not None:
+            if refused is not None and readable:
                 await _check_namesake(kube, res, obj, refused)
             return False
         if refused is None or (r := rejection(obj["kind"], meta["name"], e.status, e.message)) is None:
@@ -212,7 +214,7 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
     if not spec.run_name and (plan.create or (router is not None and router.verb == "create")):
         # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
         await _create(kube, SECRETS, b.build_api_key_secret(fleet, fleet["metadata"]["name"], new_api_key()),
-                      refused)
+                      refused, readable=False)
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
                                                      rlfleet_image=settings.rlfleet_image, spec=spec), refused)
@@ -344,7 +346,7 @@ async def _create_api_keys(kube: KubeClient, run: dict, create: list[dict], refu
         return
     key = new_api_key()
     for fleet_name in fleets:
-        await _create(kube, SECRETS, b.build_api_key_secret(run, fleet_name, key), refused)
+        await _create(kube, SECRETS, b.build_api_key_secret(run, fleet_name, key), refused, readable=False)
 
 
 def compact_pod(body: Any) -> dict:
