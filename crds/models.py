@@ -131,8 +131,10 @@ class TrainingRunSpec(ApiModel):
             message="a tiny model path reads tiny://llama or tiny://qwen2, optionally with ?seed=N",
         ),
         Rule(
-            cel="self.weightSync.mode != 'broadcast' || ((self.trainer.gpus > 0) == (self.rollout.engine.device == 'cuda'))",
-            check=lambda s: s.weight_sync.mode != "broadcast" or ((s.trainer.gpus > 0) == (s.rollout.engine.device == "cuda")),
+            cel="self.weightSync.mode != 'broadcast' "
+            "|| ((self.trainer.gpus > 0) == (self.rollout.engine.device == 'cuda'))",
+            check=lambda s: (s.weight_sync.mode != "broadcast"
+                             or (s.trainer.gpus > 0) == (s.rollout.engine.device == "cuda")),
             field="weightSync.mode",
             message="weight sync mode broadcast needs the trainer and the engines on the same kind of device "
             "(GPU trainer with cuda engines: nccl; CPU trainer with cpu engines: gloo); use disk",

@@ -175,7 +175,8 @@ def _custom_group(backend: str, address: str, port: int, world_size: int, group_
     store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name,  # type: ignore[arg-type]  # a str, as SGLang passes it
                                       backend_options=None, timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

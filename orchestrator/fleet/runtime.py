@@ -44,8 +44,9 @@ class FleetRuntime:
         self._reference = reference
         self._pause_mode = pause_mode
         self._weight_sync_spec = weight_sync
-        self._broadcast = {"broadcast_address": broadcast_address, "broadcast_device": broadcast_device,
-                           "engine_tp_size": engine_tp_size}
+        self._broadcast_address = broadcast_address
+        self._broadcast_device = broadcast_device
+        self._engine_tp_size = engine_tp_size
         self.session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
         self.membership: RouterMembership | None = None
@@ -90,7 +91,9 @@ class FleetRuntime:
             self._reference = await asyncio.to_thread(SnapshotReference.from_dir, self._reference)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
-                                  pause_mode=self._pause_mode, reference=self._reference, **self._broadcast)
+                                  pause_mode=self._pause_mode, reference=self._reference,
+                                  broadcast_address=self._broadcast_address, broadcast_device=self._broadcast_device,
+                                  engine_tp_size=self._engine_tp_size)
         self._unsubscribe = self.backend.subscribe(self._on_death)
         await self.backend.start()
         await self.monitor.start()

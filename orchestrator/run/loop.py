@@ -41,8 +41,8 @@ from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSetti
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
-from rlfleet.trainer import grpo
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
+from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file

@@ -30,6 +30,7 @@ from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.update_group import UpdateGroup
 from rlfleet.orchestrator.fleet.weight_sync import EngineSyncOutcome
 from rlfleet.orchestrator.run.loop import export_step
+from rlfleet.sglang.engine import EngineClient
 from rlfleet.trainer.base import build_trainer
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
@@ -87,7 +88,7 @@ async def fleet(base_model, tmp_path_factory):
     router = LocalRouter(run_dir)
     await router.start()
     backend = LocalBackend(engine=EngineSpec(model_path=str(base_model), device="cpu"), replicas=2,
-                           recovery=RECOVERY, run_dir=run_dir, startup_timeout_s=300)
+                           recovery=RECOVERY, run_dir=run_dir, startup_timeout_s=300, min_ready=1)
     runtime = FleetRuntime(backend, router.url, health=HEALTH, weight_sync=WEIGHT_SYNC, reference=base_model)
     trainer = await asyncio.to_thread(build_trainer, "torch", base_model, 1e-3, seed=0, device="cpu")
     try:
@@ -141,17 +142,35 @@ async def test_checksum_catches_bytes_the_trainer_did_not_send(fleet: Fleet):
     assert fleet.backend.engines()[victim.slot].state is not EngineState.ALIVE
 
 
-async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from_disk(fleet: Fleet):
+class StopsAfterBegin(EngineClient):
+    """The real client of one engine, which SIGSTOPs that engine once it has begun the weight update:
+    the broadcast of the first bucket then finds it wedged."""
+
+    def __init__(self, inner: EngineClient, pid: int):
+        super().__init__(inner.session, inner.base_url, inner.timeouts)
+        self.pid = pid
+
+    async def begin_weight_update(self, timeout_s: float) -> tuple[bool, str]:
+        answer = await super().begin_weight_update(timeout_s)
+        os.killpg(self.pid, signal.SIGSTOP)
+        return answer
+
+
+async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from_disk(fleet: Fleet, monkeypatch):
     path, tensors = await fleet.next_weights()
     await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)  # recreates the slot of the last test
     built = fleet.runtime.weights.groups_built
     victim = fleet.alive()[1]
     path, tensors = await fleet.next_weights()
+    weights = fleet.runtime.weights
+    real = weights._engine_client  # the sync's own client factory, wrapped for one engine
+    monkeypatch.setattr(weights, "_engine_client",
+                        lambda url: StopsAfterBegin(real(url), victim.pid) if url == victim.url else real(url))
     started = time.monotonic()
-    os.killpg(victim.pid, signal.SIGSTOP)
     try:
         result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
     finally:
+        monkeypatch.setattr(weights, "_engine_client", real)
         try:
             os.killpg(victim.pid, signal.SIGCONT)
         except ProcessLookupError:
@@ -159,7 +178,7 @@ async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from
     took = time.monotonic() - started
     print(f"\n[sigstop] {result.mode} in {took:.1f} s: {result.fallback_reason}")
     assert took < 60
-    assert result.mode == "broadcast_fallback" and "slot" in (result.fallback_reason or "")
+    assert result.mode == "broadcast_fallback" and "bucket 1/1" in (result.fallback_reason or "")
     stopped = next(e for e in result.engines if e.slot == victim.slot)
     assert stopped.marked_dead and not stopped.ok
     assert [e.version for e in result.synced] == [str(fleet.step)]
@@ -185,7 +204,7 @@ async def test_sigkill_between_syncs_rebuilds_the_group(fleet: Fleet):
 async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
     weights = fleet.runtime.weights
     weights.broadcast_address = "192.0.2.1"  # not an address of this machine
-    weights._group = None  # noqa: SLF001 - force a rebuild on the wrong address
+    await weights.close()  # the next sync builds a group again, on the wrong address
     try:
         path, tensors = await fleet.next_weights()
         result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
