@@ -256,7 +256,7 @@ class WeightSync:
             group = await self._ensure_group(alive, tensors, result)
             reason = "transfer"
             t = time.monotonic()
-            paused = await self._pause_all(alive, bounds)
+            await self._pause_all(alive, bounds, paused)
             result.phases["pause"] = time.monotonic() - t
             times = await group.transfer(tensors, version)
             result.phases.update(fill=times.fill_s, begin=times.begin_s, broadcast=times.broadcast_s, end=times.end_s)
@@ -281,7 +281,8 @@ class WeightSync:
             self._record(engine, o)
         return [outcomes[e.slot] for e in alive]
 
-    async def _pause_all(self, alive: list[EngineSlot], bounds: plan.StepBounds) -> list[EngineSlot]:
+    async def _pause_all(self, alive: list[EngineSlot], bounds: plan.StepBounds, paused: list[EngineSlot]) -> None:
+        """Pause generation everywhere; `paused` gets the engines that did (continued later, also on failure)."""
         async def pause(engine: EngineSlot) -> str | None:
             try:
                 await self._engine_client(engine.url or "").pause_generation(self.pause_mode, bounds.control_s)
@@ -292,11 +293,10 @@ class WeightSync:
         async with asyncio.TaskGroup() as tg:
             tasks = [(e, tg.create_task(pause(e))) for e in alive]
         failed = {e.slot: t.result() for e, t in tasks if t.result() is not None}
-        paused = [e for e, t in tasks if t.result() is None]
+        paused.extend(e for e, t in tasks if t.result() is None)
         if failed:
             raise TransferFailed("pause_generation: " + "; ".join(f"slot {s}: {m}" for s, m in failed.items()),
                                  wedged=list(failed))
-        return paused
 
     async def _continue_all(self, paused: list[EngineSlot]) -> None:
         async def resume(engine: EngineSlot) -> None:
@@ -431,7 +431,10 @@ class WeightSync:
         """Destroy the update group (engines leave it, rank 0 stops)."""
         group, self._group = self._group, None
         if group is not None:
-            await group.destroy()
+            try:
+                await group.destroy()
+            except Exception as exc:  # stopping goes on: the process dies with us in any case
+                log.warning("fleet %s: destroying the update group: %s", self.fleet, exc)
 
     async def _admit(self, outcome: EngineSyncOutcome) -> None:
         if self.membership.is_member(outcome.url):

@@ -53,7 +53,9 @@ class LocalRun(RunLoop):
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
                                     weight_version="0")
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
-                                  weight_sync=spec.weight_sync, reference=self.current_snapshot)
+                                  weight_sync=spec.weight_sync, reference=self.current_snapshot,
+                                  broadcast_device="cuda" if spec.trainer.gpus > 0 else "cpu",
+                                  engine_tp_size=spec.rollout.engine.tensor_parallel_size)
         return router_url
 
     def _eval_fleet_factory(self):

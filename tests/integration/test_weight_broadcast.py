@@ -41,6 +41,7 @@ RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backo
 # Every protocol step of a broadcast is bounded by min(10 s, its share): a stopped engine costs 10 s.
 WEIGHT_SYNC = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=10, load_retries=1, verify_every=1)
 PROMPT = "Hello"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 
 
 class Fleet:
@@ -100,6 +101,36 @@ async def fleet(base_model, tmp_path_factory):
     finally:
         await runtime.stop()
         await router.stop()
+
+
+async def test_quickstart_run_in_broadcast_mode(tmp_path: Path):
+    """`rlfleet run` of the quickstart (shortened, no eval) with weightSync.mode broadcast."""
+    import io
+
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+    from rlfleet.orchestrator.run.progress import ProgressReporter
+
+    run = load_training_run(QUICKSTART)
+    run.spec.trainer.steps = 8
+    run.spec.eval = None
+    run.spec.weight_sync.mode = "broadcast"
+    out = io.StringIO()
+    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
+                                     metrics_port=0, progress=ProgressReporter(out, tty=False)))
+    summary = await local.execute()
+    print("\n" + "\n".join(line for line in out.getvalue().splitlines() if " sync " in line))
+    assert len(summary.steps) == 8
+    for record in summary.steps:
+        assert record.sync["mode"] == "broadcast", record.sync
+        assert record.engine_versions == {0: str(record.step), 1: str(record.step)}
+        assert record.sync["checksums"] == {"match": 2}
+        assert record.sync["seconds"] < record.seconds
+    data = summary.to_dict()
+    assert data["weight_sync_fallbacks"] == 0
+    print(f"[run] reward {data['reward_mean_first']} -> {data['reward_mean_last']}, "
+          f"{summary.wall_seconds:.0f} s")
+    assert data["reward_mean_last"] > data["reward_mean_first"]
 
 
 async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
