@@ -136,7 +136,7 @@ BAD_INPUT: list[Case] = [
          "Unsupported value"),
     Case("weight-sync-nccl-gone", spec({"weightSync": {"mode": "nccl"}}), "spec.weightSync.mode",
          "Unsupported value"),
-    Case("weight-sync-broadcast-cpu-trainer-gpu-engines",
+    Case("weight-sync-broadcast-mixed-devices",
          spec({"weightSync": {"mode": "broadcast"}, "trainer": {"gpus": 0}, "rollout": {"engine": {"device": "cuda"}}}),
          "spec.weightSync.mode", "same kind of device"),
     Case("weight-sync-bucket-zero", spec({"weightSync": {"bucketMegabytes": 0}}), "spec.weightSync.bucketMegabytes",
