@@ -145,8 +145,21 @@ def tensor_checksum(tensor: Any) -> str:
     return hashlib.sha256(memoryview(flat.numpy())).digest()[:8].hex()
 
 
-def checksums(tensors: Mapping[str, Any]) -> dict[str, str]:
-    return {name: tensor_checksum(t) for name, t in tensors.items()}
+def checksums(tensors: Mapping[str, Any], *, dtype: str | None = None, device: str = "cpu") -> dict[str, str]:
+    """The checksums an engine serving these tensors reports: in its dtype (None: as they are); a CUDA
+    engine hashes on the GPU with SGLang's own kernel, so that one is used (ImportError without it)."""
+    import torch
+
+    target = getattr(torch, dtype) if dtype else None
+
+    def cast(t: Any) -> Any:
+        return t.to(target) if target is not None and t.dtype != target else t
+
+    if device.startswith("cuda"):
+        from sglang.srt.managers.mm_utils import tensor_hash
+
+        return {name: f"{tensor_hash(cast(t).to(device)):016x}" for name, t in tensors.items()}
+    return {name: tensor_checksum(cast(t)) for name, t in tensors.items()}
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class FleetRuntime:
     def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
                  reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
                  timeouts: EngineTimeouts | None = None, broadcast_address: str = "127.0.0.1",
-                 broadcast_device: str = "cpu", engine_tp_size: int = 1):
+                 broadcast_device: str = "cpu", engine_tp_size: int = 1, engine_device: str = "cpu",
+                 engine_dtype: str | None = None):
         self.backend = backend
         self.fleet = backend.fleet
         self.health_spec = health
@@ -47,6 +48,8 @@ class FleetRuntime:
         self._broadcast_address = broadcast_address
         self._broadcast_device = broadcast_device
         self._engine_tp_size = engine_tp_size
+        self._engine_device = engine_device
+        self._engine_dtype = engine_dtype
         self.session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
         self.membership: RouterMembership | None = None
@@ -93,7 +96,8 @@ class FleetRuntime:
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference,
                                   broadcast_address=self._broadcast_address, broadcast_device=self._broadcast_device,
-                                  engine_tp_size=self._engine_tp_size)
+                                  engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
+                                  engine_dtype=self._engine_dtype)
         self._unsubscribe = self.backend.subscribe(self._on_death)
         await self.backend.start()
         await self.monitor.start()

@@ -97,7 +97,8 @@ class WeightSync:
                  engine_client: Callable[[str], EngineClient], monitor: HealthMonitor | None = None,
                  pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None,
-                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1):
+                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
+                 engine_device: str = "cpu", engine_dtype: str | None = None):
         if pause_mode not in SAFE_PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "
                              f"inconsistent after an update), got {pause_mode!r}")
@@ -115,6 +116,8 @@ class WeightSync:
         self.broadcast_address = broadcast_address
         self.broadcast_device = broadcast_device
         self.engine_tp_size = engine_tp_size
+        self.engine_device = engine_device  # where engines hold their weights: how they hash them
+        self.engine_dtype = engine_dtype  # the dtype engines serve (None: the snapshot's)
         self._group: UpdateGroup | None = None
         self._groups_built = 0
         self._syncs = 0
@@ -394,7 +397,16 @@ class WeightSync:
     async def verify(self, synced: list[EngineSyncOutcome], tensors: Mapping[str, Any]) -> None:
         """Compare each engine's served-weights checksums with the trainer's `tensors`; a mismatch marks
         the engine dead (its outcome no longer ok). Engines with several ranks hold shards: unverifiable."""
-        expected = await asyncio.to_thread(plan.checksums, tensors)
+        try:
+            expected = await asyncio.to_thread(plan.checksums, tensors, dtype=self.engine_dtype,
+                                               device=self.engine_device)
+        except (ImportError, RuntimeError) as exc:  # no SGLang or no GPU here for a CUDA engine's checksum
+            log.warning("fleet %s: served weights not verified: cannot compute the engines' checksum here: %s",
+                        self.fleet, exc)
+            for o in synced:
+                o.checksum = "unverifiable"
+                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result="unverifiable").inc()
+            return
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
 
         async def check(o: EngineSyncOutcome) -> None:

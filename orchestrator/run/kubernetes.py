@@ -34,6 +34,7 @@ from rlfleet.orchestrator.fleet.errors import RouterFailed
 from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions
+from rlfleet.sglang.launch import served_dtype
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class KubernetesRun(RunLoop):
         self._phase(f"waiting for {spec.rollout.replicas} engines")
         self.backend = backend
         self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
-                                  reference=self.current_snapshot)
+                                  reference=self.current_snapshot, engine_device=spec.rollout.engine.device,
+                                  engine_dtype=served_dtype(spec.rollout.engine))
         stack.push_async_callback(self._flush_status_writes)
         return url
 

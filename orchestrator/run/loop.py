@@ -96,7 +96,7 @@ def snapshot_dir(root: Path, step: int) -> Path:
 
 def export_step(trainer, out_dir: Path, step: int, keep_tensors: bool) -> tuple[Path, Any]:
     """Write the step's snapshot; with keep_tensors also return its tensors (HF names, CPU), which a
-    broadcast sync sends (one copy off the trainer serves both)."""
+    broadcast sync sends and the checksum verification hashes (one copy off the trainer serves all)."""
     if not keep_tensors:
         return trainer.export_hf(out_dir, step), None
     state = trainer.state_for_export()
@@ -302,8 +302,9 @@ class RunLoop:
             self._phase("train")
             stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
             self._phase("export")
+            ws = self.spec.weight_sync
             path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
-                                                    self.spec.weight_sync.mode == "broadcast")
+                                                    ws.mode == "broadcast" or ws.verify_every > 0)
             self._phase("weight sync")
             assert self.fleet is not None, "the rollout fleet starts before training"
             result = await self.fleet.sync_weights(path, step, tensors=tensors)

@@ -81,3 +81,19 @@ def test_verification_rate():
     assert [plan.verification_due(i, 1) for i in range(1, 4)] == [True, True, True]
     assert [plan.verification_due(i, 3) for i in range(1, 7)] == [False, False, True, False, False, True]
     assert not any(plan.verification_due(i, 0) for i in range(1, 10))
+
+
+def test_served_dtype_is_what_the_engine_launch_asks_for():
+    from rlfleet.crds.specs import EngineSpec
+    from rlfleet.sglang.launch import served_dtype
+
+    assert served_dtype(EngineSpec(model_path="m", device="cpu")) == "float32"
+    assert served_dtype(EngineSpec(model_path="m", device="cuda")) is None  # the snapshot's own
+    assert served_dtype(EngineSpec(model_path="m", device="cpu", extra_args=["--dtype", "bfloat16"])) == "bfloat16"
+    assert served_dtype(EngineSpec(model_path="m", device="cuda", extra_args=["--dtype", "half"])) == "float16"
+
+
+def test_checksums_in_the_engines_dtype():
+    t = {"w": torch.randn(4, 4)}
+    assert plan.checksums(t) == {"w": plan.tensor_checksum(t["w"])}
+    assert plan.checksums(t, dtype="bfloat16") == {"w": plan.tensor_checksum(t["w"].to(torch.bfloat16))}
