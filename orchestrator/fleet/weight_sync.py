@@ -241,7 +241,7 @@ class WeightSync:
         backend = "nccl" if self.broadcast_device.startswith("cuda") else "gloo"
         self._group = await UpdateGroup.build(
             alive, buckets=buckets, bounds=plan.StepBounds(self.spec.transfer_timeout_seconds),
-            client=self._engine_client, address=self.broadcast_address, backend=backend,
+            client=lambda url: self._engine_client(url), address=self.broadcast_address, backend=backend,
             group_name=f"rlfleet-{self.fleet}-{self._groups_built}", device=self.broadcast_device,
             tp_size=self.engine_tp_size)
         metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()

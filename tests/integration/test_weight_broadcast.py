@@ -225,6 +225,9 @@ async def test_sigkill_between_syncs_rebuilds_the_group(fleet: Fleet):
     built = fleet.runtime.weights.groups_built
     victim = fleet.alive()[0]
     os.killpg(victim.pid, signal.SIGKILL)
+    async with asyncio.timeout(10):  # the exit is seen at once; the sync comes after it
+        while fleet.backend.engines()[victim.slot].state is EngineState.ALIVE:
+            await asyncio.sleep(0.05)
     path, tensors = await fleet.next_weights()
     result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
     assert result.mode == "broadcast" and result.recovered_slots == [victim.slot]
