@@ -226,7 +226,7 @@ async def test_sigkill_between_syncs_rebuilds_the_group(fleet: Fleet):
     victim = fleet.alive()[0]
     os.killpg(victim.pid, signal.SIGKILL)
     async with asyncio.timeout(10):  # the exit is seen at once; the sync comes after it
-        while fleet.backend.engines()[victim.slot].state is EngineState.ALIVE:
+        while fleet.backend.engines()[victim.slot].state is EngineState.ALIVE:  # noqa: ASYNC110 - a backend view
             await asyncio.sleep(0.05)
     path, tensors = await fleet.next_weights()
     result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
