@@ -49,7 +49,7 @@ MILES_FLAGS: tuple[FlagMapping, ...] = (
     FlagMapping("--router-health-failure-threshold", "router default", "spec.rollout.router.healthFailureThreshold", 2),
     FlagMapping("--sglang-router-policy", "unset", "spec.rollout.router.policy", "cache_aware"),
     FlagMapping("--update-weight-transfer-mode", "broadcast", "spec.weightSync.mode", "disk",
-                note="disk works everywhere; nccl falls back to disk."),
+                note="disk works everywhere; broadcast (nccl on GPUs, gloo on CPU) falls back to disk."),
     FlagMapping("--p2p-transfer-timeout", "30", "spec.weightSync.transferTimeoutSeconds", 600.0,
                 note="Bounds every transfer mode, and a timeout fails the sync instead of only being logged."),
     FlagMapping("--pause-generation-mode", "retract", "spec.weightSync.pauseMode", "retract",

@@ -189,10 +189,13 @@ class TrainingRunSpec(ApiModel):
             message="a tiny model path reads tiny://llama, tiny://qwen2 or tiny://qwen3, optionally with ?seed=N",
         ),
         Rule(
-            cel="self.weightSync.mode != 'nccl' || (self.trainer.gpus > 0 && self.rollout.engine.device == 'cuda')",
-            check=lambda s: s.weight_sync.mode != "nccl" or (s.trainer.gpus > 0 and s.rollout.engine.device == "cuda"),
+            cel="self.weightSync.mode != 'broadcast' "
+            "|| ((self.trainer.gpus > 0) == (self.rollout.engine.device == 'cuda'))",
+            check=lambda s: (s.weight_sync.mode != "broadcast"
+                             or (s.trainer.gpus > 0) == (s.rollout.engine.device == "cuda")),
             field="weightSync.mode",
-            message="weight sync mode nccl needs a GPU trainer and cuda rollout engines; use disk",
+            message="weight sync mode broadcast needs the trainer and the engines on the same kind of device "
+            "(GPU trainer with cuda engines: nccl; CPU trainer with cpu engines: gloo); use disk",
         ),
         immutable("modelPath", "model_path"),
     )

@@ -258,17 +258,42 @@ MOUNT_PATH_RULE = Rule(
 class WeightSyncSpec(ApiModel):
     """How new weights reach the engines after each training step."""
 
-    mode: Literal["disk", "nccl"] = Field(
-        "disk", description="disk: HF snapshots on the shared volume; nccl: GPU broadcast with disk fallback."
+    mode: Literal["disk", "broadcast"] = Field(
+        "disk",
+        description="disk: HF snapshots on the shared volume, loaded by every engine; broadcast: the trainer "
+        "broadcasts the weights into every engine over one update group (nccl on GPUs, gloo on CPU, chosen "
+        "from the devices), verified and falling back to disk (fallbackToDisk).",
     )
-    transfer_timeout_seconds: float = Field(600.0, ge=1, le=86400, description="Bound on one weight transfer.")
+    transfer_timeout_seconds: float = Field(
+        600.0, ge=1, le=86400,
+        description="Bound on one weight transfer; in broadcast mode every protocol step is bounded by a share "
+        "of it scaled by the bytes that step moves.",
+    )
     load_retries: int = Field(1, ge=0, le=10, description="Retries of a failing engine before it is treated as dead.")
     pause_mode: Literal["retract", "abort"] = Field(
         "retract",
         description="How engines pause generation during a load: retract keeps in-flight requests and "
         "finishes them on the new weights; abort returns them at once (finish reason abort).",
     )
-    fallback_to_disk: bool = Field(True, description="In nccl mode, load from a disk snapshot when a broadcast fails.")
+    fallback_to_disk: bool = Field(
+        True, description="In broadcast mode, finish a sync whose broadcast failed from the step's disk snapshot "
+        "(false: the sync fails)."
+    )
+    bucket_megabytes: int = Field(
+        512, ge=1, le=16384,
+        description="Broadcast mode: tensors go in flattened buckets of at most this many MiB (one tensor may "
+        "exceed it).",
+    )
+    verify_every: int = Field(
+        1, ge=0, le=1000000,
+        description="Compare every engine's served-weights checksum (/weights_checker) with the trainer's every "
+        "N syncs (1: every sync, 0: never); a mismatch marks the engine dead.",
+    )
+    disk_verify: Literal["manifest", "full"] = Field(
+        "manifest",
+        description="Disk snapshots before any engine loads them: manifest checks the marker, manifest, sizes, "
+        "headers and tensor table (files are hashed once, as they are written); full also re-hashes every file.",
+    )
     keep_snapshots: int = Field(
         2, ge=1, le=100, description="Weight snapshots kept on the volume (replacement engines start from the newest)."
     )

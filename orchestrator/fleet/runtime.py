@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 class FleetRuntime:
     def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
                  reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
-                 timeouts: EngineTimeouts | None = None, api_key: str | None = None):
+                 timeouts: EngineTimeouts | None = None, api_key: str | None = None,
+                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
+                 engine_device: str = "cpu", engine_dtype: str | None = None):
         self.backend = backend
         self.api_key = api_key  # the fleet's key: every call to its engines and router sends it
         self.fleet = backend.fleet
@@ -44,6 +47,11 @@ class FleetRuntime:
         self._reference = reference
         self._pause_mode = pause_mode
         self._weight_sync_spec = weight_sync
+        self._broadcast_address = broadcast_address
+        self._broadcast_device = broadcast_device
+        self._engine_tp_size = engine_tp_size
+        self._engine_device = engine_device
+        self._engine_dtype = engine_dtype
         self.session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
         self.membership: RouterMembership | None = None
@@ -88,7 +96,10 @@ class FleetRuntime:
             self._reference = await asyncio.to_thread(SnapshotReference.from_dir, self._reference)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
-                                  pause_mode=self._pause_mode, reference=self._reference)
+                                  pause_mode=self._pause_mode, reference=self._reference,
+                                  broadcast_address=self._broadcast_address, broadcast_device=self._broadcast_device,
+                                  engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
+                                  engine_dtype=self._engine_dtype)
         self._unsubscribe = self.backend.subscribe(self._on_death)
         await self.backend.start()
         await self.monitor.start()
@@ -141,12 +152,16 @@ class FleetRuntime:
                 admitted.append(engine.slot)
         return admitted
 
-    async def sync_weights(self, snapshot_dir: str | Path, step: int) -> WeightSyncResult:
+    async def sync_weights(self, snapshot_dir: str | Path, step: int, *,
+                           tensors: Mapping[str, Any] | None = None) -> WeightSyncResult:
+        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast."""
         assert self.weights is not None
-        return await self.weights.sync(snapshot_dir, step)
+        return await self.weights.sync(snapshot_dir, step, tensors=tensors)
 
     async def stop(self) -> None:
         try:
+            if self.weights is not None:
+                await self.weights.close()
             if self.monitor is not None:
                 await self.monitor.stop()
             if self.membership is not None:

@@ -19,16 +19,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlfleet.crds.specs import WeightSyncSpec
 from rlfleet.observability import metrics
-from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, FleetBackend
+from rlfleet.orchestrator.fleet import broadcast_plan as plan
+from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineState, FleetBackend
 from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
 from rlfleet.orchestrator.fleet.membership import RouterMembership, VersionNotPinned
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor
+from rlfleet.orchestrator.fleet.update_group import TransferFailed, UpdateGroup, membership_key
 from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
@@ -53,6 +56,8 @@ class EngineSyncOutcome:
     error: str | None = None
     marked_dead: bool = False
     admitted: bool = False  # newly added to the router by this sync
+    via: str = "disk"  # disk or broadcast
+    checksum: str | None = None  # match, mismatch, unverifiable; None: not checked this sync
 
 
 @dataclass
@@ -66,6 +71,11 @@ class WeightSyncResult:
     recover_s: float = 0.0
     load_s: float = 0.0
     total_s: float = 0.0
+    mode: str = "disk"  # disk, broadcast, broadcast_fallback (the broadcast failed, disk finished it)
+    fallback_reason: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    bytes_broadcast: int = 0
+    verified: bool = False
 
     @property
     def synced(self) -> list[EngineSyncOutcome]:
@@ -86,7 +96,9 @@ class WeightSync:
     def __init__(self, backend: FleetBackend, membership: RouterMembership, *, spec: WeightSyncSpec,
                  engine_client: Callable[[str], EngineClient], monitor: HealthMonitor | None = None,
                  pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
-                 wait_alive_timeout_s: float | None = None, fleet: str | None = None):
+                 wait_alive_timeout_s: float | None = None, fleet: str | None = None,
+                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
+                 engine_device: str = "cpu", engine_dtype: str | None = None):
         if pause_mode not in SAFE_PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "
                              f"inconsistent after an update), got {pause_mode!r}")
@@ -101,6 +113,14 @@ class WeightSync:
         self._reference = SnapshotReference.from_dir(reference) if isinstance(reference, (str, Path)) else reference
         self._lock = asyncio.Lock()
         self.last_error: str | None = None  # of the last sync (None after a successful one)
+        self.broadcast_address = broadcast_address
+        self.broadcast_device = broadcast_device
+        self.engine_tp_size = engine_tp_size
+        self.engine_device = engine_device  # where engines hold their weights: how they hash them
+        self.engine_dtype = engine_dtype  # the dtype engines serve (None: the snapshot's)
+        self._group: UpdateGroup | None = None
+        self._groups_built = 0
+        self._syncs = 0
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
@@ -113,33 +133,50 @@ class WeightSync:
     def reference(self) -> SnapshotReference | None:
         return self._reference
 
-    async def sync(self, snapshot_dir: str | Path, step: int, *, version: str | None = None) -> WeightSyncResult:
-        """Give every engine the snapshot's weights. Raises SnapshotInvalid (nothing loaded),
+    @property
+    def group(self) -> UpdateGroup | None:
+        """The current update group (broadcast mode), None before the first broadcast or after a failure."""
+        return self._group
+
+    @property
+    def groups_built(self) -> int:
+        return self._groups_built
+
+    async def sync(self, snapshot_dir: str | Path, step: int, *, version: str | None = None,
+                   tensors: Mapping[str, Any] | None = None) -> WeightSyncResult:
+        """Give every engine the snapshot's weights (broadcast mode: `tensors`, the same weights under HF
+        names, are broadcast; the snapshot is the fallback). Raises SnapshotInvalid (nothing loaded),
         FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines)."""
         snapshot_dir = Path(snapshot_dir)
         version = version or str(step)
         async with self._lock:
             started = time.monotonic()
             outcome = "failed"
+            mode = "disk"
             try:
                 # Validation touches no engine, so monitoring keeps running while large files are hashed.
-                manifest: Manifest = await asyncio.to_thread(validate_snapshot, snapshot_dir, self._reference,
-                                                             expected_step=step)
+                manifest: Manifest = await asyncio.to_thread(
+                    validate_snapshot, snapshot_dir, self._reference, expected_step=step,
+                    verify_checksums=self.spec.disk_verify == "full")
                 validate_s = time.monotonic() - started
                 if self.monitor is not None:
                     self.monitor.pause()
                 try:
-                    result = await self._apply(snapshot_dir, step, version)
+                    result = await self._apply(snapshot_dir, step, version, tensors)
                 finally:
                     if self.monitor is not None:
                         self.monitor.resume()
                 result.validate_s = validate_s
+                result.phases["validate"] = validate_s
                 result.total_s = time.monotonic() - started
+                mode = result.mode
                 self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 outcome = result.outcome
                 self.last_error = None
-                log.info("fleet %s: synced version %s to %d engine(s) in %.2f s (load %.2f s)", self.fleet,
-                         version, len(result.synced), result.total_s, result.load_s)
+                log.info("fleet %s: synced version %s to %d engine(s) by %s in %.2f s (load %.2f s)", self.fleet,
+                         version, len(result.synced), result.mode, result.total_s, result.load_s)
+                for phase, seconds in result.phases.items():
+                    metrics.WEIGHT_SYNC_PHASE_DURATION.labels(fleet=self.fleet, mode=mode, phase=phase).observe(seconds)
                 return result
             except SnapshotInvalid as exc:
                 outcome = "invalid_snapshot"
@@ -153,18 +190,30 @@ class WeightSync:
                 metrics.WEIGHT_SYNC_DURATION.labels(fleet=self.fleet, outcome=outcome).observe(
                     time.monotonic() - started)
 
-    async def _apply(self, snapshot_dir: Path, step: int, version: str) -> WeightSyncResult:
-        """Recover, wait, load everywhere, read back, admit. Monitoring is paused meanwhile."""
+    async def _apply(self, snapshot_dir: Path, step: int, version: str,
+                     tensors: Mapping[str, Any] | None) -> WeightSyncResult:
+        """Recover, wait, load everywhere, read back, verify, admit. Monitoring is paused meanwhile."""
         result = WeightSyncResult(step=step, version=version, model_path=str(snapshot_dir))
         t1 = time.monotonic()
         result.recovered_slots = await self.backend.recover()
         alive = await self.backend.wait_all_alive(self.wait_alive_timeout_s)
         t2 = time.monotonic()
         result.recover_s = t2 - t1
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._sync_engine(engine, str(snapshot_dir), version)) for engine in alive]
-        result.engines = [task.result() for task in tasks]
+        result.phases["recover"] = result.recover_s
+        self._syncs += 1
+        if self.spec.mode == "broadcast" and tensors is not None:
+            result.engines = await self._broadcast_sync(alive, tensors, str(snapshot_dir), version, result)
+        else:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._sync_engine(engine, str(snapshot_dir), version)) for engine in alive]
+            result.engines = [task.result() for task in tasks]
+            result.phases["load"] = time.monotonic() - t2
         result.load_s = time.monotonic() - t2
+        if tensors is not None and plan.verification_due(self._syncs, self.spec.verify_every):
+            t3 = time.monotonic()
+            await self.verify(result.synced, tensors)
+            result.verified = True
+            result.phases["verify"] = time.monotonic() - t3
         for outcome in result.synced:
             await self._admit(outcome)
         if len(result.synced) < self.backend.min_ready:
@@ -172,6 +221,232 @@ class WeightSync:
             raise WeightSyncFailed(f"fleet {self.fleet}: only {len(result.synced)} engine(s) serve version "
                                    f"{version} after the sync; {failures}", result)
         return result
+
+    # --- broadcast mode ------------------------------------------------------------------------------
+
+    async def _ensure_group(self, alive: list[EngineSlot], tensors: Mapping[str, Any],
+                            result: WeightSyncResult) -> UpdateGroup:
+        """The update group of exactly these engines: rebuilt after any membership change."""
+        key = membership_key(alive)
+        specs = plan.tensor_specs(tensors)
+        buckets = plan.plan_buckets(specs, self.spec.bucket_megabytes * 1024**2)
+        group = self._group
+        if group is not None and not group.broken and group.key == key and group.buckets == buckets:
+            return group
+        started = time.monotonic()
+        if group is not None:
+            self._group = None
+            await group.destroy({e.url for e in alive if e.url})
+        self._groups_built += 1
+        backend = "nccl" if self.broadcast_device.startswith("cuda") else "gloo"
+        self._group = await UpdateGroup.build(
+            alive, buckets=buckets, bounds=plan.StepBounds(self.spec.transfer_timeout_seconds),
+            client=lambda url: self._engine_client(url), address=self.broadcast_address, backend=backend,
+            group_name=f"rlfleet-{self.fleet}-{self._groups_built}", device=self.broadcast_device,
+            tp_size=self.engine_tp_size)
+        metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()
+        result.phases["group"] = time.monotonic() - started
+        return self._group
+
+    async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
+                              version: str, result: WeightSyncResult) -> list[EngineSyncOutcome]:
+        outcomes = {e.slot: EngineSyncOutcome(slot=e.slot, incarnation=e.incarnation, url=e.url or "",
+                                              via="broadcast") for e in alive}
+        bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
+        paused: list[EngineSlot] = []
+        reason = "start"
+        try:
+            group = await self._ensure_group(alive, tensors, result)
+            reason = "transfer"
+            t = time.monotonic()
+            await self._pause_all(alive, bounds, paused)
+            result.phases["pause"] = time.monotonic() - t
+            times = await group.transfer(tensors, version)
+            result.phases.update(fill=times.fill_s, begin=times.begin_s, broadcast=times.broadcast_s, end=times.end_s)
+            result.bytes_broadcast = times.bytes
+            metrics.WEIGHT_SYNC_BYTES.labels(fleet=self.fleet).inc(times.bytes)
+            t = time.monotonic()
+            await self._read_back_all(alive, outcomes, version, bounds)
+            result.phases["read_back"] = time.monotonic() - t
+        except TransferFailed as exc:
+            await self._broadcast_failed(exc, reason, alive, outcomes, result)
+            if not self.spec.fallback_to_disk:
+                await self._continue_all(paused)
+                raise WeightSyncFailed(f"fleet {self.fleet}: broadcast of version {version} failed and "
+                                       f"fallbackToDisk is false: {exc}", result) from exc
+            await self._continue_all(paused)
+            return await self._finish_from_disk(alive, outcomes, model_path, version, result)
+        await self._continue_all(paused)
+        result.mode = "broadcast"
+        for engine in alive:
+            o = outcomes[engine.slot]
+            o.load_s = sum(result.phases.get(p, 0.0) for p in ("fill", "begin", "broadcast", "end", "read_back"))
+            self._record(engine, o)
+        return [outcomes[e.slot] for e in alive]
+
+    async def _pause_all(self, alive: list[EngineSlot], bounds: plan.StepBounds, paused: list[EngineSlot]) -> None:
+        """Pause generation everywhere; `paused` gets the engines that did (continued later, also on failure)."""
+        async def pause(engine: EngineSlot) -> str | None:
+            try:
+                await self._engine_client(engine.url or "").pause_generation(self.pause_mode, bounds.control_s)
+            except CallError as exc:
+                return str(exc)
+            return None
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = [(e, tg.create_task(pause(e))) for e in alive]
+        failed = {e.slot: t.result() for e, t in tasks if t.result() is not None}
+        paused.extend(e for e, t in tasks if t.result() is None)
+        if failed:
+            raise TransferFailed("pause_generation: " + "; ".join(f"slot {s}: {m}" for s, m in failed.items()),
+                                 wedged=list(failed))
+
+    async def _continue_all(self, paused: list[EngineSlot]) -> None:
+        async def resume(engine: EngineSlot) -> None:
+            if self.monitor is not None and self.monitor.is_held(engine.slot):
+                return  # the heat guard resumes it
+            try:
+                await self._engine_client(engine.url or "").continue_generation()
+            except CallError as exc:
+                log.warning("continue_generation on slot %d failed: %s", engine.slot, exc)
+
+        async with asyncio.TaskGroup() as tg:
+            for engine in paused:
+                if self.backend_alive(engine):
+                    tg.create_task(resume(engine))
+
+    def backend_alive(self, engine: EngineSlot) -> bool:
+        return any(e.slot == engine.slot and e.incarnation == engine.incarnation and e.state is EngineState.ALIVE
+                   for e in self.backend.engines())
+
+    async def _read_back_all(self, alive: list[EngineSlot], outcomes: dict[int, EngineSyncOutcome], version: str,
+                             bounds: plan.StepBounds) -> None:
+        async def read(engine: EngineSlot) -> None:
+            o = outcomes[engine.slot]
+            o.attempts = 1
+            try:
+                o.version = await self._engine_client(engine.url or "").weight_version(bounds.control_s)
+            except CallError as exc:
+                o.error = f"read-back failed: {exc}"
+                return
+            if o.version == version:
+                o.ok = True
+            else:
+                o.error = f"engine reports weight version {o.version!r} after the broadcast of {version!r}"
+
+        async with asyncio.TaskGroup() as tg:
+            for engine in alive:
+                tg.create_task(read(engine))
+        wrong = [e.slot for e in alive if not outcomes[e.slot].ok]
+        if wrong:
+            for slot in wrong:
+                outcomes[slot].ok = False
+            raise TransferFailed("read-back: " + "; ".join(f"slot {s}: {outcomes[s].error}" for s in wrong))
+
+    async def _broadcast_failed(self, exc: TransferFailed, reason: str, alive: list[EngineSlot],
+                                outcomes: dict[int, EngineSyncOutcome], result: WeightSyncResult) -> None:
+        """Mark the wedged and gone engines dead and abandon the group (rebuilt by the next sync)."""
+        log.warning("fleet %s: broadcast failed (%s): %s", self.fleet, reason, exc)
+        result.fallback_reason = f"{reason}: {exc}"
+        metrics.WEIGHT_SYNC_FALLBACKS.labels(fleet=self.fleet, reason=reason).inc()
+        group, self._group = self._group, None
+        if group is not None:
+            await group.abandon()
+        by_slot = {e.slot: e for e in alive}
+        for slot in (*exc.wedged, *exc.gone):
+            engine = by_slot.get(slot)
+            if engine is None:
+                continue
+            o = outcomes[slot]
+            o.ok = False
+            o.error = (f"wedged in the weight broadcast: {exc}" if slot in exc.wedged
+                       else f"died during the weight broadcast: {exc}")
+            cause = DeathCause.UNREACHABLE if slot in exc.gone else DeathCause.LOAD_FAILED
+            o.marked_dead = await self.backend.mark_dead(slot, o.error, cause=cause, incarnation=engine.incarnation)
+
+    async def _finish_from_disk(self, alive: list[EngineSlot], outcomes: dict[int, EngineSyncOutcome],
+                                model_path: str, version: str, result: WeightSyncResult) -> list[EngineSyncOutcome]:
+        result.mode = "broadcast_fallback"
+        started = time.monotonic()
+        rest = [e for e in alive if not outcomes[e.slot].marked_dead and self.backend_alive(e)]
+        bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
+
+        async def end_then_load(engine: EngineSlot) -> EngineSyncOutcome:
+            try:  # close a begun update so the disk load starts from a clean state (best effort)
+                await self._engine_client(engine.url or "").end_weight_update(bounds.control_s)
+            except CallError as exc:
+                log.info("fleet %s slot %d: end_weight_update before the disk fallback: %s", self.fleet,
+                         engine.slot, exc)
+            return await self._sync_engine(engine, model_path, version)
+
+        async with asyncio.TaskGroup() as tg:
+            tasks = {e.slot: tg.create_task(end_then_load(e)) for e in rest}
+        for slot, task in tasks.items():
+            outcomes[slot] = task.result()
+        result.phases["load"] = time.monotonic() - started
+        return [outcomes[e.slot] for e in alive]
+
+    def _record(self, engine: EngineSlot, outcome: EngineSyncOutcome) -> None:
+        if outcome.ok:
+            self.backend.record_weight_version(engine.slot, engine.incarnation, outcome.version or "")
+            metrics.ENGINE_WEIGHT_VERSION.labels(fleet=self.fleet, slot=str(engine.slot)).set(
+                metrics.version_number(outcome.version))
+
+    # --- verification --------------------------------------------------------------------------------
+
+    async def verify(self, synced: list[EngineSyncOutcome], tensors: Mapping[str, Any]) -> None:
+        """Compare each engine's served-weights checksums with the trainer's `tensors`; a mismatch marks
+        the engine dead (its outcome no longer ok). Engines with several ranks hold shards: unverifiable."""
+        try:
+            expected = await asyncio.to_thread(plan.checksums, tensors, dtype=self.engine_dtype,
+                                               device=self.engine_device)
+        except (ImportError, RuntimeError) as exc:  # no SGLang or no GPU here for a CUDA engine's checksum
+            log.warning("fleet %s: served weights not verified: cannot compute the engines' checksum here: %s",
+                        self.fleet, exc)
+            for o in synced:
+                o.checksum = "unverifiable"
+                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result="unverifiable").inc()
+            return
+        bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
+
+        async def check(o: EngineSyncOutcome) -> None:
+            try:
+                ranks = await self._engine_client(o.url).weights_checksums(bounds.control_s)
+            except CallError as exc:
+                o.checksum = "unverifiable"
+                log.warning("fleet %s slot %d: weights_checker failed: %s", self.fleet, o.slot, exc)
+                return
+            if len(ranks) != 1:
+                o.checksum = "unverifiable"
+                return
+            verdict = plan.compare_checksums(expected, ranks[0])
+            if verdict.mismatched:
+                o.checksum = "mismatch"
+                o.ok = False
+                o.error = f"served weights differ from the trainer's (checksum): {verdict.describe()}"
+                o.marked_dead = await self.backend.mark_dead(o.slot, o.error, cause=DeathCause.LOAD_FAILED,
+                                                             incarnation=o.incarnation)
+            elif verdict.compared == 0:
+                o.checksum = "unverifiable"
+                log.warning("fleet %s slot %d: checksum: %s", self.fleet, o.slot, verdict.describe())
+            else:
+                o.checksum = "match"
+
+        async with asyncio.TaskGroup() as tg:
+            for o in synced:
+                tg.create_task(check(o))
+        for o in synced:
+            if o.checksum is not None:
+                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result=o.checksum).inc()
+
+    async def close(self) -> None:
+        """Destroy the update group (engines leave it, rank 0 stops)."""
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                await group.destroy()
+            except Exception as exc:  # stopping goes on: the process dies with us in any case
+                log.warning("fleet %s: destroying the update group: %s", self.fleet, exc)
 
     async def _admit(self, outcome: EngineSyncOutcome) -> None:
         if self.membership.is_member(outcome.url):

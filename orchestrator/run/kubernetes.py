@@ -36,7 +36,8 @@ from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.fleet.errors import RouterFailed
 from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.orchestrator.run.loop import RunLoop, RunOptions
+from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions
+from rlfleet.sglang.launch import served_dtype
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,11 @@ class KubernetesRun(RunLoop):
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
+        if spec.weight_sync.mode == "broadcast":
+            # Engine pods would have to reach this pod's update-group port (NetworkPolicy, pod address):
+            # not built yet, so refused before any engine is touched rather than silently syncing from disk.
+            raise RunFailed("WeightSyncUnsupported", "weightSync.mode broadcast runs with `rlfleet run` (local "
+                            "processes) only so far; on Kubernetes use weightSync.mode disk")
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
                                                timeout=spec.rollout.health.startup_timeout_seconds,
@@ -75,7 +81,9 @@ class KubernetesRun(RunLoop):
         self._phase(f"waiting for {spec.rollout.replicas} engines")
         self.backend = backend
         self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
-                                  reference=self.current_snapshot, api_key=self.api_key)
+                                  reference=self.current_snapshot, api_key=self.api_key,
+                                  engine_device=spec.rollout.engine.device,
+                                  engine_dtype=served_dtype(spec.rollout.engine))
         stack.push_async_callback(self._flush_status_writes)
         return url
 

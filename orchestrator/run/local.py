@@ -21,6 +21,7 @@ from rlfleet.orchestrator.fleet.local_router import LocalRouter, RouterSuperviso
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
 from rlfleet.sglang.http import new_api_key
+from rlfleet.sglang.launch import served_dtype
 from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
 
 __all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
@@ -58,7 +59,10 @@ class LocalRun(RunLoop):
                                     weight_version="0", api_key=self.api_key)
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
-                                  api_key=self.api_key)
+                                  api_key=self.api_key,
+                                  broadcast_device="cuda" if spec.trainer.gpus > 0 else "cpu",
+                                  engine_tp_size=spec.rollout.engine.tensor_parallel_size,
+                                  engine_device=spec.rollout.engine.device, engine_dtype=served_dtype(engine))
         return router_url
 
     def _eval_fleet_factory(self):

@@ -33,6 +33,7 @@ from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.evaluation.run import RunEvaluation
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.fleet.weight_sync import WeightSyncResult
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
 from rlfleet.orchestrator.guards.watchdog import WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate, probe_health
@@ -43,6 +44,7 @@ from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session
+from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
@@ -92,6 +94,27 @@ def resolve_model_dir(model_path: str) -> Path:
 
 def snapshot_dir(root: Path, step: int) -> Path:
     return root / f"step_{step}"
+
+
+def export_step(trainer, out_dir: Path, step: int, keep_tensors: bool) -> tuple[Path, Any]:
+    """Write the step's snapshot; with keep_tensors also return its tensors (HF names, CPU), which a
+    broadcast sync sends and the checksum verification hashes (one copy off the trainer serves all)."""
+    if not keep_tensors:
+        return trainer.export_hf(out_dir, step), None
+    state = trainer.state_for_export()
+    state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+    return write_hf_snapshot(state, out_dir), state.tensors
+
+
+def sync_record(result: WeightSyncResult) -> dict[str, Any]:
+    """What the summary keeps of one weight sync."""
+    checks = [e.checksum for e in result.engines if e.checksum is not None]
+    return {
+        "mode": result.mode, "seconds": round(result.total_s, 3),
+        "phases": {k: round(v, 3) for k, v in result.phases.items()},
+        "bytes_broadcast": result.bytes_broadcast, "fallback": result.fallback_reason,
+        "checksums": {r: checks.count(r) for r in sorted(set(checks))},
+    }
 
 
 class RunLoop:
@@ -280,10 +303,13 @@ class RunLoop:
             self._phase("train")
             stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
             self._phase("export")
-            path = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, step), step)
+            ws = self.spec.weight_sync
+            path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
+                                                    ws.mode == "broadcast" or ws.verify_every > 0)
             self._phase("weight sync")
             assert self.fleet is not None, "the rollout fleet starts before training"
-            result = await self.fleet.sync_weights(path, step)
+            result = await self.fleet.sync_weights(path, step, tensors=tensors)
+            del tensors
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
             await self._retire_snapshot(previous)
@@ -296,7 +322,7 @@ class RunLoop:
             self.summary.steps.append(StepRecord(
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
-                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused,
+                recovered_slots=list(result.recovered_slots), heat_paused=heat_paused, sync=sync_record(result),
             ))
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
@@ -309,7 +335,9 @@ class RunLoop:
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 + (f"kl_ref {stats['kl_ref']:.4f} " if "kl_ref" in stats else "") +
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {seconds:.1f} s" + (" (overlapped a heat pause)" if heat_paused else ""),
+                f"sync {result.outcome} {result.mode} {result.total_s:.2f} s step {seconds:.1f} s"
+                + (" (fell back to disk)" if result.fallback_reason else "")
+                + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
         if self.evaluation is not None:  # eval: every point settles before the run ends

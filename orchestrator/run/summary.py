@@ -21,6 +21,7 @@ class StepRecord:
     engine_versions: dict[int, str] = field(default_factory=dict)  # slot -> version read back after the sync
     recovered_slots: list[int] = field(default_factory=list)  # slots recreated before this step's sync
     heat_paused: bool = False  # a heat-guard pause overlapped the step: its timing is not comparable
+    sync: dict[str, Any] = field(default_factory=dict)  # the weight sync: mode, seconds, phases, fallback, checksums
 
 
 @dataclass
@@ -52,6 +53,8 @@ class RunSummary:
                                          for s in self.steps},
             "recovered_slots_per_step": {str(s.step): s.recovered_slots for s in self.steps if s.recovered_slots},
             "heat_paused_per_step": {str(s.step): s.heat_paused for s in self.steps},
+            "weight_sync_per_step": {str(s.step): s.sync for s in self.steps if s.sync},
+            "weight_sync_fallbacks": sum(1 for s in self.steps if s.sync.get("fallback")),
             "wall_seconds": round(self.wall_seconds, 3),
             "eval": self.eval,
             "eval_snapshots_left": self.eval_snapshots_left,

@@ -69,6 +69,29 @@ ENGINE_WEIGHT_VERSION = Gauge(
     "rlfleet_engine_weight_version", "Weight version (step) read back from the engine.", ["fleet", "slot"],
     registry=REGISTRY,
 )
+# Per sync, by the mode that delivered the weights (disk, broadcast; broadcast_fallback: disk after a failed
+# broadcast) and phase (validate, recover, group, fill, begin, broadcast, end, load, read_back, verify).
+WEIGHT_SYNC_PHASE_DURATION = Histogram(
+    "rlfleet_weight_sync_phase_duration_seconds", "One phase of a weight sync.", ["fleet", "mode", "phase"],
+    buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+WEIGHT_SYNC_BYTES = Counter(
+    "rlfleet_weight_sync_bytes", "Weight bytes broadcast into the update group (sent once per sync).",
+    ["fleet"], registry=REGISTRY,
+)
+WEIGHT_SYNC_FALLBACKS = Counter(
+    "rlfleet_weight_sync_fallbacks", "Broadcast syncs finished from disk, by reason (start, transfer).",
+    ["fleet", "reason"], registry=REGISTRY,
+)
+WEIGHT_UPDATE_GROUP_BUILDS = Counter(
+    "rlfleet_weight_update_group_builds", "Update groups built (first, and after a membership change).",
+    ["fleet"], registry=REGISTRY,
+)
+# result: match, mismatch, unverifiable (no tensor name in common, or the call failed).
+WEIGHT_CHECKSUMS = Counter(
+    "rlfleet_weight_checksums", "Served-weight checksum checks per engine, by result.", ["fleet", "result"],
+    registry=REGISTRY,
+)
 ENGINE_WEIGHT_LOAD_DURATION = Histogram(
     "rlfleet_engine_weight_load_duration_seconds", "One engine's update_weights_from_disk call.", ["fleet"],
     buckets=DURATION_BUCKETS, registry=REGISTRY,

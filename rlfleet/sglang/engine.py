@@ -151,6 +151,58 @@ class EngineClient:
         reply = await self._call("POST", "/flush_cache", timeout_s or self.timeouts.control)
         return reply.text
 
+    # --- broadcast weight update (update group; SGLang 0.5.x) ----------------------------------------
+
+    async def _control(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[bool, str]:
+        """POST a weight-update control call; a 400 with `success` is returned as (False, message)."""
+        reply = await self._call("POST", path, timeout_s, json_body=body, accept=(400,))
+        answer = expect_dict(reply, path.lstrip("/"))
+        if "success" not in answer:
+            raise BadResponse(f"{path} answered {reply.status}: {reply.text[:500]}", url=self.base_url + path,
+                              status=reply.status)
+        return bool(answer["success"]), str(answer.get("message", ""))
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str,
+                                        timeout_s: float) -> tuple[bool, str]:
+        """Join the update group (returns once every rank has joined)."""
+        return await self._control("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str, timeout_s: float) -> tuple[bool, str]:
+        return await self._control("/destroy_weights_update_group", {"group_name": group_name}, timeout_s)
+
+    async def begin_weight_update(self, timeout_s: float) -> tuple[bool, str]:
+        return await self._control("/begin_weight_update", {}, timeout_s)
+
+    async def end_weight_update(self, timeout_s: float) -> tuple[bool, str]:
+        return await self._control("/end_weight_update", {}, timeout_s)
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str, timeout_s: float,
+                                              weight_version: str | None = None, flush_cache: bool = False,
+                                              load_format: str | None = None) -> tuple[bool, str]:
+        """Receive (and load) one broadcast of these tensors; returns once it arrived."""
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._control("/update_weights_from_distributed", body, timeout_s)
+
+    async def weights_checksums(self, timeout_s: float) -> list[dict[str, str]]:
+        """The served weights' checksums, one `{tensor name: checksum}` per engine rank (/weights_checker)."""
+        reply = await self._call("POST", "/weights_checker", timeout_s, json_body={"action": "checksum"})
+        body = expect_dict(reply, "weights_checker")
+        ranks = body.get("ranks")
+        if not isinstance(ranks, list) or not all(isinstance(r, dict) and isinstance(r.get("checksums"), dict)
+                                                  for r in ranks):
+            raise BadResponse(f"weights_checker has no per-rank checksums: {reply.text[:300]!r}",
+                              url=self.base_url + "/weights_checker", status=reply.status)
+        return [{str(k): str(v) for k, v in r["checksums"].items()} for r in ranks]
+
 
 class CacheNotFlushed(Exception):
     """A load swapped the weights but the prefix cache could not be flushed (the engine kept refusing)."""

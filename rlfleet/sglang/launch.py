@@ -112,3 +112,13 @@ def build_router_args(*, host: str, port: int, metrics_port: int, health_interva
         "--health-failure-threshold", str(health_failure_threshold),
         *auth,
     ]
+
+
+def served_dtype(engine: EngineSpec) -> str | None:
+    """The dtype the engine serves its weights in: its --dtype (CPU engines: float32 unless told), else None
+    (the snapshot's own)."""
+    args = list(engine.extra_args)
+    if "--dtype" in args and args.index("--dtype") + 1 < len(args):
+        value = args[args.index("--dtype") + 1]
+        return None if value == "auto" else {"half": "float16", "float": "float32"}.get(value, value)
+    return "float32" if engine.device == "cpu" else None

@@ -327,11 +327,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def finalize_snapshot(snapshot_dir: str | os.PathLike, step: int) -> Manifest:
+def finalize_snapshot(snapshot_dir: str | os.PathLike, step: int,
+                      digests: Mapping[str, str] | None = None) -> Manifest:
     """Seal an exported snapshot: write the manifest, then the `.complete` marker last.
 
     Call after `save_pretrained` (and the tokenizer) finished writing into snapshot_dir. Raises
     SnapshotInvalid if what was written is already unreadable (an export bug, caught at the source).
+    `digests` (relative path -> sha256) are those the writer computed while writing: those files are
+    not read again.
     """
     root = Path(snapshot_dir)
     if not root.is_dir():
@@ -347,7 +350,8 @@ def finalize_snapshot(snapshot_dir: str | os.PathLike, step: int) -> Manifest:
         rel = path.relative_to(root).as_posix()
         if rel in (MANIFEST_NAME, MARKER_NAME) or rel.endswith(".tmp"):
             continue
-        files[rel] = FileInfo(size=path.stat().st_size, sha256=sha256_of(path))
+        known = (digests or {}).get(rel)
+        files[rel] = FileInfo(size=path.stat().st_size, sha256=known if known is not None else sha256_of(path))
     manifest = Manifest(step=step, files=files, tensors=tensor_table(root), config=shape_config(root))
     manifest_bytes = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
     for path in root.iterdir():

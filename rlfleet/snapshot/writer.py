@@ -4,13 +4,18 @@ The trainer hands over an `ExportState` (weights already off the device, HF name
 touches no trainer state, so it can run in a thread beside the next training step. The snapshot
 is sealed last by the orchestrator's `finalize_snapshot` (manifest with checksums, then the
 `.complete` marker), so a reader never sees a half-written one.
+
+Weight files are written by `write_safetensors`, which hashes the bytes as it writes them: each file
+is hashed once, and never read back for it (validation re-hashes only with `diskVerify: full`).
 """
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 import shutil
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,12 +75,49 @@ def shard_plan(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]
     return shards
 
 
+_SAFETENSORS_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+                      "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
+                      "torch.uint8": "U8", "torch.bool": "BOOL"}
+WRITE_CHUNK = 64 * 1024**2
+
+
+def write_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Mapping[str, str]) -> str:
+    """Write a safetensors file (tensors in name order, header padded to 8 bytes as the format asks)
+    and return its sha256, computed from the bytes as they are written."""
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype))
+        if dtype is None:
+            raise ValueError(f"cannot write {name} of dtype {t.dtype} to safetensors")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            digest.update(chunk)
+            f.write(chunk)
+        for name in names:
+            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(flat)
+            for start in range(0, len(view), WRITE_CHUNK):
+                piece = view[start:start + WRITE_CHUNK]
+                digest.update(piece)
+                f.write(piece)
+    return digest.hexdigest()
+
+
 def write_hf_snapshot(
     state: ExportState, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> Path:
     """Write the HF directory into out_dir (created; an old marker there is removed first), then finalise."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER_NAME).unlink(missing_ok=True)
@@ -86,13 +128,14 @@ def write_hf_snapshot(
     sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
     shards = shard_plan(sizes, max_shard_bytes)
     metadata = {"format": "pt"}
+    digests: dict[str, str] = {}
     if len(shards) == 1:
-        save_file(tensors, str(out / WEIGHTS_NAME), metadata=metadata)
+        digests[WEIGHTS_NAME] = write_safetensors(tensors, out / WEIGHTS_NAME, metadata)
     else:
         weight_map = {}
         for i, names in enumerate(shards, start=1):
             file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: tensors[n] for n in names}, str(out / file_name), metadata=metadata)
+            digests[file_name] = write_safetensors({n: tensors[n] for n in names}, out / file_name, metadata)
             weight_map.update({n: file_name for n in names})
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (out / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
@@ -104,5 +147,5 @@ def write_hf_snapshot(
     for path in out.iterdir():
         if path.is_file():
             path.chmod(0o644)
-    finalize_snapshot(out, state.step)
+    finalize_snapshot(out, state.step, digests)
     return out

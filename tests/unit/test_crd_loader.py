@@ -158,3 +158,18 @@ def test_integral_floats_are_integers_as_on_the_api_server():
     assert errors(RUN + "  watchdog: {checks: 2.5}\n") == [
         ("spec.watchdog.checks", "Invalid value: 2.5: must be of type integer")]
     assert errors(RUN + "  heatGuard: {enabled: 1.0}\n")[0][0] == "spec.heatGuard.enabled"
+
+
+def test_weight_sync_fields_are_checked_and_named():
+    (doc,) = load_text(RUN + "  trainer: {gpus: 0}\n  rollout: {engine: {device: cpu}}\n"
+                       "  weightSync: {mode: broadcast, bucketMegabytes: 64, verifyEvery: 5, diskVerify: full}\n")
+    assert not doc.errors
+    ws = doc.obj.spec.weight_sync
+    assert (ws.mode, ws.bucket_megabytes, ws.verify_every, ws.disk_verify, ws.fallback_to_disk) == (
+        "broadcast", 64, 5, "full", True)
+    for bad, path in (("mode: nccl", "spec.weightSync.mode"), ("bucketMegabytes: 0", "spec.weightSync.bucketMegabytes"),
+                      ("verifyEvery: -1", "spec.weightSync.verifyEvery"),
+                      ("diskVerify: some", "spec.weightSync.diskVerify")):
+        assert path in [p for p, _ in errors(RUN + f"  weightSync: {{{bad}}}\n")], bad
+    mixed = errors(RUN + "  trainer: {gpus: 0}\n  rollout: {engine: {device: cuda}}\n  weightSync: {mode: broadcast}\n")
+    assert [(p, m) for p, m in mixed if p == "spec.weightSync.mode" and "same kind of device" in m]

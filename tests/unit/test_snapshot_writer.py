@@ -79,3 +79,42 @@ def test_trainer_options_and_backends_are_checked(tmp_path):
         build_trainer("jax", tmp_path, lr=1e-3)
     with pytest.raises(FileNotFoundError, match="config.json"):
         build_trainer("torch", tmp_path, lr=1e-3)
+
+
+def test_weight_files_are_hashed_as_written_and_read_like_any_safetensors(tmp_path: Path, monkeypatch):
+    import rlfleet.snapshot.format as fmt
+    from rlfleet.snapshot.writer import write_safetensors
+
+    tensors = {"b": torch.randn(3, 5).to(torch.bfloat16), "a": torch.randn(7), "c": torch.arange(6).reshape(2, 3)}
+    path = tmp_path / "x.safetensors"
+    digest = write_safetensors(tensors, path, {"format": "pt"})
+    assert digest == fmt.sha256_of(path)
+    loaded = load_file(str(path))
+    assert sorted(loaded) == ["a", "b", "c"] and all(torch.equal(loaded[n], tensors[n]) for n in tensors)
+    assert set(fmt.read_safetensors_header(path)) == {"a", "b", "c"}
+
+    hashed: list[str] = []
+    real = fmt.sha256_of
+    monkeypatch.setattr(fmt, "sha256_of", lambda p: hashed.append(p.name) or real(p))
+    out = write_hf_snapshot(state(tmp_path), tmp_path / "snap")
+    assert "model.safetensors" not in hashed  # sealed with the digest computed while writing
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["files"]["model.safetensors"]["sha256"] == real(out / "model.safetensors")
+    hashed.clear()
+    validate_snapshot(out, expected_step=3, verify_checksums=False)  # diskVerify: manifest
+    assert hashed == []
+    validate_snapshot(out, expected_step=3)  # diskVerify: full re-hashes
+    assert "model.safetensors" in hashed
+
+
+def test_manifest_validation_skips_hashing_and_full_catches_a_flipped_byte(tmp_path: Path):
+    from rlfleet.snapshot.format import SnapshotInvalid
+
+    out = write_hf_snapshot(state(tmp_path), tmp_path / "snap")
+    weights = out / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: only a hash can tell
+    weights.write_bytes(bytes(data))
+    validate_snapshot(out, expected_step=3, verify_checksums=False)
+    with pytest.raises(SnapshotInvalid, match="export-time sha256"):
+        validate_snapshot(out, expected_step=3)

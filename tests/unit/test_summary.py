@@ -27,3 +27,13 @@ def test_summary_keys_and_versions(tmp_path):
     assert data["heat_paused_per_step"] == {"1": False, "2": True}
     assert data["engines_marked_dead"] == 1 and data["engines_recreated"] == 1
     assert data["wall_seconds"] == 12.346 and data["eval"] == []
+
+
+def test_weight_sync_per_step_and_fallbacks():
+    steps = [StepRecord(1, 0.1, ["0"], 2.0, 4, sync={"mode": "broadcast", "seconds": 0.05, "fallback": None}),
+             StepRecord(2, 0.2, ["1"], 3.0, 4, sync={"mode": "broadcast_fallback", "seconds": 1.5,
+                                                     "fallback": "transfer: bucket 1/1: slot 1: wedged"}),
+             StepRecord(3, 0.3, ["2"], 2.0, 4)]
+    data = RunSummary(steps_planned=3, steps=steps).to_dict()
+    assert data["weight_sync_per_step"] == {"1": steps[0].sync, "2": steps[1].sync}
+    assert data["weight_sync_fallbacks"] == 1

@@ -1,0 +1,232 @@
+"""Benchmark: one weight sync, disk (before and after hashing once) and broadcast, against floors.
+
+A generated Llama of about `--size-mb` MiB (float32, default ~1 GiB), real SGLang CPU engines (1, then 2)
+behind a real router, the orchestrator's own WeightSync. Per sync the phases are printed:
+
+- disk, before: the snapshot written with safetensors' save_file and sealed by reading every file back
+  to hash it, validated with a full re-hash (`diskVerify: full`), loaded by every engine;
+- disk, after: the snapshot hashed while it is written, validated from the manifest (`diskVerify:
+  manifest`), loaded by every engine;
+- broadcast: copied into the shared buffer and broadcast over the gloo update group into every engine
+  (the group is built by a first, unmeasured sync), versions read back; then once more with the
+  checksum verification on, to give its cost.
+
+Floors measured in the same run: the bare `update_weights_from_disk` of an unvalidated snapshot already
+in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
+processes. Goals: broadcast sync <= 1.5x the raw broadcast; disk sync beyond the bare load <= 25%.
+
+Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RAW_BROADCAST = r"""
+import os, sys, time, torch, torch.distributed as dist
+rank, port, nbytes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+data = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+dist.barrier()
+best = None
+for _ in range(3):
+    dist.barrier()
+    t = time.perf_counter()
+    dist.broadcast(data, src=0)
+    dist.barrier()
+    s = time.perf_counter() - t
+    best = s if best is None else min(best, s)
+if rank == 1:
+    print(best)
+dist.destroy_process_group()
+"""
+
+
+def make_model(out: Path, size_mb: int) -> Path:
+    """A Llama of about size_mb MiB (float32) with the tiny model's byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rlfleet.trainer.tiny import SPECIAL_TOKENS, VOCAB_SIZE, build_tokenizer
+
+    hidden, inter = 1024, 2816
+    per_layer = 4 * hidden * hidden + 3 * hidden * inter  # q, k, v, o + gate, up, down
+    layers = max(1, round(size_mb * 2**20 / 4 / per_layer))
+    ids = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+                         max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=ids["<|endoftext|>"],
+                         bos_token_id=ids["<|bos|>"], pad_token_id=ids["<|pad|>"], torch_dtype="float32")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer().save_pretrained(out)
+    for path in out.iterdir():
+        path.chmod(0o644)
+    return out
+
+
+def export_before(state, out: Path) -> dict[str, float]:
+    """The export as it was: save_file, then the seal reads every file back to hash it."""
+    from safetensors.torch import save_file
+
+    from rlfleet.snapshot.format import finalize_snapshot
+    from rlfleet.snapshot.writer import WEIGHTS_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    save_file(dict(state.tensors), str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(state.config)))
+    for path in state.source_dir.iterdir():
+        if path.name.startswith("tokenizer") or path.name == "special_tokens_map.json":
+            (out / path.name).write_bytes(path.read_bytes())
+    written = time.perf_counter() - t
+    t = time.perf_counter()
+    finalize_snapshot(out, state.step)
+    return {"export": written, "hash": time.perf_counter() - t}
+
+
+def export_after(state, out: Path) -> dict[str, float]:
+    from rlfleet.snapshot.writer import write_hf_snapshot
+
+    t = time.perf_counter()
+    write_hf_snapshot(state, out)
+    return {"export": time.perf_counter() - t, "hash": 0.0}  # hashed while written
+
+
+def raw_broadcast_s(nbytes: int) -> float:
+    from rlfleet.util.ports import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", RAW_BROADCAST, str(rank), port, str(nbytes)],
+                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    out = [p.communicate(timeout=600)[0] for p in procs]
+    return float(out[1].strip().splitlines()[-1])
+
+
+async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: int) -> dict:
+    import torch
+
+    from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
+    from rlfleet.orchestrator.fleet.local_backend import LocalBackend
+    from rlfleet.orchestrator.fleet.local_router import LocalRouter
+    from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+    from rlfleet.snapshot.writer import ExportState, config_with_dtype
+    from rlfleet.trainer.base import read_hf_config
+
+    run_dir = work / f"fleet-{engines}"
+    router = LocalRouter(run_dir)
+    await router.start()
+    backend = LocalBackend(engine=EngineSpec(model_path=str(model), device="cpu", max_total_tokens=2048),
+                           replicas=engines, recovery=RecoverySpec(wait_all_alive_timeout_seconds=900),
+                           run_dir=run_dir, startup_timeout_s=900)
+    spec = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=900, verify_every=0)
+    runtime = FleetRuntime(backend, router.url, health=HealthSpec(interval_seconds=30, timeout_seconds=60,
+                                                                  failure_threshold=5),
+                           weight_sync=spec, reference=model)
+    config = config_with_dtype(read_hf_config(model), torch.float32)
+    rows: dict[str, dict[str, float]] = {}
+    step = 0
+
+    def state(n: int) -> ExportState:
+        return ExportState(step=n, tensors=tensors, config=config, source_dir=model)
+
+    try:
+        await runtime.start()
+        await runtime.bring_up("0", timeout=900)
+        weights = runtime.weights
+        assert weights is not None
+
+        # Floor: every engine loads an unvalidated snapshot already in the page cache.
+        step += 1
+        floor_dir = work / f"floor-{engines}"
+        await asyncio.to_thread(export_after, state(step), floor_dir)
+        await asyncio.to_thread(lambda: (floor_dir / "model.safetensors").read_bytes() and None)
+        clients = [runtime.engine_client(e.url or "") for e in backend.engines()]
+        t = time.perf_counter()
+        await asyncio.gather(*(c.update_weights_from_disk(str(floor_dir), str(step), timeout_s=900)
+                               for c in clients))
+        bare_load = time.perf_counter() - t
+
+        for label, exporter, verify in (("disk before", export_before, "full"), ("disk after", export_after,
+                                                                                  "manifest")):
+            step += 1
+            weights.spec = spec.model_copy(update={"mode": "disk", "disk_verify": verify})
+            out = work / f"{label.replace(' ', '-')}-{engines}-{step}"
+            phases = await asyncio.to_thread(exporter, state(step), out)
+            result = await runtime.sync_weights(out, step)
+            rows[label] = {**phases, "validate": result.validate_s, "load": result.phases.get("load", 0.0),
+                           "total": phases["export"] + phases["hash"] + result.total_s}
+
+        weights.spec = spec
+        step += 1
+        out = work / f"bcast-{engines}-{step}"
+        await asyncio.to_thread(export_after, state(step), out)
+        await runtime.sync_weights(out, step, tensors=tensors)  # builds the group
+        for label, every in (("broadcast", 0), ("broadcast+verify", 1)):
+            weights.spec = spec.model_copy(update={"verify_every": every})
+            step += 1
+            out = work / f"bcast-{engines}-{step}"
+            await asyncio.to_thread(export_after, state(step), out)
+            result = await runtime.sync_weights(out, step, tensors=tensors)
+            assert result.mode == "broadcast", result.fallback_reason
+            p = result.phases
+            rows[label] = {"fill": p.get("fill", 0.0), "broadcast": p.get("begin", 0) + p.get("broadcast", 0) +
+                           p.get("end", 0), "read_back": p.get("read_back", 0.0), "verify": p.get("verify", 0.0),
+                           "total": result.total_s - result.validate_s}
+    finally:
+        await runtime.stop()
+        await router.stop()
+    return {"engines": engines, "bytes": nbytes, "bare_load_s": bare_load, "rows": rows}
+
+
+def report(figures: dict, raw_s: float) -> None:
+    engines = figures["engines"]
+    gib = figures["bytes"] / 2**30
+    print(f"\n== {engines} engine(s), {gib:.2f} GiB float32 ==")
+    print(f"floor: bare update_weights_from_disk (page cache) {figures['bare_load_s']:.2f} s; "
+          f"raw gloo broadcast of the same bytes (2 processes) {raw_s:.2f} s")
+    for label, row in figures["rows"].items():
+        cells = "  ".join(f"{k} {v:.2f}" for k, v in row.items())
+        if label.startswith("disk"):
+            overhead = row["total"] / figures["bare_load_s"] - 1
+            ratio = f"overhead beyond the bare load {100 * overhead:.0f}% (goal <= 25%)"
+        else:
+            ratio = f"{row['total'] / raw_s:.2f}x the raw broadcast (goal <= 1.5x)"
+        print(f"  {label:17s} {cells}  -> {ratio}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=1024)
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        work = Path(tmp)
+        model = make_model(work / "model", args.size_mb)
+        tensors = load_file(str(model / "model.safetensors"))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        raw_s = raw_broadcast_s(nbytes)
+        results = []
+        for engines in args.engines:
+            figures = asyncio.run(measure(model, work, engines, tensors, nbytes))
+            figures["raw_broadcast_s"] = raw_s
+            report(figures, raw_s)
+            results.append(figures)
+        if args.json:
+            print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

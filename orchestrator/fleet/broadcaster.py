@@ -1,0 +1,233 @@
+"""Rank 0 of a weight-update group, in a process of its own, so a broadcast can always be abandoned.
+
+A collective that a peer has left blocks its caller (gloo's rendezvous waited minutes for a rank that
+never came). The trainer never calls one: the `Broadcaster` process does, on weights the trainer copies
+into a shared memory buffer (a memfd both processes map), and the orchestrator bounds every command it
+sends. A command that does not answer in time kills the process: the group dies with it and nothing in
+the trainer waits. The process also dies with its parent (PR_SET_PDEATHSIG).
+
+Commands (one JSON line each on stdin, one JSON line answered on stdout):
+  {"op": "join", "address", "port", "world_size", "group_name", "backend", "timeout_s"} -> the group exists
+  {"op": "broadcast", "start", "end"}: broadcast bytes [start, end) of the buffer from rank 0
+  {"op": "exit"}
+The group is created as SGLang creates it on the engines (`init_custom_process_group`: a TCP store
+rendezvous under the group's name, then a process group of exactly those ranks); a plain
+`init_process_group` on the same address would rendezvous with nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 120.0  # importing torch in a fresh interpreter on a loaded machine
+EXIT_TIMEOUT_S = 5.0
+
+
+class BroadcastError(Exception):
+    """The broadcasting process failed, timed out or could not start."""
+
+
+def check_listen_address(address: str, port: int) -> None:
+    """Raise BroadcastError at once when this machine cannot listen on address:port (a wrong address
+    would leave every engine connecting to nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((address, port))
+    except OSError as exc:
+        raise BroadcastError(f"cannot listen on {address}:{port} for the update group: {exc}") from exc
+
+
+class Broadcaster:
+    """The parent's handle of one broadcasting process and its shared buffer."""
+
+    def __init__(self, nbytes: int, *, device: str = "cpu", python: str | None = None):
+        self.nbytes = max(1, nbytes)
+        self.device = device
+        self.python = python or sys.executable
+        self._fd: int | None = None
+        self.buffer: Any = None  # torch uint8 tensor over the shared memory
+        self._proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def start(self) -> None:
+        import torch
+
+        fd = os.memfd_create("rlfleet-weights", 0)
+        self._fd = fd
+        os.ftruncate(fd, self.nbytes)
+        self.buffer = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=self.nbytes, dtype=torch.uint8)
+        self._proc = await asyncio.create_subprocess_exec(
+            self.python, "-P", "-m", "rlfleet.orchestrator.fleet.broadcaster", str(fd), str(self.nbytes), self.device,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
+        await self._command({"op": "hello"}, START_TIMEOUT_S)
+
+    def fill(self, buckets, tensors) -> None:
+        """Copy each bucket's tensors into the buffer (blocking: call it in a thread)."""
+        import torch
+
+        assert self.buffer is not None, "Broadcaster not started"
+        for bucket in buckets:
+            offset = bucket.start
+            for spec in bucket.tensors:
+                src = tensors[spec.name].detach()
+                flat = src.contiguous().reshape(-1).view(torch.uint8)
+                self.buffer[offset:offset + spec.nbytes].copy_(flat.cpu())
+                offset += spec.nbytes
+
+    async def join(self, *, address: str, port: int, world_size: int, group_name: str, backend: str,
+                   timeout_s: float) -> None:
+        await self._command({"op": "join", "address": address, "port": port, "world_size": world_size,
+                             "group_name": group_name, "backend": backend, "timeout_s": timeout_s}, timeout_s + 5)
+
+    async def broadcast(self, start: int, end: int, timeout_s: float) -> float:
+        answer = await self._command({"op": "broadcast", "start": start, "end": end, "timeout_s": timeout_s},
+                                     timeout_s)
+        return float(answer.get("seconds", 0.0))
+
+    async def _command(self, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        proc = self._proc
+        if proc is None or proc.returncode is not None or proc.stdin is None or proc.stdout is None:
+            raise BroadcastError("the broadcasting process is not running")
+        try:
+            async with asyncio.timeout(timeout_s):
+                proc.stdin.write((json.dumps(message) + "\n").encode())
+                await proc.stdin.drain()
+                while True:  # a library may print on stdout: answers are the JSON lines with "ok"
+                    line = await proc.stdout.readline()
+                    if not line or line.startswith(b'{"ok"'):
+                        break
+        except TimeoutError:
+            self.kill()
+            raise BroadcastError(f"{message['op']} did not finish within {timeout_s:.1f} s") from None
+        except (ConnectionError, BrokenPipeError) as exc:
+            self.kill()
+            raise BroadcastError(f"{message['op']}: the broadcasting process is gone ({exc})") from exc
+        if not line:
+            self.kill()
+            raise BroadcastError(f"{message['op']}: the broadcasting process exited")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            self.kill()
+            raise BroadcastError(f"{message['op']} failed: {answer.get('error')}")
+        return answer
+
+    def kill(self) -> None:
+        """Abandon the group at once (the process and every collective in it die)."""
+        if self._proc is not None and self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        """Leave the group: ask the process to exit, kill it if it does not; release the buffer."""
+        proc = self._proc
+        try:
+            if proc is not None and proc.returncode is None:
+                try:
+                    await self._command({"op": "exit"}, EXIT_TIMEOUT_S)
+                except BroadcastError:
+                    pass
+                self.kill()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(EXIT_TIMEOUT_S):
+                        await proc.wait()
+        finally:
+            self.buffer = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+# --- the broadcasting process ----------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _custom_group(backend: str, address: str, port: int, world_size: int, group_name: str, timeout_s: float):
+    """SGLang's `init_custom_process_group` (sglang/srt/utils/common.py) for rank 0."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name,  # type: ignore[arg-type]  # a str, as SGLang passes it
+                                      backend_options=None, timeout=timeout, device_id=None)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def _main(argv: list[str]) -> int:
+    _die_with_parent()
+    fd, nbytes, device = int(argv[0]), int(argv[1]), argv[2]
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+    group = None
+    out = sys.stdout
+
+    def answer(**body: Any) -> None:
+        out.write(json.dumps(body) + "\n")
+        out.flush()
+
+    for line in sys.stdin:
+        message = json.loads(line)
+        op = message.get("op")
+        try:
+            if op == "hello":
+                answer(ok=True)
+            elif op == "join":
+                group = _custom_group(message["backend"], message["address"], int(message["port"]),
+                                      int(message["world_size"]), message["group_name"], float(message["timeout_s"]))
+                answer(ok=True)
+            elif op == "broadcast":
+                assert group is not None, "broadcast before join"
+                started = time.monotonic()
+                data = buffer[int(message["start"]):int(message["end"])]
+                if device != "cpu":
+                    data = data.to(device)
+                dist.broadcast(data, group=group, group_src=0)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                answer(ok=True, seconds=time.monotonic() - started)
+            elif op == "exit":
+                if group is not None:
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group(group)
+                answer(ok=True)
+                return 0
+            else:
+                answer(ok=False, error=f"unknown op {op!r}")
+        except Exception as exc:  # reported to the parent, which kills this process
+            answer(ok=False, error=f"{type(exc).__name__}: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,93 @@
+"""The broadcasting rank 0 in its own process, against a real gloo peer created as SGLang creates its
+side of the update group (`init_custom_process_group`): bytes arrive intact; a peer that never joins or
+stops mid-broadcast costs the bound, kills the process, and leaves the caller free."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlfleet.orchestrator.fleet.broadcaster import Broadcaster, BroadcastError
+from rlfleet.util.ports import free_port
+
+pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
+
+PEER = r"""
+import hashlib, sys, torch, torch.distributed as dist
+from sglang.srt.utils.common import init_custom_process_group
+port, nbytes = int(sys.argv[1]), int(sys.argv[2])
+group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                                  group_name="test-group")
+print("joined", flush=True)
+data = torch.empty(nbytes, dtype=torch.uint8)
+dist.broadcast(data, src=0, group=group)
+print(hashlib.sha256(data.numpy().tobytes()).hexdigest(), flush=True)
+"""
+
+
+def start_peer(port: int, nbytes: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, str(port), str(nbytes)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+async def test_bytes_arrive_intact_at_an_sglang_style_peer():
+    nbytes = 3 * 1024**2 + 5
+    port = free_port()
+    broadcaster = Broadcaster(nbytes)
+    await broadcaster.start()
+    peer = await asyncio.to_thread(start_peer, port, nbytes)
+    try:
+        await broadcaster.join(address="127.0.0.1", port=port, world_size=2, group_name="test-group", backend="gloo",
+                               timeout_s=120)
+        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        broadcaster.buffer.copy_(payload)
+        await broadcaster.broadcast(0, nbytes, timeout_s=60)
+        out, _ = await asyncio.to_thread(peer.communicate, timeout=60)
+        assert out.split()[-1] == hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+    finally:
+        await broadcaster.close()
+        if peer.poll() is None:
+            os.killpg(peer.pid, signal.SIGKILL)
+    assert not broadcaster.alive
+
+
+async def test_a_peer_that_never_joins_costs_the_bound_and_kills_rank_zero():
+    broadcaster = Broadcaster(1024)
+    await broadcaster.start()
+    started = time.monotonic()
+    with pytest.raises(BroadcastError, match="join"):
+        await broadcaster.join(address="127.0.0.1", port=free_port(), world_size=2, group_name="g", backend="gloo",
+                               timeout_s=3)
+    took = time.monotonic() - started
+    await broadcaster.close()
+    assert took < 3 + 5 + 2  # the join bound plus the answer's grace
+    assert not broadcaster.alive
+
+
+async def test_a_peer_stopped_mid_broadcast_costs_the_bound_and_kills_rank_zero():
+    nbytes = 256 * 1024**2  # far more than the sockets buffer: the send blocks on the stopped peer
+    port = free_port()
+    broadcaster = Broadcaster(nbytes)
+    await broadcaster.start()
+    peer = await asyncio.to_thread(start_peer, port, nbytes)
+    try:
+        await broadcaster.join(address="127.0.0.1", port=port, world_size=2, group_name="test-group", backend="gloo",
+                               timeout_s=120)
+        assert (await asyncio.to_thread(peer.stdout.readline)).strip() == "joined"
+        os.killpg(peer.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(BroadcastError, match="did not finish within 3.0 s"):
+            await broadcaster.broadcast(0, nbytes, timeout_s=3)
+        assert time.monotonic() - started < 4
+        await broadcaster.close()
+        assert not broadcaster.alive
+    finally:
+        os.killpg(peer.pid, signal.SIGKILL)
+        await broadcaster.close()

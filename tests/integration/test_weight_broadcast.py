@@ -1,0 +1,256 @@
+"""Broadcast weight sync on real parts: two SGLang CPU engines (local backend, gloo update group), a real
+sglang-router, the real torch trainer as the source of the weights.
+
+One fleet is shared by the tests of this module, in order: a broadcast that the engines serve (greedy
+tokens equal the trainer's, checksums equal), different bytes caught by the checksum, a SIGSTOPped
+engine during a broadcast sync (marked dead, the others finish from disk, the next sync broadcasts over
+a rebuilt group), a SIGKILL between syncs (rebuilt before the next one), a broadcast that cannot start.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
+from rlfleet.orchestrator.fleet import broadcast_plan as plan
+from rlfleet.orchestrator.fleet.backend import EngineState
+from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
+from rlfleet.orchestrator.fleet.local_backend import LocalBackend
+from rlfleet.orchestrator.fleet.local_router import LocalRouter
+from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.fleet.update_group import UpdateGroup
+from rlfleet.orchestrator.fleet.weight_sync import EngineSyncOutcome
+from rlfleet.orchestrator.run.loop import export_step
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.trainer.base import build_trainer
+
+pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
+
+HEALTH = HealthSpec(interval_seconds=2, timeout_seconds=5, failure_threshold=2)
+RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backoff_base_seconds=0.5,
+                        backoff_max_seconds=4, wait_all_alive_timeout_seconds=400)
+# Every protocol step of a broadcast is bounded by min(10 s, its share): a stopped engine costs 10 s.
+WEIGHT_SYNC = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=10, load_retries=1, verify_every=1)
+PROMPT = "Hello"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+
+
+class Fleet:
+    def __init__(self, runtime: FleetRuntime, backend: LocalBackend, snapshots: Path, trainer):
+        self.runtime, self.backend, self.snapshots, self.trainer = runtime, backend, snapshots, trainer
+        self.step = 0
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(trainer.model_dir)
+
+    async def next_weights(self) -> tuple[Path, dict]:
+        """Change the trainer's weights (as a step would) and export them: the snapshot and its tensors."""
+        self.step += 1
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(self.step)
+            for p in self.trainer.model.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        return await asyncio.to_thread(export_step, self.trainer, self.snapshots / f"step_{self.step}", self.step,
+                                       True)
+
+    async def greedy(self, url: str) -> tuple[list[int], str]:
+        payload = {"input_ids": self.prompt_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        body = await self.runtime.engine_client(url).generate(payload, timeout_s=60)
+        return body["output_ids"], body["meta_info"]["weight_version"]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.tokenizer.encode(PROMPT, add_special_tokens=False)
+
+    def alive(self):
+        return [e for e in self.backend.engines() if e.state is EngineState.ALIVE]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([sys.executable, "-m", "rlfleet.trainer.tiny", str(out), "--seed", "0"], check=True,
+                   stdout=subprocess.DEVNULL, timeout=300)
+    return out
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fleet(base_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("bcast-run")
+    router = LocalRouter(run_dir)
+    await router.start()
+    backend = LocalBackend(engine=EngineSpec(model_path=str(base_model), device="cpu"), replicas=2,
+                           recovery=RECOVERY, run_dir=run_dir, startup_timeout_s=300, min_ready=1)
+    runtime = FleetRuntime(backend, router.url, health=HEALTH, weight_sync=WEIGHT_SYNC, reference=base_model)
+    trainer = await asyncio.to_thread(build_trainer, "torch", base_model, 1e-3, seed=0, device="cpu")
+    try:
+        started = time.monotonic()
+        await runtime.start()
+        await runtime.bring_up("0", timeout=400)
+        print(f"\n[fleet] 2 engines alive after {time.monotonic() - started:.1f} s")
+        yield Fleet(runtime, backend, run_dir / "snapshots", trainer)
+    finally:
+        await runtime.stop()
+        await router.stop()
+
+
+async def test_quickstart_run_in_broadcast_mode(tmp_path: Path):
+    """`rlfleet run` of the quickstart (shortened, no eval) with weightSync.mode broadcast."""
+    import io
+
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+    from rlfleet.orchestrator.run.progress import ProgressReporter
+
+    run = load_training_run(QUICKSTART)
+    run.spec.trainer.steps = 8
+    run.spec.eval = None
+    run.spec.weight_sync.mode = "broadcast"
+    out = io.StringIO()
+    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
+                                     metrics_port=0, progress=ProgressReporter(out, tty=False)))
+    summary = await local.execute()
+    print("\n" + "\n".join(line for line in out.getvalue().splitlines() if " sync " in line))
+    assert len(summary.steps) == 8
+    for record in summary.steps:
+        assert record.sync["mode"] == "broadcast", record.sync
+        assert record.engine_versions == {0: str(record.step), 1: str(record.step)}
+        assert record.sync["checksums"] == {"match": 2}
+        assert record.sync["seconds"] < record.seconds
+    data = summary.to_dict()
+    assert data["weight_sync_fallbacks"] == 0
+    print(f"[run] reward {data['reward_mean_first']} -> {data['reward_mean_last']}, "
+          f"{summary.wall_seconds:.0f} s")
+    assert data["reward_mean_last"] > data["reward_mean_first"]
+
+
+async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
+    for _ in range(2):
+        path, tensors = await fleet.next_weights()
+        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+        print(f"\n[broadcast] step {fleet.step}: {result.mode} {result.total_s:.2f} s phases "
+              f"{ {k: round(v, 3) for k, v in result.phases.items()} }")
+        assert result.mode == "broadcast" and result.fallback_reason is None
+        assert result.bytes_broadcast == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+        assert [e.checksum for e in result.synced] == ["match", "match"]
+        expected = await asyncio.to_thread(fleet.trainer.greedy_generate, fleet.prompt_ids, 8)
+        for engine in result.synced:
+            tokens, version = await fleet.greedy(engine.url)
+            assert version == str(fleet.step)
+            assert tokens == expected
+    assert fleet.runtime.weights.groups_built == 1  # the second sync reused the group
+
+
+async def test_checksum_catches_bytes_the_trainer_did_not_send(fleet: Fleet):
+    victim = fleet.alive()[0]
+    _, tensors = await fleet.next_weights()
+    name = sorted(tensors)[0]
+    perturbed = dict(tensors)
+    perturbed[name] = tensors[name] + 1.0
+    buckets = plan.plan_buckets(plan.tensor_specs(perturbed), 1024**2)
+    client = fleet.runtime.engine_client
+    group = await UpdateGroup.build([victim], buckets=buckets, bounds=plan.StepBounds(10), client=client,
+                                    address="127.0.0.1", backend="gloo", group_name="test-perturbed")
+    try:
+        await group.transfer(perturbed, "perturbed")
+    finally:
+        await group.destroy()
+    outcome = EngineSyncOutcome(slot=victim.slot, incarnation=victim.incarnation, url=victim.url or "", ok=True)
+    await fleet.runtime.weights.verify([outcome], tensors)
+    print(f"\n[checksum] {outcome.error}")
+    assert outcome.checksum == "mismatch" and not outcome.ok and outcome.marked_dead
+    assert name in (outcome.error or "")
+    assert fleet.backend.engines()[victim.slot].state is not EngineState.ALIVE
+
+
+class StopsAfterBegin(EngineClient):
+    """The real client of one engine, which SIGSTOPs that engine once it has begun the weight update:
+    the broadcast of the first bucket then finds it wedged."""
+
+    def __init__(self, inner: EngineClient, pid: int):
+        super().__init__(inner.session, inner.base_url, inner.timeouts)
+        self.pid = pid
+
+    async def begin_weight_update(self, timeout_s: float) -> tuple[bool, str]:
+        answer = await super().begin_weight_update(timeout_s)
+        os.killpg(self.pid, signal.SIGSTOP)
+        return answer
+
+
+async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from_disk(fleet: Fleet, monkeypatch):
+    path, tensors = await fleet.next_weights()
+    await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)  # recreates the slot of the last test
+    built = fleet.runtime.weights.groups_built
+    victim = fleet.alive()[1]
+    path, tensors = await fleet.next_weights()
+    weights = fleet.runtime.weights
+    real = weights._engine_client  # the sync's own client factory, wrapped for one engine
+    monkeypatch.setattr(weights, "_engine_client",
+                        lambda url: StopsAfterBegin(real(url), victim.pid) if url == victim.url else real(url))
+    started = time.monotonic()
+    try:
+        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+    finally:
+        monkeypatch.setattr(weights, "_engine_client", real)
+        try:
+            os.killpg(victim.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    took = time.monotonic() - started
+    print(f"\n[sigstop] {result.mode} in {took:.1f} s: {result.fallback_reason}")
+    assert took < 60
+    assert result.mode == "broadcast_fallback" and "bucket 1/1" in (result.fallback_reason or "")
+    stopped = next(e for e in result.engines if e.slot == victim.slot)
+    assert stopped.marked_dead and not stopped.ok
+    assert [e.version for e in result.synced] == [str(fleet.step)]
+    # The next sync recreates it and broadcasts over a group rebuilt for the survivor and the replacement.
+    path, tensors = await fleet.next_weights()
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+    assert result.mode == "broadcast" and result.recovered_slots == [victim.slot]
+    assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+    assert fleet.runtime.weights.groups_built == built + 1
+
+
+async def test_sigkill_between_syncs_rebuilds_the_group(fleet: Fleet):
+    built = fleet.runtime.weights.groups_built
+    victim = fleet.alive()[0]
+    os.killpg(victim.pid, signal.SIGKILL)
+    async with asyncio.timeout(10):  # the exit is seen at once; the sync comes after it
+        while fleet.backend.engines()[victim.slot].state is EngineState.ALIVE:  # noqa: ASYNC110 - a backend view
+            await asyncio.sleep(0.05)
+    path, tensors = await fleet.next_weights()
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+    assert result.mode == "broadcast" and result.recovered_slots == [victim.slot]
+    assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+    assert fleet.runtime.weights.groups_built == built + 1
+
+
+async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
+    weights = fleet.runtime.weights
+    weights.broadcast_address = "192.0.2.1"  # not an address of this machine
+    await weights.close()  # the next sync builds a group again, on the wrong address
+    try:
+        path, tensors = await fleet.next_weights()
+        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+        print(f"\n[no start] {result.mode}: {result.fallback_reason}")
+        assert result.mode == "broadcast_fallback" and "cannot start" in (result.fallback_reason or "")
+        assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+        assert not any(e.marked_dead for e in result.engines)
+
+        weights.spec = weights.spec.model_copy(update={"fallback_to_disk": False})
+        path, tensors = await fleet.next_weights()
+        with pytest.raises(WeightSyncFailed, match="cannot start"):
+            await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+    finally:
+        weights.broadcast_address = "127.0.0.1"
+        weights.spec = WEIGHT_SYNC

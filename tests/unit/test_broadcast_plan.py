@@ -1,0 +1,99 @@
+"""Pure decisions of the broadcast weight sync: buckets, ranks, bounds, checksums as SGLang computes them."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from rlfleet.orchestrator.fleet import broadcast_plan as plan
+
+
+def spec(name: str, dtype: str, nbytes: int) -> plan.TensorSpec:
+    return plan.TensorSpec(name, dtype, (nbytes,), nbytes)
+
+
+def test_buckets_hold_one_dtype_at_most_max_bytes_back_to_back_aligned():
+    specs = [spec("a", "float32", 40), spec("b", "bfloat16", 30), spec("c", "float32", 70), spec("d", "float32", 10),
+             spec("e", "float32", 500)]
+    buckets = plan.plan_buckets(specs, 100)
+    assert [b.names for b in buckets] == [["a"], ["c", "d"], ["e"], ["b"]]
+    assert all(len(set(b.dtypes)) == 1 for b in buckets)
+    assert buckets[2].nbytes == 500  # a tensor larger than a bucket is a bucket of its own
+    for before, after in zip(buckets, buckets[1:], strict=False):
+        assert after.start >= before.end and after.start % plan.BUCKET_ALIGN == 0
+    assert plan.buffer_bytes(buckets) == buckets[-1].end
+    assert sorted(plan.names_of(buckets)) == ["a", "b", "c", "d", "e"]
+    with pytest.raises(ValueError):
+        plan.plan_buckets(specs, 0)
+
+
+def test_tensor_specs_name_dtype_shape_bytes():
+    specs = plan.tensor_specs({"w": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)})
+    assert specs == [plan.TensorSpec("b", "bfloat16", (4,), 8), plan.TensorSpec("w", "float32", (2, 3), 24)]
+
+
+def test_rank_offsets_follow_rank_zero_and_each_engines_ranks():
+    assert plan.rank_offsets([1, 1]) == ([1, 2], 3)
+    assert plan.rank_offsets([2, 4, 1]) == ([1, 3, 7], 8)
+    with pytest.raises(ValueError):
+        plan.rank_offsets([0])
+
+
+def test_step_bounds_come_from_the_transfer_timeout_and_the_bytes():
+    bounds = plan.StepBounds(600)
+    assert bounds.control_s == plan.CONTROL_TIMEOUT_S and bounds.join_s == plan.JOIN_TIMEOUT_S
+    assert bounds.bucket_s(0) == plan.BUCKET_FLOOR_S
+    assert bounds.bucket_s(10 * plan.SLOWEST_BYTES_PER_S) == pytest.approx(plan.BUCKET_FLOOR_S + 10)
+    assert bounds.bucket_s(10**15) == 600  # never beyond the transfer timeout
+    tight = plan.StepBounds(5)
+    assert tight.control_s == tight.join_s == tight.bucket_s(1) == 5
+
+
+def test_checksum_is_sglangs():
+    from sglang.srt.managers.mm_utils import tensor_hash
+
+    for t in (torch.randn(3, 5), torch.randn(7).to(torch.bfloat16), torch.arange(6).reshape(2, 3).t()):
+        assert plan.tensor_checksum(t) == f"{tensor_hash(t):016x}"
+    t = torch.randn(4)
+    assert plan.tensor_checksum(t) == hashlib.sha256(t.numpy().tobytes()).digest()[:8].hex()
+
+
+def test_compare_checksums_matches_prefixed_names_and_reports_differences():
+    expected = {"model.embed_tokens.weight": "aa", "model.norm.weight": "bb", "lm_head.weight": "cc"}
+    served = {"model.model.embed_tokens.weight": "aa", "model.model.norm.weight": "00"}
+    verdict = plan.compare_checksums(expected, served)
+    assert verdict.compared == 2 and verdict.mismatched == ("model.norm.weight",)
+    assert verdict.unmatched == ("lm_head.weight",)  # tied: the engine does not list it
+    assert not verdict.ok and "model.norm.weight" in verdict.describe()
+    same = plan.compare_checksums(expected, {"model.embed_tokens.weight": "aa", "model.norm.weight": "bb"})
+    assert same.ok and same.compared == 2
+    nothing = plan.compare_checksums(expected, {"other": "aa"})
+    assert nothing.compared == 0 and not nothing.ok and "no served tensor" in nothing.describe()
+
+
+def test_compare_checksums_never_guesses_between_two_candidates():
+    verdict = plan.compare_checksums({"norm.weight": "aa"}, {"a.norm.weight": "aa", "b.norm.weight": "bb"})
+    assert verdict.compared == 0 and verdict.unmatched == ("norm.weight",)
+
+
+def test_verification_rate():
+    assert [plan.verification_due(i, 1) for i in range(1, 4)] == [True, True, True]
+    assert [plan.verification_due(i, 3) for i in range(1, 7)] == [False, False, True, False, False, True]
+    assert not any(plan.verification_due(i, 0) for i in range(1, 10))
+
+
+def test_served_dtype_is_what_the_engine_launch_asks_for():
+    from rlfleet.crds.specs import EngineSpec
+    from rlfleet.sglang.launch import served_dtype
+
+    assert served_dtype(EngineSpec(model_path="m", device="cpu")) == "float32"
+    assert served_dtype(EngineSpec(model_path="m", device="cuda")) is None  # the snapshot's own
+    assert served_dtype(EngineSpec(model_path="m", device="cpu", extra_args=["--dtype", "bfloat16"])) == "bfloat16"
+    assert served_dtype(EngineSpec(model_path="m", device="cuda", extra_args=["--dtype", "half"])) == "float16"
+
+
+def test_checksums_in_the_engines_dtype():
+    t = {"w": torch.randn(4, 4)}
+    assert plan.checksums(t) == {"w": plan.tensor_checksum(t["w"])}
+    assert plan.checksums(t, dtype="bfloat16") == {"w": plan.tensor_checksum(t["w"].to(torch.bfloat16))}
