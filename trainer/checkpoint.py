@@ -195,6 +195,11 @@ def _write_atomic(path: Path, write: Callable[[Any], None], mode: str = "wb") ->
             tmp.unlink()
 
 
+def _write_json(path: Path, content: Mapping[str, Any]) -> None:
+    text = json.dumps(content, indent=1)
+    _write_atomic(path, lambda f: f.write(text), mode="w")
+
+
 def _file_entry(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
@@ -208,7 +213,7 @@ def write_shard(directory: str | os.PathLike, rank: int, state: Mapping[str, Any
     shard = directory / shard_name(rank)
     _write_atomic(shard, lambda f: torch.save(dict(state), f))
     entry = _file_entry(shard)
-    _write_atomic(directory / _done_name(rank), lambda f: f.write(json.dumps(entry)), mode="w")
+    _write_json(directory / _done_name(rank), entry)
     return entry
 
 
@@ -227,11 +232,10 @@ def finalize(directory: str | os.PathLike, *, identity: Identity, step: int, wei
     meta = {"format": FORMAT, "step": step, "weight_version": weight_version, **identity.to_dict(),
             "shards": [shard_name(r) for r in range(identity.world_size)]}
     for name, content in ((META, meta), (RUN_STATE, dict(run_state))):
-        _write_atomic(directory / name, lambda f, c=content: f.write(json.dumps(c, indent=1)), mode="w")
+        _write_json(directory / name, content)
         files[name] = _file_entry(directory / name)
     _fsync_dir(directory)
-    _write_atomic(directory / MARKER, lambda f: f.write(json.dumps({"step": step, "files": files}, indent=1)),
-                  mode="w")
+    _write_json(directory / MARKER, {"step": step, "files": files})
     _fsync_dir(directory)
     return CheckpointInfo(directory, step, meta)
 

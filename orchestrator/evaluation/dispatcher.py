@@ -203,6 +203,11 @@ class EvalDispatcher:
             pending.task.cancel()
         await self.drain()
 
+    async def settle_skipped(self, step: int, reason: str, detail: str) -> None:
+        """Record the point of `step` as skipped without running it (e.g. a resumed run's lost point)."""
+        await self._record(EvalPoint(step=step, posture=self.evaluator.posture, skipped=reason, detail=detail,
+                                     lag_steps=max(0, self._current_step() - step)))
+
     @property
     def pending_steps(self) -> list[int]:
         return [p.step for p in self._pending]
