@@ -150,14 +150,17 @@ class RunCheckpoints:
         self.on_event(f"resuming from checkpoint step {info.step} ({info.directory})")
         return point
 
-    async def save(self, trainer, step: int, state: dict[str, Any]) -> float:
+    async def save(self, trainer, step: int, state: dict[str, Any] | Callable[[float], dict[str, Any]]) -> float:
         """Copy the trainer's state off the device (awaited: the seconds it held the loop are returned
         and measured) and write the checkpoint in a thread. One write at a time: a write still going
-        from the previous checkpoint is waited for first."""
+        from the previous checkpoint is waited for first. `state` is the run's state, or a function of
+        the seconds the copy held the loop that returns it (so a checkpoint can record its own)."""
+        started = time.monotonic()  # a previous write still going holds the loop too: counted
         await self.wait()
-        started = time.monotonic()
         captured = await asyncio.to_thread(ckpt.capture_state, trainer)
         held = time.monotonic() - started
+        if callable(state):
+            state = state(held)
         metrics.CHECKPOINT_LOOP_HELD.labels(run=self.run).observe(held)
         self._write = asyncio.create_task(self._written(step, captured, state, held), name=f"checkpoint-{step}")
         return held

@@ -516,12 +516,15 @@ class RunLoop:
         self._count_recoveries()
         evaluation = self.evaluation
         dispatcher = evaluation.dispatcher if evaluation is not None else None
-        state = run_state(
-            run=self.name, step=step, prompts_drawn=self.prompts_drawn,
-            eval_points=list(dispatcher.points) if dispatcher else [],
-            eval_pending=dispatcher.pending_steps if dispatcher else [],
-            summary=summary_state(self.summary, self.summary.engines_recreated),
-        )
+
+        def state(held: float) -> dict:
+            summary = summary_state(self.summary, self.summary.engines_recreated)
+            # This checkpoint as a resumed run will see it: how long it held the loop (its write is not done).
+            summary["checkpoints"].append({"step": step, "loop_held_seconds": round(held, 6), "write_seconds": None})
+            return run_state(run=self.name, step=step, prompts_drawn=self.prompts_drawn,
+                             eval_points=list(dispatcher.points) if dispatcher else [],
+                             eval_pending=dispatcher.pending_steps if dispatcher else [], summary=summary)
+
         await self.checkpoints.save(trainer, step, state)
 
     # --- eval ------------------------------------------------------------------------------------

@@ -137,3 +137,17 @@ def test_validate_is_a_cli_subcommand():
     from rlfleet.cli import COMMANDS
 
     assert COMMANDS["validate"][0] == "rlfleet.crds.validate_cli"
+
+
+def test_checkpoint_fields_are_checked_naming_the_field():
+    (doc,) = load_text(RUN + "  checkpoint: {intervalSteps: 3}\n")
+    assert doc.errors == [] and doc.obj.spec.checkpoint.keep == 2 and doc.obj.spec.checkpoint.path == "checkpoints"
+    assert errors(RUN + "  checkpoint: {keep: 2}\n")[0][0] == "spec.checkpoint.intervalSteps"
+    assert errors(RUN + "  checkpoint: {intervalSteps: 0}\n")[0][0] == "spec.checkpoint.intervalSteps"
+    assert errors(RUN + "  checkpoint: {intervalSteps: 3, keep: 0}\n")[0][0] == "spec.checkpoint.keep"
+    for path in ("/abs", "a/../../b", "./x", "a//b"):
+        found = errors(RUN + f"  checkpoint: {{intervalSteps: 3, path: '{path}'}}\n")
+        assert found and found[0][0] == "spec.checkpoint.path", (path, found)
+    gpu = RUN + "  trainer: {backend: megatron, gpus: 1}\n  checkpoint: {intervalSteps: 3}\n"
+    assert errors(gpu) == [("spec.checkpoint", "checkpoints of the megatron backend are written on CPU trainers "
+                                                "only (gpus: 0) for now")]
