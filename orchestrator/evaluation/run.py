@@ -128,19 +128,11 @@ class RunEvaluation:
             on_settled=self._settled)
 
     async def restore(self, points: Sequence[EvalPoint], pending: Sequence[int], *, current_step: int) -> None:
-        """A resumed run: the points settled before its checkpoint, and those then pending dispatched
-        again. A pending point of the checkpoint's own step is evaluated on the restored weights; one of
-        an earlier step settles as skipped `ckpt_missing` (the checkpoint holds only its own weights)."""
+        """A resumed run: the points settled before its checkpoint, and those then pending again
+        (`EvalDispatcher.resume`)."""
         assert self.dispatcher is not None, "attach() first"
         self._current_step = current_step
-        self.dispatcher.points.extend(points)
-        for step in sorted(set(pending)):
-            if step == current_step:
-                await self.dispatcher.dispatch(step, force=step == self.spec.trainer.steps)
-            else:
-                await self.dispatcher.settle_skipped(
-                    step, "ckpt_missing", f"pending when the trainer stopped; the checkpoint it resumed from "
-                    f"holds the weights of step {current_step}, not {step}")
+        await self.dispatcher.resume(points, pending, current_step=current_step)
 
     async def after_step(self, step: int) -> None:
         """The training loop's eval hook; how long it held the loop is kept per step (loop_held_s)."""
