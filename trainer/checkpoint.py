@@ -148,6 +148,19 @@ def capture_state(trainer: Any) -> dict[str, Any]:
             "optimizer": optim, "rng": rng_state()}
 
 
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a captured state."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
 def restore_state(trainer: Any, state: Mapping[str, Any]) -> None:
     """Load a shard's state into a trainer built from the same model and options."""
     if state.get("backend") != trainer.backend:

@@ -65,6 +65,8 @@ def test_capture_is_a_copy(tiny_model):
     trainer.train_step(batch)
     assert all(torch.equal(before[k], state["model"][k]) for k in before)
     assert state["step"] == 1 and state["optimizer"]["state"]
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert ckpt.state_bytes(state) >= 3 * weights  # the weights and AdamW's two moments
 
 
 def small_checkpoint(root, step: int, **identity_changes) -> ckpt.CheckpointInfo:
