@@ -106,9 +106,11 @@ def snapshot_dir(root: Path, step: int) -> Path:
 
 
 def record_batch(directory: Path, step: int, samples, stats: dict) -> None:
-    """`<directory>/step_<N>.json`: the samples step N trained on and its loss, to replay the step."""
+    """`<directory>/step_<N>.json`: the samples step N trained on, its loss and the trainer's other
+    figures (gradient norm, ...), to replay the step."""
     directory.mkdir(parents=True, exist_ok=True)
-    data = {"step": step, "loss": stats["loss"], "samples": [dataclasses.asdict(s) for s in samples]}
+    data = {"step": step, "loss": stats["loss"], "stats": dict(stats),
+            "samples": [dataclasses.asdict(s) for s in samples]}
     tmp = directory / f".step_{step}.json.tmp"
     tmp.write_text(json.dumps(data))
     tmp.replace(directory / f"step_{step}.json")

@@ -39,8 +39,9 @@ def alive(groups: set[int]) -> set[int]:
     return left
 
 
-def replay_losses(manifest: Path, batches: list[Path]) -> list[float]:
-    """A trainer built as the run builds it, trained on the recorded batches in order: each step's loss."""
+def replay(manifest: Path, batches: list[Path]) -> list[tuple[float, float]]:
+    """A trainer built as the run builds it, trained on the recorded batches in order: each step's
+    (loss, gradient norm)."""
     from rlfleet.crds.loader import load_training_run
     from rlfleet.orchestrator.run.loop import resolve_model_dir
     from rlfleet.trainer import grpo
@@ -57,7 +58,8 @@ def replay_losses(manifest: Path, batches: list[Path]) -> list[float]:
         samples = [grpo.Sample(**{**s, "prompt_ids": tuple(s["prompt_ids"]), "response_ids": tuple(s["response_ids"]),
                                   "sampling_logprobs": tuple(s["sampling_logprobs"])})
                    for s in json.loads(path.read_text())["samples"]]
-        losses.append(trainer.train_step(samples)["loss"])
+        stats = trainer.train_step(samples)
+        losses.append((stats["loss"], stats["grad_norm"]))
     return losses
 
 
@@ -114,10 +116,17 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path)
     # A trainer that never stopped: steps 1..6 on the first run's batches, 7 and 8 on the resumed run's.
     batches = [tmp_path / "batches-first" / f"step_{n}.json" for n in range(1, 7)]
     batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in (7, 8)]
-    replayed = replay_losses(manifest, batches)
-    recorded = [json.loads(p.read_text())["loss"] for p in batches]
-    # Step 7 checks the restored weights; step 8 the restored optimizer state as well.
-    assert replayed == pytest.approx(recorded, abs=1e-5), (replayed, recorded)
-    assert [float(data["loss_per_step"][str(n)]) for n in (7, 8)] == pytest.approx(recorded[6:], abs=1e-6)
-    print(f"\nfigures: resumed from step 6; loss step 7 {recorded[6]:.6f} (never stopped: {replayed[6]:.6f}), "
-          f"step 8 {recorded[7]:.6f} ({replayed[7]:.6f}); checkpoints {data['checkpoints']}")
+    replayed = replay(manifest, batches)
+    recorded = [(d["loss"], d["stats"]["grad_norm"]) for d in (json.loads(p.read_text()) for p in batches)]
+    # Step 7 checks the restored weights, step 8 the restored optimizer state as well. An on-policy step's
+    # clipped loss is ~0 whatever the weights (ratio 1, advantages centred), so the gradient norm, which
+    # depends on them, is compared too.
+    assert any(norm > 1e-4 for _, norm in recorded[6:]), recorded  # gradients that can tell weights apart
+    for (loss, norm), (want_loss, want_norm) in zip(recorded, replayed, strict=True):
+        assert loss == pytest.approx(want_loss, abs=1e-5) and norm == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (
+            recorded, replayed)
+    assert [float(data["loss_per_step"][str(n)]) for n in (7, 8)] == pytest.approx(
+        [r[0] for r in recorded[6:]], abs=1e-6)
+    print(f"\nfigures: resumed from step 6; step 7 loss {recorded[6][0]:.6f} grad norm {recorded[6][1]:.6f} "
+          f"(never stopped: {replayed[6][0]:.6f}, {replayed[6][1]:.6f}); step 8 {recorded[7][0]:.6f}, "
+          f"{recorded[7][1]:.6f} ({replayed[7][0]:.6f}, {replayed[7][1]:.6f}); checkpoints {data['checkpoints']}")
