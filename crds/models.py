@@ -21,6 +21,7 @@ from rlfleet.crds.specs import (
     NODE_SELECTOR_RULE,
     PATH,
     ApiModel,
+    CheckpointSpec,
     EnvVarSpec,
     HeatGuardSpec,
     LabelValue,
@@ -178,6 +179,10 @@ class TrainingRunSpec(ApiModel):
         None, description="Evaluation during training, always on a pinned weight version; unset: no evaluation."
     )
     metrics_port: int = Field(9400, ge=1024, le=65535, description="Port of the run's Prometheus metrics.")
+    checkpoint: CheckpointSpec | None = Field(
+        None, description="Trainer checkpoints (model, optimizer, RNG, data position, eval state), written "
+        "atomically beside training; unset: none, and a stopped run starts again from step 0.",
+    )
 
     cel_rules = (
         Rule(
@@ -198,6 +203,12 @@ class TrainingRunSpec(ApiModel):
             "(GPU trainer with cuda engines: nccl; CPU trainer with cpu engines: gloo); use disk",
         ),
         immutable("modelPath", "model_path"),
+        Rule(
+            cel="!has(self.checkpoint) || self.trainer.backend != 'megatron' || self.trainer.gpus == 0",
+            check=lambda s: s.checkpoint is None or s.trainer.backend != "megatron" or s.trainer.gpus == 0,
+            field="checkpoint",
+            message="checkpoints of the megatron backend are written on CPU trainers only (gpus: 0) for now",
+        ),
     )
 
 

@@ -316,6 +316,27 @@ NODE_SELECTOR_RULE = Rule(
 )
 
 
+class CheckpointSpec(ApiModel):
+    """Trainer checkpoints, for a run that survives its trainer (`rlfleet run --resume`)."""
+
+    interval_steps: int = Field(..., ge=1, le=10_000_000, description="Write a checkpoint every this many steps.")
+    keep: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept; older ones are removed.")
+    path: str = Field(
+        "checkpoints", min_length=1, max_length=PATH, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+        description="Directory of the checkpoints, relative to the snapshot volume (local runs without "
+        "snapshotVolume.localPath: relative to runs/<name>/).",
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!self.path.matches('(^|/)[.][.]?(/|$)')",
+            check=lambda s: not any(part in ("..", ".") for part in s.path.split("/")),
+            field="path",
+            message="the checkpoint path stays inside the volume: no '.' or '..' parts",
+        ),
+    )
+
+
 class ResourcesSpec(ApiModel):
     """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
 

@@ -115,6 +115,10 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def param_dtype(self) -> Any: ...
 
+    def checkpoint_objects(self) -> tuple[Any, Any]:
+        """(the module whose state dict is this rank's model, its optimizer), for trainer/checkpoint.py."""
+        raise NotImplementedError(f"the {self.backend} backend writes no checkpoints")
+
     # --- the interface the RL loop uses --------------------------------------------------------
 
     def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:

@@ -403,6 +403,11 @@ class MegatronTrainer(Trainer):
     def hf_state_dict(self) -> dict[str, Any]:
         return megatron_to_hf(self._full_state(), self.arch)
 
+    def checkpoint_objects(self) -> tuple[Any, Any]:
+        if self._gpu is not None:  # megatron's optimizer: its own (distributed) checkpoint format
+            raise NotImplementedError("checkpoints of the megatron backend on CUDA are not written yet")
+        return self.gpt, self.optimizer
+
 
 class _MegatronGpuStep:
     """Megatron's DDP wrapper and optimizer (CUDA only: both allocate on the current CUDA device).

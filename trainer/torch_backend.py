@@ -83,6 +83,9 @@ class TorchTrainer(Trainer):
     def hf_state_dict(self) -> dict[str, Any]:
         return dict(self.model.state_dict())
 
+    def checkpoint_objects(self) -> tuple[Any, Any]:
+        return self.model, self.optimizer
+
     def hf_generate(self, input_ids: Any, **kwargs: Any) -> Any:
         """transformers' own generate (KV cache), for fast local rollouts in measurements."""
         import torch

@@ -23,7 +23,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -202,6 +202,21 @@ class EvalDispatcher:
         for pending in self._pending:
             pending.task.cancel()
         await self.drain()
+
+    async def resume(self, points: Sequence[EvalPoint], pending: Sequence[int], *, current_step: int) -> None:
+        """A resumed run: the points settled before its checkpoint are taken as they were; those then
+        pending are dispatched again. A pending point of the checkpoint's own step (`current_step`) is
+        evaluated on the trainer's restored weights; one of an earlier step settles as skipped
+        `ckpt_missing` (the checkpoint holds only its own step's weights)."""
+        self.points.extend(points)
+        for step in sorted(set(pending)):
+            if step == current_step:
+                await self.dispatch(step, force=step == self.final_step)
+            else:
+                await self._record(EvalPoint(
+                    step=step, posture=self.evaluator.posture, skipped="ckpt_missing",
+                    detail=f"pending when the trainer stopped; the checkpoint it resumed from holds the weights "
+                           f"of step {current_step}, not {step}", lag_steps=max(0, current_step - step)))
 
     @property
     def pending_steps(self) -> list[int]:

@@ -127,6 +127,13 @@ class RunEvaluation:
             datasets=datasets, volume=SnapshotVolume(self.volume) if exporter else None, exporter=exporter,
             on_settled=self._settled)
 
+    async def restore(self, points: Sequence[EvalPoint], pending: Sequence[int], *, current_step: int) -> None:
+        """A resumed run: the points settled before its checkpoint, and those then pending again
+        (`EvalDispatcher.resume`)."""
+        assert self.dispatcher is not None, "attach() first"
+        self._current_step = current_step
+        await self.dispatcher.resume(points, pending, current_step=current_step)
+
     async def after_step(self, step: int) -> None:
         """The training loop's eval hook; how long it held the loop is kept per step (loop_held_s)."""
         assert self.dispatcher is not None, "attach() first"

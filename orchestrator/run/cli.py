@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override spec.trainer.steps")
     p.add_argument("--chaos", action="store_true", help="SIGKILL a random engine now and then, to watch recovery")
     p.add_argument("--chaos-interval", type=float, default=20.0, help="mean seconds between chaos kills")
+    p.add_argument("--resume", action="store_true",
+                   help="start from the newest complete checkpoint (spec.checkpoint); a broken newest one falls "
+                        "back to the one before, with a warning")
+    p.add_argument("--record-batches", type=Path, metavar="DIR",
+                   help="write each step's training batch and loss to DIR/step_<N>.json, to replay a step")
     p.add_argument("-v", "--verbose", action="store_true")
     k = p.add_argument_group("inside a cluster (the trainer pod)")
     k.add_argument("--kubernetes", action="store_true",
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kubernetes:
         if args.file:
             return _usage_error("--kubernetes reads the TrainingRun from the API server; give no FILE")
+        if args.resume:
+            return _usage_error("--resume runs locally only for now")
         missing = [flag for flag, value in (("--namespace", args.namespace), ("--training-run", args.training_run),
                                             ("--snapshot-dir", args.snapshot_dir)) if not value]
         if missing:
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.steps is not None:
         run.spec.trainer.steps = args.steps
+    if args.resume and run.spec.checkpoint is None:
+        return _usage_error(f"--resume: {args.file} has no spec.checkpoint, so its runs write no checkpoints")
     from rlfleet.orchestrator.run.local import LocalRun
 
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -126,7 +135,8 @@ def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:
 def _options(args, run_dir: Path, *, host: str, manifest_dir: Path | None, summary: Path | None = None) -> RunOptions:
     return RunOptions(run_dir=run_dir, summary_path=args.summary or summary, chaos=args.chaos,
                       chaos_interval_s=args.chaos_interval, metrics_host=host, metrics_port=args.metrics_port,
-                      progress=ProgressReporter(), manifest_dir=manifest_dir)
+                      progress=ProgressReporter(), manifest_dir=manifest_dir, resume=args.resume,
+                      record_batches=args.record_batches)
 
 
 async def _run_in_cluster(args) -> RunSummary:

@@ -77,7 +77,7 @@ class KubernetesRun(RunLoop):
         self.progress.event(f"rollout fleet {self.rollout_fleet}: router {url}", self.state)
         # Replacements start from the trainer's own copy of the launch weights from now on.
         await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet,
-                                 model_path=str(self.current_snapshot), weight_version="0")
+                                 model_path=str(self.current_snapshot), weight_version=self.launch_version)
         self._phase(f"waiting for {spec.rollout.replicas} engines")
         self.backend = backend
         self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,

@@ -56,7 +56,7 @@ class LocalRun(RunLoop):
         engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
         self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
-                                    weight_version="0", api_key=self.api_key)
+                                    weight_version=self.launch_version, api_key=self.api_key)
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
                                   api_key=self.api_key,
@@ -64,6 +64,13 @@ class LocalRun(RunLoop):
                                   engine_tp_size=spec.rollout.engine.tensor_parallel_size,
                                   engine_device=spec.rollout.engine.device, engine_dtype=served_dtype(engine))
         return router_url
+
+    def _checkpoint_root(self) -> Path:
+        """Locally never on a scratch volume: under snapshotVolume.localPath when set, else runs/<name>/."""
+        assert self.spec.checkpoint is not None
+        local_path = self.spec.weight_sync.snapshot_volume.local_path
+        base = Path(local_path) if local_path else Path("runs") / self.name
+        return base / self.spec.checkpoint.path
 
     def _eval_fleet_factory(self):
         from rlfleet.orchestrator.evaluation.postures.fleet import start_local_eval_fleet

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import itertools
+import json
 import logging
 import random
 import shutil
@@ -38,6 +41,13 @@ from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, hea
 from rlfleet.orchestrator.guards.watchdog import WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate, probe_health
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
+from rlfleet.orchestrator.run.checkpointing import (
+    ResumePoint,
+    RunCheckpoints,
+    restore_summary,
+    run_state,
+    summary_state,
+)
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
@@ -45,6 +55,7 @@ from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_tra
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
+from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
@@ -76,6 +87,8 @@ class RunOptions:
     step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
     manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
     eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
+    resume: bool = False  # start from the newest complete checkpoint (spec.checkpoint)
+    record_batches: Path | None = None  # write each step's training batch here (step_<N>.json), to replay it
 
 
 def resolve_model_dir(model_path: str) -> Path:
@@ -117,6 +130,17 @@ def sync_record(result: WeightSyncResult) -> dict[str, Any]:
     }
 
 
+def record_batch(directory: Path, step: int, samples, stats: dict) -> None:
+    """`<directory>/step_<N>.json`: the samples step N trained on, its loss and the trainer's other
+    figures (gradient norm, ...), to replay the step."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {"step": step, "loss": stats["loss"], "stats": dict(stats),
+            "samples": [dataclasses.asdict(s) for s in samples]}
+    tmp = directory / f".step_{step}.json.tmp"
+    tmp.write_text(json.dumps(data))
+    tmp.replace(directory / f"step_{step}.json")
+
+
 class RunLoop:
     """The platform-independent part of a run; subclasses start the fleets and report progress.
 
@@ -143,6 +167,15 @@ class RunLoop:
         self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
         self._client: RolloutClient | None = None
         self.api_key: str | None = None  # the fleets' key (subclasses set it): every call to them sends it
+        # Checkpoints (spec.checkpoint) and where a resumed run starts: the engines launch on the
+        # checkpoint's weights, version "<step>" (a fresh run: step_0, "0").
+        self.checkpoints: RunCheckpoints | None = None
+        self.resumed: ResumePoint | None = None
+        self.start_step = 0
+        self.launch_snapshot: Path | None = None
+        self.prompts_drawn = 0
+        self._recreated_before = 0
+        self._checkpoints_before: list[dict] = []
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -195,7 +228,11 @@ class RunLoop:
             if isinstance(trainer, LeadingTrainer):  # rank 0 of several: the other ranks stop when the run does
                 stack.push_async_callback(asyncio.to_thread, trainer.close)
             self.progress.event(describe_trainer(spec))
-            self.current_snapshot = await asyncio.to_thread(trainer.export_hf, snapshot_dir(self.snapshots, 0), 0)
+            if spec.checkpoint is not None:
+                await self._open_checkpoints(trainer, stack)
+            self.current_snapshot = await asyncio.to_thread(
+                trainer.export_hf, snapshot_dir(self.snapshots, self.start_step), self.start_step)
+            self.launch_snapshot = self.current_snapshot
 
             # --- eval: checked first; the eval fleet starts beside the rollout engines, nothing waits for it ---
             if spec.eval is not None:
@@ -209,9 +246,10 @@ class RunLoop:
             stack.push_async_callback(self.fleet.stop)
             self.backend.subscribe(self._on_death)
             await self.fleet.start()
-            await self.fleet.bring_up("0", timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
+            await self.fleet.bring_up(self.launch_version, timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
             self._engines_changed()
-            self.progress.event(f"{self._ready_engines()} engines serving weights v0 behind {router_url}", self.state)
+            self.progress.event(f"{self._ready_engines()} engines serving weights v{self.launch_version} "
+                                f"behind {router_url}", self.state)
 
             session = await stack.enter_async_context(client_session(self.api_key,
                                                                      connector=aiohttp.TCPConnector(limit=0)))
@@ -238,6 +276,9 @@ class RunLoop:
             if self.evaluation is not None:  # eval
                 self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
                                        stop_token_ids=producer.sampling.stop_token_ids)
+                if self.resumed is not None:  # the points settled before the checkpoint; its pending ones again
+                    await self.evaluation.restore(self.resumed.eval_points, self.resumed.eval_pending,
+                                                  current_step=self.start_step)
             # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
             if spec.heat_guard.enabled:
                 self.heat = heat_guard_for(self.fleet, spec.heat_guard,
@@ -267,9 +308,12 @@ class RunLoop:
         task = await asyncio.to_thread(load_task, t.task)
         reward_fn = await asyncio.to_thread(load_reward_fn, t.reward_function) if t.reward_function else task.reward
         problems = iter(task.problems(t.seed))
+        if self.prompts_drawn:  # resumed: the prompts drawn before the checkpoint are not drawn again
+            problems = itertools.islice(problems, self.prompts_drawn, None)
 
         def prompts():
             for p in problems:
+                self.prompts_drawn += 1
                 yield p.prompt, p.answer
 
         tokenizer: Any = trainer.tokenizer if hasattr(trainer, "tokenizer") else None
@@ -292,9 +336,9 @@ class RunLoop:
     async def _train(self, trainer, producer: RolloutProducer) -> None:
         t = self.spec.trainer
         policy = grpo.StalenessPolicy(t.max_staleness)
-        if self.evaluation is not None:  # eval: the initial model (evalBeforeTrain)
+        if self.evaluation is not None and self.start_step == 0:  # eval: the initial model (evalBeforeTrain)
             await self.evaluation.after_step(0)
-        for step in range(1, t.steps + 1):
+        for step in range(self.start_step + 1, t.steps + 1):
             self._phase("rollout")
             step_started = time.monotonic()
             loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
@@ -302,6 +346,8 @@ class RunLoop:
             batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
             self._phase("train")
             stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
+            if self.options.record_batches is not None:
+                await asyncio.to_thread(record_batch, self.options.record_batches, step, batch.samples, stats)
             self._phase("export")
             ws = self.spec.weight_sync
             path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
@@ -323,6 +369,7 @@ class RunLoop:
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
                 recovered_slots=list(result.recovered_slots), heat_paused=heat_paused, sync=sync_record(result),
+                loss=stats["loss"],
             ))
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
@@ -340,6 +387,11 @@ class RunLoop:
                 + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
+            if self.checkpoints is not None and self.checkpoints.is_checkpoint_step(step):
+                self._phase("checkpoint")
+                await self._checkpoint(trainer, step)
+        if self.checkpoints is not None:
+            await self.checkpoints.wait()
         if self.evaluation is not None:  # eval: every point settles before the run ends
             self._phase("eval drain")
             await self.evaluation.finish()
@@ -448,7 +500,64 @@ class RunLoop:
 
     def _count_recoveries(self) -> None:
         if self.backend is not None:
-            self.summary.engines_recreated = sum(e.restarts for e in self.backend.engines())
+            self.summary.engines_recreated = self._recreated_before + sum(e.restarts for e in self.backend.engines())
+        if self.checkpoints is not None:
+            self.summary.checkpoints = [*self._checkpoints_before, *self.checkpoints.written]
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def launch_version(self) -> str:
+        return str(self.start_step)
+
+    def _checkpoint_root(self) -> Path:
+        """Where spec.checkpoint.path is: on the run's snapshot volume (platforms may choose otherwise)."""
+        assert self.spec.checkpoint is not None
+        return self.snapshots / self.spec.checkpoint.path
+
+    def _identity(self) -> ckpt.Identity:
+        t = self.spec.trainer
+        return ckpt.Identity(run=self.name, model_path=self.spec.model_path, backend=t.backend, world_size=1,
+                             tensor_parallel=t.tensor_parallel_size, pipeline_parallel=t.pipeline_parallel_size)
+
+    async def _open_checkpoints(self, trainer, stack: contextlib.AsyncExitStack) -> None:
+        assert self.spec.checkpoint is not None
+        self.checkpoints = RunCheckpoints(self.name, self.spec.checkpoint, self._checkpoint_root(), self._identity(),
+                                          on_event=lambda message: self.progress.event(message, self.state))
+        stack.push_async_callback(self.checkpoints.close)
+        if not self.options.resume:
+            await self.checkpoints.refuse_leftovers()
+            return
+        self._phase("resuming")
+        self.resumed = await self.checkpoints.resume(trainer)
+        if self.resumed is None:
+            return
+        self.start_step = self.resumed.step
+        self.prompts_drawn = self.resumed.prompts_drawn
+        self._recreated_before = restore_summary(self.summary, self.resumed.summary)
+        self._checkpoints_before = list(self.summary.checkpoints)
+        self.summary.resumed_from.append(self.start_step)
+        if self.summary.steps:
+            self.state.reward = self.summary.steps[-1].reward_mean
+        self.state.step = self.start_step
+        self.state.weight_version = self.launch_version
+        metrics.RUN_STEP.labels(run=self.name).set(self.start_step)
+
+    async def _checkpoint(self, trainer, step: int) -> None:
+        assert self.checkpoints is not None
+        self._count_recoveries()
+        evaluation = self.evaluation
+        dispatcher = evaluation.dispatcher if evaluation is not None else None
+
+        def state(held: float) -> dict:
+            summary = summary_state(self.summary, self.summary.engines_recreated)
+            # This checkpoint as a resumed run will see it: how long it held the loop (its write is not done).
+            summary["checkpoints"].append({"step": step, "loop_held_seconds": round(held, 6), "write_seconds": None})
+            return run_state(run=self.name, step=step, prompts_drawn=self.prompts_drawn,
+                             eval_points=list(dispatcher.points) if dispatcher else [],
+                             eval_pending=dispatcher.pending_steps if dispatcher else [], summary=summary)
+
+        await self.checkpoints.save(trainer, step, state)
 
     # --- eval ------------------------------------------------------------------------------------
 
@@ -469,7 +578,8 @@ class RunLoop:
             self.summary.eval_snapshots_left = await asyncio.to_thread(self.evaluation.snapshots_left)
 
     async def _retire_snapshot(self, path: Path | None) -> None:
-        """Weight snapshots are needed until every engine runs the next one; step_0 stays (launch weights).
-        Removed in a thread: a full model on a network volume takes a while."""
-        if path is not None and path.name != "step_0":
+        """Weight snapshots are needed until every engine runs the next one; the launch weights (step_0, or
+        a resumed run's checkpoint step) stay. Removed in a thread: a full model on a network volume takes
+        a while."""
+        if path is not None and path.name != "step_0" and path != self.launch_snapshot:
             await asyncio.to_thread(shutil.rmtree, path, ignore_errors=True)

@@ -22,6 +22,7 @@ class StepRecord:
     recovered_slots: list[int] = field(default_factory=list)  # slots recreated before this step's sync
     heat_paused: bool = False  # a heat-guard pause overlapped the step: its timing is not comparable
     sync: dict[str, Any] = field(default_factory=dict)  # the weight sync: mode, seconds, phases, fallback, checksums
+    loss: float | None = None  # the trainer's loss on the step's batch
 
 
 @dataclass
@@ -37,6 +38,8 @@ class RunSummary:
     router_restarts: dict[str, int] = field(default_factory=dict)  # fleet -> router restarts
     router_events: list[str] = field(default_factory=list)  # "<fleet>: <what happened>", in order
     rollout_attempts: dict[str, int] = field(default_factory=dict)  # attempt result -> count (ok, circuit_open, ...)
+    resumed_from: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from, in order
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # step, loop_held_seconds, write_seconds
 
     def to_dict(self) -> dict[str, Any]:
         first, last = reward_means_first_last(self.steps)
@@ -62,6 +65,9 @@ class RunSummary:
             "router_restarts": dict(self.router_restarts),
             "router_events": list(self.router_events),
             "rollout_attempts": dict(self.rollout_attempts),
+            "loss_per_step": {str(s.step): None if s.loss is None else round(s.loss, 8) for s in self.steps},
+            "resumed_from": list(self.resumed_from),
+            "checkpoints": list(self.checkpoints),
         }
 
     def write(self, path: str | os.PathLike) -> None:

@@ -225,6 +225,21 @@ def version_number(version: str | None) -> float:
 RUN_STEP = Gauge("rlfleet_run_step", "Training steps completed.", ["run"], registry=REGISTRY)
 RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the last step.", ["run"], registry=REGISTRY)
 
+# --- Checkpoints ------------------------------------------------------------------------------------
+# Seconds the training loop waited per checkpoint (copying the trainer's state off the device), and
+# seconds writing it took beside training (shard, meta, marker). outcome: written, failed.
+CHECKPOINT_LOOP_HELD = Histogram(
+    "rlfleet_checkpoint_loop_held_seconds", "Seconds a checkpoint held the training loop (state off the device).",
+    ["run"], buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+CHECKPOINT_WRITE_DURATION = Histogram(
+    "rlfleet_checkpoint_write_seconds", "Seconds writing a checkpoint took, beside training.", ["run"],
+    buckets=DURATION_BUCKETS, registry=REGISTRY,
+)
+CHECKPOINTS = Counter("rlfleet_checkpoints_total", "Checkpoints by outcome.", ["run", "outcome"], registry=REGISTRY)
+CHECKPOINT_STEP = Gauge("rlfleet_checkpoint_step", "Step of the newest complete checkpoint.", ["run"],
+                        registry=REGISTRY)
+
 # --- Evaluation ---------------------------------------------------------------------------------------
 EVAL_IN_FLIGHT = Gauge(
     "rlfleet_eval_in_flight", "Evaluation points dispatched and not yet settled.", ["run", "posture"],

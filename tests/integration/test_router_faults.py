@@ -13,13 +13,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
+from helpers.cli_run import start_cli_run, wait_output
 from rlfleet.orchestrator.run.local import LocalRun, RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 
@@ -138,31 +137,6 @@ def group_logging_to(log_path: Path) -> int | None:
     return None
 
 
-def start_cli_run(tmp_path: Path, **rollout) -> tuple[subprocess.Popen, Path, Path]:
-    manifest = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
-    manifest["spec"]["trainer"]["steps"] = 1000  # still training when the signal comes
-    manifest["spec"]["rollout"]["replicas"] = 1
-    for key, value in rollout.items():
-        manifest["spec"]["rollout"].setdefault(key, {}).update(value)
-    del manifest["spec"]["eval"]
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    run_dir = tmp_path / "run"
-    out = tmp_path / "out.log"
-    with out.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.cli", "run", str(path), "--run-dir", str(run_dir),
-                                 "--metrics-port", "0"], stdout=sink, stderr=subprocess.STDOUT, text=True)
-    return proc, run_dir, out
-
-
-def wait_output(proc: subprocess.Popen, out: Path, text: str, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in out.read_text():
-        assert proc.poll() is None, out.read_text()[-3000:]
-        assert time.monotonic() < deadline, out.read_text()[-3000:]
-        time.sleep(0.2)
-
-
 def stop_and_check(proc: subprocess.Popen, run_dir: Path, out: Path, sig: int) -> float:
     from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
     from rlfleet.util.procs import groups_writing_under
@@ -185,7 +159,8 @@ def stop_and_check(proc: subprocess.Popen, run_dir: Path, out: Path, sig: int) -
 def test_sigterm_stops_a_run_whose_router_is_dead(tmp_path: Path):
     """The router is killed twice: the second restart waits out a long backoff, so the path stays dead
     while every client retries."""
-    proc, run_dir, out = start_cli_run(tmp_path, recovery={"backoffBaseSeconds": 120, "backoffMaxSeconds": 120})
+    proc, run_dir, out = start_cli_run(tmp_path,
+                                       rollout={"recovery": {"backoffBaseSeconds": 120, "backoffMaxSeconds": 120}})
     try:
         wait_output(proc, out, "step 1/1000")
         router_log = run_dir / "router.log"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.cli_run import start_cli_run, wait_output
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 
@@ -108,28 +109,12 @@ def test_sigterm_stops_the_run_and_leaves_no_engine_router_or_scratch_volume(tmp
     """What `kill <pid>` (or a pod's termination) of `rlfleet run` must leave behind: nothing."""
     import time
 
-    import yaml
-
     from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
     from rlfleet.util.procs import groups_writing_under
 
-    manifest = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
-    manifest["spec"]["trainer"]["steps"] = 1000  # still training when the signal comes
-    manifest["spec"]["rollout"]["replicas"] = 1
-    del manifest["spec"]["eval"]
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(manifest))
-    run_dir = tmp_path / "run"
-    out = tmp_path / "out.log"
-    with out.open("w") as sink:
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.cli", "run", str(path), "--run-dir", str(run_dir),
-                                 "--metrics-port", "0"], stdout=sink, stderr=subprocess.STDOUT, text=True)
+    proc, run_dir, out = start_cli_run(tmp_path)
     try:
-        deadline = time.monotonic() + 900
-        while "step 1/1000" not in out.read_text():
-            assert proc.poll() is None, out.read_text()[-3000:]
-            assert time.monotonic() < deadline, out.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_output(proc, out, "step 1/1000")
         running = groups_writing_under(run_dir)
         assert len(running) >= 2, running  # the engine and the router, each its own process group
         assert default_local_volume(run_dir).is_dir()

@@ -173,3 +173,17 @@ def test_weight_sync_fields_are_checked_and_named():
         assert path in [p for p, _ in errors(RUN + f"  weightSync: {{{bad}}}\n")], bad
     mixed = errors(RUN + "  trainer: {gpus: 0}\n  rollout: {engine: {device: cuda}}\n  weightSync: {mode: broadcast}\n")
     assert [(p, m) for p, m in mixed if p == "spec.weightSync.mode" and "same kind of device" in m]
+
+
+def test_checkpoint_fields_are_checked_naming_the_field():
+    (doc,) = load_text(RUN + "  checkpoint: {intervalSteps: 3}\n")
+    assert doc.errors == [] and doc.obj.spec.checkpoint.keep == 2 and doc.obj.spec.checkpoint.path == "checkpoints"
+    assert errors(RUN + "  checkpoint: {keep: 2}\n")[0][0] == "spec.checkpoint.intervalSteps"
+    assert errors(RUN + "  checkpoint: {intervalSteps: 0}\n")[0][0] == "spec.checkpoint.intervalSteps"
+    assert errors(RUN + "  checkpoint: {intervalSteps: 3, keep: 0}\n")[0][0] == "spec.checkpoint.keep"
+    for path in ("/abs", "a/../../b", "./x", "a//b"):
+        found = errors(RUN + f"  checkpoint: {{intervalSteps: 3, path: '{path}'}}\n")
+        assert found and found[0][0] == "spec.checkpoint.path", (path, found)
+    gpu = RUN + "  trainer: {backend: megatron, gpus: 1}\n  checkpoint: {intervalSteps: 3}\n"
+    assert errors(gpu) == [("spec.checkpoint", "checkpoints of the megatron backend are written on CPU trainers "
+                                                "only (gpus: 0) for now")]

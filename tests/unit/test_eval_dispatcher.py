@@ -238,3 +238,23 @@ async def test_a_snapshot_posture_needs_a_volume():
     with pytest.raises(ValueError, match="volume"):
         EvalDispatcher(run="x", evaluator=ScriptedEvaluator(), max_in_flight=1, overflow_policy="skip",
                        keep_snapshots=1, interval_steps=1, final_step=1, before_train=False, current_step=lambda: 0)
+
+
+async def test_a_resumed_dispatcher_keeps_settled_points_and_dispatches_pending_ones_again():
+    from rlfleet.orchestrator.evaluation.policy import EvalPoint
+
+    evaluator = ScriptedEvaluator(seconds=5)
+    dispatcher, volume, state = make(evaluator, steps=12, interval=3, run="resumed")
+    settled = EvalPoint(step=3, posture="external", weight_version="3",
+                        datasets={"d": DatasetScore("d", 0.5, samples=1)})
+    before = skipped("resumed", "ckpt_missing")
+    state["step"] = 6
+    # Checkpoint of step 6: point 3 had settled, points 5 (an earlier step) and 6 were pending.
+    await dispatcher.resume([settled], [6, 5], current_step=6)
+    await dispatcher.drain()
+    by_step = {p.step: p for p in dispatcher.points}
+    assert sorted(by_step) == [3, 5, 6]
+    assert by_step[3] is settled and evaluator.evaluated == [6] and by_step[6].skipped is None
+    assert by_step[5].skipped == "ckpt_missing" and "weights of step 6" in by_step[5].detail
+    assert skipped("resumed", "ckpt_missing") == before + 1
+    assert volume.dirs == {"/volume/eval/step_6"}  # kept: keepSnapshots 2, nothing leaked

@@ -1,0 +1,63 @@
+"""`rlfleet run` as a user starts it: a subprocess on a TrainingRun YAML derived from the quickstart."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _merge(base: dict, changes: dict) -> dict:
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def write_manifest(path: Path, *, steps: int = 1000, replicas: int = 1, rollout: dict | None = None,
+                   spec: dict | None = None, eval_on: bool = False) -> Path:
+    """The quickstart with `steps` (default: still training when a signal comes), `replicas` engines,
+    no eval unless `eval_on`, and `rollout` / `spec` merged in (nested dicts merge)."""
+    manifest: dict[str, Any] = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    manifest["spec"]["trainer"]["steps"] = steps
+    manifest["spec"]["rollout"]["replicas"] = replicas
+    if not eval_on:
+        del manifest["spec"]["eval"]
+    _merge(manifest["spec"]["rollout"], rollout or {})
+    _merge(manifest["spec"], spec or {})
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+def start_cli_run(tmp_path: Path, *, manifest: Path | None = None, args: tuple[str, ...] = (), tag: str = "run",
+                  **manifest_options) -> tuple[subprocess.Popen, Path, Path]:
+    """`rlfleet run MANIFEST --run-dir <tmp>/<tag> --metrics-port 0 ARGS`; output to <tmp>/<tag>.log.
+
+    Without `manifest`, one is written from the quickstart (`write_manifest`'s options). Returns the
+    process, its run directory and its output file."""
+    if manifest is None:
+        manifest = write_manifest(tmp_path / f"{tag}.yaml", **manifest_options)
+    run_dir = tmp_path / tag
+    out = tmp_path / f"{tag}.log"
+    with out.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "rlfleet.cli", "run", str(manifest), "--run-dir",
+                                 str(run_dir), "--metrics-port", "0", *args],
+                                stdout=sink, stderr=subprocess.STDOUT, text=True)
+    return proc, run_dir, out
+
+
+def wait_output(proc: subprocess.Popen, out: Path, text: str, timeout_s: float = 900) -> None:
+    """Until `text` is in the run's output; fails if the run exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while text not in out.read_text():
+        assert proc.poll() is None, out.read_text()[-3000:]
+        assert time.monotonic() < deadline, out.read_text()[-3000:]
+        time.sleep(0.2)

@@ -1,0 +1,138 @@
+"""Trainer checkpoints of both backends: a trainer resumed from step 3 trains on as if it never stopped.
+
+Real trainers on the tiny model; the checkpoint goes through the disk format (shard, marker, checksums).
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers.engines import on_policy_batch
+from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.base import build_trainer
+
+PROMPT = list(b"abc=")
+RESPONSES = [(list(b"bcd"), 1.0), (list(b"xyz"), 0.0), (list(b"bcx"), 0.5)]
+
+
+def identity(default_backend: str, **changes) -> ckpt.Identity:
+    fields = {"run": "r", "model_path": "tiny://llama", "backend": default_backend, **changes}
+    return ckpt.Identity(**fields)
+
+
+def batches(trainer, n: int) -> list:
+    """n on-policy batches, computed up front with the initial weights (so both trainers see the same)."""
+    return [on_policy_batch(trainer, PROMPT, RESPONSES[i % 3:] + RESPONSES[:i % 3]) for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_resumed_trainer_matches_one_that_never_stopped(backend, tiny_model, tmp_path):
+    options = {"lr": 1e-2, "seed": 0, "micro_batch_size": 2}
+    straight = build_trainer(backend, tiny_model, **options)
+    data = batches(straight, 6)
+    for b in data[:3]:
+        straight.train_step(b)
+    state = ckpt.capture_state(straight)
+    random_after_capture = random.random()
+    torch_after_capture = torch.rand(3)
+    info = ckpt.write_checkpoint(tmp_path, identity=identity(backend), step=3, weight_version="3", state=state,
+                                 run_state={"prompts_drawn": 48})
+    losses = [straight.train_step(b)["loss"] for b in data[3:]]
+
+    resumed = build_trainer(backend, tiny_model, **options)
+    found, skipped = ckpt.newest_complete(tmp_path)
+    assert found is not None and found.directory == info.directory and skipped == []
+    ckpt.check_identity(found, identity(backend))
+    ckpt.restore_state(resumed, ckpt.load_shard(found))
+    assert resumed.step == 3 and found.weight_version == "3" and found.run_state() == {"prompts_drawn": 48}
+    assert random.random() == random_after_capture and torch.equal(torch.rand(3), torch_after_capture)
+    resumed_losses = [resumed.train_step(b)["loss"] for b in data[3:]]
+    # Step 4 checks the weights, steps 5 and 6 the optimizer's moments too.
+    assert resumed_losses == pytest.approx(losses, abs=1e-5)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.allclose(resumed.hf_state_dict()[name], straight.hf_state_dict()[name], atol=1e-6)
+
+
+def test_capture_is_a_copy(tiny_model):
+    trainer = build_trainer("torch", tiny_model, lr=1e-2)
+    batch = batches(trainer, 1)[0]
+    trainer.train_step(batch)
+    state = ckpt.capture_state(trainer)
+    before = {k: v.clone() for k, v in state["model"].items()}
+    trainer.train_step(batch)
+    assert all(torch.equal(before[k], state["model"][k]) for k in before)
+    assert state["step"] == 1 and state["optimizer"]["state"]
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert ckpt.state_bytes(state) >= 3 * weights  # the weights and AdamW's two moments
+
+
+def small_checkpoint(root, step: int, **identity_changes) -> ckpt.CheckpointInfo:
+    state = {"format": 1, "backend": "torch", "step": step, "model": {"w": torch.arange(1000.0)}}
+    return ckpt.write_checkpoint(root, identity=identity("torch", **identity_changes), step=step,
+                                 weight_version=str(step), state=state, run_state={"step": step})
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    small_checkpoint(tmp_path, 3)
+    newest = small_checkpoint(tmp_path, 6)
+    shard = newest.shard(0)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    found, skipped = ckpt.newest_complete(tmp_path)
+    assert found is not None and found.step == 3
+    assert len(skipped) == 1 and "step_00000006" in skipped[0] and "truncated" in skipped[0]
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda info: (info.directory / ckpt.MARKER).unlink(), "incomplete"),
+    (lambda info: info.shard(0).write_bytes(b"x" * info.shard(0).stat().st_size), "checksum"),
+    (lambda info: info.shard(0).unlink(), "missing"),
+    (lambda info: (info.directory / ckpt.META).write_text("{"), "unreadable"),
+])
+def test_every_damage_is_named(tmp_path, damage, why):
+    info = small_checkpoint(tmp_path, 6)
+    damage(info)
+    with pytest.raises(ckpt.CheckpointInvalid, match=why):
+        ckpt.validate(info.directory)
+    found, skipped = ckpt.newest_complete(tmp_path)
+    assert found is None and len(skipped) == 1 and why in skipped[0]
+
+
+def test_a_checkpoint_of_another_run_model_or_layout_is_refused(tmp_path):
+    info = small_checkpoint(tmp_path, 3)
+    ckpt.check_identity(info, identity("torch"))
+    for changes, named in (({"run": "other"}, "run"), ({"model_path": "tiny://qwen2"}, "model_path"),
+                           ({"backend": "megatron"}, "backend"), ({"world_size": 2}, "world_size"),
+                           ({"tensor_parallel": 2}, "tensor_parallel")):
+        with pytest.raises(ckpt.CheckpointMismatch, match=named):
+            ckpt.check_identity(info, identity("torch", **changes))
+
+
+def test_a_leftover_incomplete_directory_is_replaced_and_pruning_keeps_the_newest(tmp_path):
+    small_checkpoint(tmp_path, 3)
+    leftover = ckpt.step_dir(tmp_path, 6)
+    leftover.mkdir()
+    (leftover / "rank_00000.pt").write_bytes(b"half")
+    assert ckpt.newest_complete(tmp_path)[0].step == 3
+    small_checkpoint(tmp_path, 6)
+    small_checkpoint(tmp_path, 9)
+    ckpt.step_dir(tmp_path, 12).mkdir()  # a write in progress
+    removed = ckpt.prune(tmp_path, keep=2)
+    assert [p.name for p in removed] == ["step_00000003"]
+    assert [p.name for p in ckpt.step_dirs(tmp_path)] == ["step_00000012", "step_00000009", "step_00000006"]
+
+
+def test_finalize_waits_for_every_rank(tmp_path):
+    """With several ranks the checkpoint is complete only when every rank's shard is."""
+    two = identity("megatron", world_size=2, tensor_parallel=2)
+    directory = ckpt.step_dir(tmp_path, 3)
+    ckpt.write_shard(directory, 0, {"model": {}})
+    with pytest.raises(ckpt.CheckpointInvalid, match="rank 1"):
+        ckpt.finalize(directory, identity=two, step=3, weight_version="3", run_state={})
+    assert ckpt.newest_complete(tmp_path)[0] is None
+    ckpt.write_shard(directory, 1, {"model": {}})
+    info = ckpt.finalize(directory, identity=two, step=3, weight_version="3", run_state={})
+    assert ckpt.validate(directory).meta["shards"] == ["rank_00000.pt", "rank_00001.pt"]
+    assert json.loads((directory / ckpt.MARKER).read_text())["step"] == 3 and info.step == 3
