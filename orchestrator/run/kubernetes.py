@@ -30,6 +30,7 @@ from pathlib import Path
 from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRun
+from rlfleet.crds.platform_limits import unsupported_on_kubernetes
 from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
@@ -61,11 +62,11 @@ class KubernetesRun(RunLoop):
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
-        if spec.weight_sync.mode == "broadcast":
-            # Engine pods would have to reach this pod's update-group port (NetworkPolicy, pod address):
-            # not built yet, so refused before any engine is touched rather than silently syncing from disk.
-            raise RunFailed("WeightSyncUnsupported", "weightSync.mode broadcast runs with `rlfleet run` (local "
-                            "processes) only so far; on Kubernetes use weightSync.mode disk")
+        if problems := unsupported_on_kubernetes(spec):
+            # The operator fails such a run before creating this pod; refused here too, before any engine
+            # is touched, rather than silently syncing from disk.
+            raise RunFailed("WeightSyncUnsupported" if spec.weight_sync.mode == "broadcast" else "InvalidSpec",
+                            "; ".join(problems))
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
                                                timeout=spec.rollout.health.startup_timeout_seconds,

@@ -179,3 +179,12 @@ def test_a_run_spec_the_models_reject_fails_the_run_and_creates_nothing():
     assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
     assert "minReadyEngines" in plan.status["message"] and "engines" not in plan.status
     assert [e.reason for e in plan.events] == ["InvalidSpec"]
+
+
+def test_a_run_only_local_processes_can_run_fails_before_anything_is_created():
+    for spec, field in (({"weightSync": {"mode": "broadcast", "mountPath": "/snapshots"}}, "spec.weightSync.mode"),
+                        ({"trainer": {"backend": "torch", "gpus": 0, "dataParallelSize": 2}}, "spec.trainer")):
+        plan = decide_run(run(**spec), RunChildren(), now=T0)
+        failed = find(plan.status["conditions"], "Failed")
+        assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
+        assert field in plan.status["message"] and "rlfleet run" in plan.status["message"]
