@@ -22,7 +22,7 @@ AGENT_SECRET = "RLFLEET_TEST_AGENT_SECRET"
 # (The mount path reaches the process through $CREDS: the agent maps mount paths in env values and arguments.)
 PROBE = ("import json, os, stat; d = os.environ['CREDS']; "
          "print(json.dumps({'env': dict(os.environ), 'mode': stat.S_IMODE(os.stat(d + '/token').st_mode), "
-         "'secret_dir_mode': stat.S_IMODE(os.stat(d).st_mode), 'token': open(d + '/token').read()}))")
+         "'secret_dir_mode': stat.S_IMODE(os.stat(d).st_mode), 'file_content': open(d + '/token').read()}))")
 
 
 def pod(name: str, volumes: list[dict], mounts: list[dict], command: list[str], env: list[dict] | None = None) -> dict:
@@ -78,7 +78,7 @@ def test_a_pod_sees_only_its_own_environment_and_secret_files_are_private(contro
     assert home.is_relative_to(data_dir.resolve() / "pods") and home.name == "home"
     assert kubeconfig.is_relative_to(data_dir.resolve() / "pods")
     assert env["PATH"].endswith(":/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    assert (seen["mode"], seen["secret_dir_mode"], seen["token"]) == (0o600, 0o700, "t0ken")
+    assert (seen["mode"], seen["secret_dir_mode"], seen["file_content"]) == (0o600, 0o700, "t0ken")
 
 
 @pytest.mark.parametrize(("name", "volume", "reason", "says"), [
