@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,46 +231,37 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
 
 async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
                                 plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
+    """The engines' NetworkPolicy: created, restored or deleted as decided."""
+    await _apply_policy(kube, fleet, spec, current, plan, settings, refused, build=b.build_engine_network_policy,
+                        admits=f"engines admit only {_admitted(fleet, spec, settings)}")
+
+
+async def _apply_router_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
+                                       plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
+    """The router's NetworkPolicy: only the run's trainer (or client pods) reach its HTTP port."""
+    who = f"the trainer pod of run {spec.run_name}" if spec.run_name else f'pods labelled {b.LABEL_CLIENT}: "true"'
+    await _apply_policy(kube, fleet, spec, current, plan, settings, refused, build=b.build_router_network_policy,
+                        admits=f"the router admits only {who}")
+
+
+async def _apply_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None, plan: FleetPlan,
+                        settings: Settings, refused: list[Rejection], *, build: Callable[..., dict],
+                        admits: str) -> None:
     action = decide_network_policy(fleet, current, enabled=settings.network_policy,
-                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec)
+                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec, build=build)
     if action is None:
         return
     meta = action.obj["metadata"]
     ns, name = fleet["metadata"]["namespace"], meta["name"]
     if action.verb == "create":
         if await _create(kube, NETWORK_POLICIES, action.obj, refused):
-            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
-                                     f"NetworkPolicy {name}: engines admit only {_admitted(fleet, spec, settings)}"))
+            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED, f"NetworkPolicy {name}: {admits}"))
     elif action.verb == "patch":
         if not await _patch(kube, NETWORK_POLICIES, action.obj, {"spec": action.obj["spec"]}, refused):
             return
         plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
-                                 f"NetworkPolicy {name} had been changed; restored: engines admit only "
-                                 f"{_admitted(fleet, spec, settings)}"))
+                                 f"NetworkPolicy {name} had been changed; restored: {admits}"))
     elif await kube.delete(NETWORK_POLICIES, name, ns, uid=meta.get("uid")) is not None:
-        plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
-                                 f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
-
-
-async def _apply_router_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
-                                       plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
-    action = decide_network_policy(fleet, current, enabled=settings.network_policy,
-                                   metrics_from=list(settings.network_policy_metrics_from), spec=spec,
-                                   build=b.build_router_network_policy)
-    if action is None:
-        return
-    ns, name = fleet["metadata"]["namespace"], action.obj["metadata"]["name"]
-    who = f"the trainer pod of run {spec.run_name}" if spec.run_name else f'pods labelled {b.LABEL_CLIENT}: "true"'
-    if action.verb == "create":
-        if await _create(kube, NETWORK_POLICIES, action.obj, refused):
-            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED,
-                                     f"NetworkPolicy {name}: the router admits only {who}"))
-    elif action.verb == "patch":
-        if not await _patch(kube, NETWORK_POLICIES, action.obj, {"spec": action.obj["spec"]}, refused):
-            return
-        plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED,
-                                 f"NetworkPolicy {name} had been changed; restored: the router admits only {who}"))
-    elif await kube.delete(NETWORK_POLICIES, name, ns, uid=action.obj["metadata"].get("uid")) is not None:
         plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED,
                                  f"NetworkPolicy {name} deleted: the operator's network policy is switched off"))
 
