@@ -39,9 +39,9 @@ def alive(groups: set[int]) -> set[int]:
     return left
 
 
-def replay(manifest: Path, batches: list[Path]) -> list[tuple[float, float]]:
+def replay(manifest: Path, batches: list[Path]) -> tuple[list[tuple[float, float]], list[dict]]:
     """A trainer built as the run builds it, trained on the recorded batches in order: each step's
-    (loss, gradient norm)."""
+    (loss, gradient norm), and its weights after each step."""
     from rlfleet.crds.loader import load_training_run
     from rlfleet.orchestrator.run.loop import resolve_model_dir
     from rlfleet.trainer import grpo
@@ -53,14 +53,16 @@ def replay(manifest: Path, batches: list[Path]) -> list[tuple[float, float]]:
                             micro_batch_size=t.micro_batch_size,
                             loss=grpo.LossConfig(clip_low=t.eps_clip, clip_high=t.eps_clip,
                                                  temperature=t.temperature or 1.0, kl_coef=t.kl_coef))
-    losses = []
+    losses, weights = [], []
     for path in batches:
         samples = [grpo.Sample(**{**s, "prompt_ids": tuple(s["prompt_ids"]), "response_ids": tuple(s["response_ids"]),
                                   "sampling_logprobs": tuple(s["sampling_logprobs"])})
                    for s in json.loads(path.read_text())["samples"]]
         stats = trainer.train_step(samples)
         losses.append((stats["loss"], stats["grad_norm"]))
-    return losses
+        model, _ = trainer.checkpoint_objects()
+        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return losses, weights
 
 
 def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path):
@@ -113,20 +115,29 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path)
     resumed_steps = sorted(int(p.stem.removeprefix("step_")) for p in (tmp_path / "batches-resumed").glob("*.json"))
     assert resumed_steps == list(range(7, STEPS + 1)), resumed_steps
 
-    # A trainer that never stopped: steps 1..6 on the first run's batches, 7 and 8 on the resumed run's.
+    # A trainer that never stopped, on both runs' recorded batches (1..6 first, 7..12 resumed): every
+    # step's loss and gradient norm, and its weights after step 12 against the resumed run's step-12
+    # checkpoint. An on-policy step's clipped loss is ~0 whatever the weights, and a step whose groups
+    # all scored alike has no gradient at all, so the weights carry the check: Adam's restored moments
+    # keep moving them after step 6 even then (asserted, so the comparison can tell runs apart).
+    from rlfleet.trainer import checkpoint as ckpt
+
     batches = [tmp_path / "batches-first" / f"step_{n}.json" for n in range(1, 7)]
-    batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in (7, 8)]
-    replayed = replay(manifest, batches)
+    batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in range(7, STEPS + 1)]
+    replayed, weights = replay(manifest, batches)
     recorded = [(d["loss"], d["stats"]["grad_norm"]) for d in (json.loads(p.read_text()) for p in batches)]
-    # Step 7 checks the restored weights, step 8 the restored optimizer state as well. An on-policy step's
-    # clipped loss is ~0 whatever the weights (ratio 1, advantages centred), so the gradient norm, which
-    # depends on them, is compared too.
-    assert any(norm > 1e-4 for _, norm in recorded[6:]), recorded  # gradients that can tell weights apart
     for (loss, norm), (want_loss, want_norm) in zip(recorded, replayed, strict=True):
         assert loss == pytest.approx(want_loss, abs=1e-5) and norm == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (
             recorded, replayed)
-    assert [float(data["loss_per_step"][str(n)]) for n in (7, 8)] == pytest.approx(
+    moved = max(float((weights[-1][k] - weights[5][k]).abs().max()) for k in weights[-1])
+    assert moved > 1e-5, "the resumed steps did not change the weights: nothing to compare"
+    info = ckpt.validate(ckpt.step_dir(volume / "checkpoints", STEPS))
+    resumed_weights = ckpt.load_shard(info)["model"]
+    assert set(resumed_weights) == set(weights[-1])
+    worst = max(float((resumed_weights[k].float() - weights[-1][k].float()).abs().max()) for k in resumed_weights)
+    assert worst <= 1e-5, f"the resumed run's step-{STEPS} weights differ from a never-stopped trainer's by {worst}"
+    assert [float(data["loss_per_step"][str(n)]) for n in range(7, STEPS + 1)] == pytest.approx(
         [r[0] for r in recorded[6:]], abs=1e-6)
     print(f"\nfigures: resumed from step 6; step 7 loss {recorded[6][0]:.6f} grad norm {recorded[6][1]:.6f} "
-          f"(never stopped: {replayed[6][0]:.6f}, {replayed[6][1]:.6f}); step 8 {recorded[7][0]:.6f}, "
-          f"{recorded[7][1]:.6f} ({replayed[7][0]:.6f}, {replayed[7][1]:.6f}); checkpoints {data['checkpoints']}")
+          f"(never stopped: {replayed[6][0]:.6f}, {replayed[6][1]:.6f}); step-{STEPS} weights within {worst:.2e} "
+          f"of a never-stopped trainer's (moved {moved:.2e} since step 6); checkpoints {data['checkpoints']}")
