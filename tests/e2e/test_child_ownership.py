@@ -14,11 +14,9 @@ import time
 import pytest
 
 from helpers.cluster import (
-    OPERATOR_SA,
-    SYSTEM_NS,
-    OperatorProcess,
     apply,
     chart_installed,
+    chart_operator,
     get_json,
     wait_for,
 )
@@ -40,11 +38,8 @@ def installed(control_plane):
 
 @pytest.fixture(scope="module")
 def operator(control_plane, installed, tmp_path_factory):
-    op = OperatorProcess(control_plane.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA), NS,
-                         tmp_path_factory.mktemp("operator"))
-    op.start()
-    yield op
-    op.stop()
+    with chart_operator(control_plane, NS, tmp_path_factory.mktemp("operator")) as op:
+        yield op
 
 
 def pod(name: str, labels: dict) -> dict:

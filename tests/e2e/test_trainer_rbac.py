@@ -14,7 +14,13 @@ import json
 
 import pytest
 
-from helpers.cluster import OPERATOR_SA, SYSTEM_NS, OperatorProcess, apply, chart_installed, get_json, wait_for
+from helpers.cluster import (
+    apply,
+    chart_installed,
+    chart_operator,
+    get_json,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.cluster]
 
@@ -31,11 +37,8 @@ def installed(control_plane):
 
 @pytest.fixture(scope="module")
 def operator(control_plane, installed, tmp_path_factory):
-    op = OperatorProcess(control_plane.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA), NS,
-                         tmp_path_factory.mktemp("operator"))
-    op.start()
-    yield op
-    op.stop()
+    with chart_operator(control_plane, NS, tmp_path_factory.mktemp("operator")) as op:
+        yield op
 
 
 @pytest.fixture(scope="module")

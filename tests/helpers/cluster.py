@@ -71,6 +71,18 @@ def chart_installed(cp, namespace: str):
         helm(cp, "uninstall", "rlfleet", "-n", SYSTEM_NS)
 
 
+@contextlib.contextmanager
+def chart_operator(cp, namespace: str, log_dir: Path):
+    """The operator as a local process with the chart's ServiceAccount token (the chart installed for
+    `namespace` first), started; stopped afterwards."""
+    op = OperatorProcess(cp.service_account_kubeconfig(SYSTEM_NS, OPERATOR_SA), namespace, log_dir)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
 def start_node_agent(cp, data_dir: Path, *, first_host: int = 100,
                      env: dict[str, str] | None = None) -> GroupProcess:
     """The node agent as a process (its environment: this one's plus `env`)."""

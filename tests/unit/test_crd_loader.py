@@ -5,23 +5,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.manifests import RUN, errors
 from rlfleet.crds.loader import ManifestError, load_text, load_training_run, validate_update
 from rlfleet.crds.validate_cli import main as validate_main
 
 REPO = Path(__file__).resolve().parents[2]
 
-RUN = """\
-apiVersion: rlfleet.io/v1alpha1
-kind: TrainingRun
-metadata: {name: t}
-spec:
-  modelPath: tiny://llama
-"""
-
-
-def errors(text: str) -> list[tuple[str, str]]:
-    (doc,) = load_text(text)
-    return [(e.path, e.message) for e in doc.errors]
 
 
 def test_a_minimal_run_gets_every_default():

@@ -7,24 +7,12 @@ import itertools
 
 import pytest
 
+from helpers.manifests import RUN, errors
 from rlfleet.crds.loader import load_text
 from rlfleet.crds.managed import ENGINE_FLAGS, MANAGED_OPTION_STRINGS, RESERVED_ENV, USER_SETTABLE_ENGINE_FLAGS
 from rlfleet.crds.specs import EngineSpec
 from rlfleet.operator import builders as b
 from rlfleet.sglang.launch import BASE_ENV, build_engine_launch
-
-RUN = """\
-apiVersion: rlfleet.io/v1alpha1
-kind: TrainingRun
-metadata: {name: t}
-spec:
-  modelPath: tiny://llama
-"""
-
-
-def errors(text: str) -> list[tuple[str, str]]:
-    (doc,) = load_text(text)
-    return [(e.path, e.message) for e in doc.errors]
 
 
 def _flags(args) -> set[str]:
