@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PYTEST := $(PY) -P -m pytest
 
-.PHONY: setup test test-unit test-integration test-e2e quickstart crds docs bench lint clean
+.PHONY: setup test test-unit test-integration test-e2e quickstart crds dashboards docs bench lint clean
 
 setup:
 	scripts/setup.sh
@@ -33,6 +33,10 @@ quickstart: setup
 # The CRDs (crds/*.yaml) and the API reference (docs/api-reference.md), both from the models.
 crds:
 	$(PY) -m rlfleet.crds.generate
+
+# The chart's Grafana dashboards (charts/rlfleet/dashboards/*.json), from rlfleet/observability/dashboards.
+dashboards:
+	$(PY) -m rlfleet.observability.dashboards
 
 docs: crds
 

@@ -126,3 +126,38 @@ def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tm
     assert monitoring_cli.main([str(edited)]) == 1
     assert capsys.readouterr().out.splitlines() == [
         "edited.json: Health probes [A]: rlfleet_probes_total is not exported by rlfleet.observability.metrics"]
+
+
+# --- dashboards as code -------------------------------------------------------------------------------
+
+def test_committed_dashboards_are_what_the_code_generates():
+    from rlfleet.observability import dashboards
+
+    stale = dashboards.stale_files(dashboards.generated_files())
+    assert not stale, f"run `make dashboards`: {[p.name for p in stale]} differ from what the code generates"
+
+
+def test_dashboards_check_mode_reports_a_hand_edited_file(tmp_path, capsys):
+    from rlfleet.observability import dashboards
+
+    assert dashboards.main(["--dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rlfleet-fleet.json", "rlfleet-training.json"]
+    assert dashboards.main(["--check", "--dir", str(tmp_path)]) == 0
+    (tmp_path / "rlfleet-fleet.json").write_text("{}\n")
+    assert dashboards.main(["--check", "--dir", str(tmp_path)]) == 1
+    assert "rlfleet-fleet.json" in capsys.readouterr().err
+
+
+def test_renaming_a_metric_renames_its_panels(monkeypatch):
+    from rlfleet.observability import dashboards
+    from rlfleet.observability.dashboards import query
+
+    monkeypatch.setattr(metrics.ENGINE_PROBES, "_name", "rlfleet_engine_health_checks")
+    board = json.loads(dashboards.generated_files()[dashboards.DASHBOARD_DIR / "rlfleet-fleet.json"])
+    panel = next(p for p in board["panels"] if p["title"] == "Health probes")
+    assert panel["targets"][0]["expr"] == ('sum by (fleet, result) (rate(rlfleet_engine_health_checks_total'
+                                           '{fleet=~"$fleet"}[$__rate_interval]))')
+    with pytest.raises(ValueError, match="has no label pool"):
+        query.series(metrics.ENGINE_PROBES, pool="x")
+    with pytest.raises(ValueError, match="no series part 'bucket'"):
+        query.series(metrics.ENGINE_RECREATIONS, "bucket")

@@ -1,0 +1,3 @@
+from rlfleet.observability.dashboards import main
+
+raise SystemExit(main())
