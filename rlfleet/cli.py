@@ -16,6 +16,7 @@ COMMANDS = {
     "operator": ("rlfleet.operator.main", "run the Kubernetes operator"),
     "tiny-model": ("rlfleet.trainer.tiny", "write the tiny offline test model"),
     "check-monitoring": ("rlfleet.observability.cli", "check dashboards and alert rules against the exported metrics"),
+    "report": ("rlfleet.observability.report.cli", "write a run's report (HTML with plots, PNG) from its summary"),
 }
 
 

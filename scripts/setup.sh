@@ -72,4 +72,11 @@ done
 step "tiny model"
 .venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null
 
+# Headless Chromium (Debian package) opens the run report in its test (tests/integration/test_report.py).
+if ! command -v chromium >/dev/null 2>&1; then
+  step "installing chromium (apt-get)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+    >/dev/null 2>&1 || echo "setup: could not install chromium; the report's browser test fails without it" >&2
+fi
+
 step "done. Activate with: source .venv/bin/activate"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlfleet.crds.loader import ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
+from rlfleet.observability.report import report_path_for, write_report
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                             ("--snapshot-dir", args.snapshot_dir)) if not value]
         if missing:
             return _usage_error(f"--kubernetes needs {', '.join(missing)}")
-        return _finish(lambda: _run_in_cluster(args))
+        return _finish(lambda: _run_in_cluster(args),
+                       report=report_path_for(args.snapshot_dir / f"{args.training_run}-summary.json"))
     if not args.file:
         return _usage_error("give a TrainingRun FILE (or --kubernetes inside a cluster)")
     try:
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                        manifest_dir=Path(args.file).resolve().parent)
     local = LocalRun(run, options)
     return _finish(local.execute,
-                   force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None))
+                   force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None),
+                   report=report_path_for(args.summary) if args.summary else run_dir / "report.html")
 
 
 def _launch_ranks(run: TrainingRun, argv: list[str], run_dir: Path) -> int:
@@ -237,7 +240,8 @@ async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_s
             timer.cancel()
 
 
-def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None) -> int:
+def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
+            report: Path | None = None) -> int:
     try:
         summary = asyncio.run(_until_signal(execute, force_stop=force_stop))
     except RunFailed as exc:
@@ -268,4 +272,16 @@ def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callabl
               + (f", last @{last['step']} {last['scores']}" if last else "")
               + (f", skipped {' '.join(skipped)}" if skipped else "")
               + f", {data['eval_snapshots_left']} eval snapshot(s) left on the volume", file=sys.stderr)
+    if report is not None:
+        _write_report(data, report)
     return 0
+
+
+def _write_report(data: dict, path: Path) -> None:
+    """The run's report (`rlfleet report`): HTML with plots and a PNG of the main panel; never fails the run."""
+    try:
+        written = write_report(data, path, title=f"rlfleet run: {path.parent.name or path.stem}")
+    except OSError as exc:
+        print(f"rlfleet run: could not write the report {path}: {exc}", file=sys.stderr)
+        return
+    print(f"rlfleet run: report {written.html} (main panel {written.png})", file=sys.stderr)
