@@ -84,7 +84,8 @@ def _x_scale(steps: Sequence[int]) -> tuple[Scale, list[float]]:
     lo, hi = (min(steps), max(steps)) if steps else (0, 1)
     if lo == hi:
         lo, hi = lo - 1, hi + 1
-    return Scale(lo - 0.5, hi + 0.5, LEFT, WIDTH - RIGHT), [t for t in nice_ticks(lo, hi) if float(t).is_integer()]
+    return Scale(lo - 0.5, hi + 0.5, LEFT, WIDTH - RIGHT), [t for t in nice_ticks(lo, hi)
+                                                           if float(t).is_integer() and lo <= t <= hi]
 
 
 def line_chart(plot_id: str, label: str, series: dict[str, list[tuple[int, float]]], *, x_label: str = "step",
