@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     local = LocalRun(run, options)
     return _finish(local.execute,
                    force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None),
-                   report=report_path_for(args.summary) if args.summary else run_dir / "report.html")
+                   report=report_path_for(args.summary) if args.summary else run_dir / "report.html",
+                   so_far=lambda: local.summary)
 
 
 def _launch_ranks(run: TrainingRun, argv: list[str], run_dir: Path) -> int:
@@ -241,11 +242,15 @@ async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_s
 
 
 def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
-            report: Path | None = None) -> int:
+            report: Path | None = None, so_far: Callable[[], RunSummary] | None = None) -> int:
+    """Run `execute`, print its outcome, and write the run's report to `report` (a failed run's too, from
+    `so_far`: the summary as far as it got)."""
     try:
         summary = asyncio.run(_until_signal(execute, force_stop=force_stop))
     except RunFailed as exc:
         print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
+        if report is not None and so_far is not None:
+            _write_report(so_far().to_dict(), report)
         return 1
     except KeyboardInterrupt:
         print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)

@@ -101,3 +101,21 @@ def test_rlfleet_run_writes_the_report_at_the_end_and_prints_its_path(tmp_path, 
 def test_the_committed_summary_renders():
     report = model.from_summary(json.loads(SUMMARY.read_text()))
     assert report.reward and report.step_times
+
+
+def test_a_failed_run_writes_its_report_as_far_as_it_got(tmp_path, capsys):
+    from rlfleet.orchestrator.run import cli
+    from rlfleet.orchestrator.run.loop import RunFailed
+    from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+
+    so_far = RunSummary(steps_planned=5, steps=[StepRecord(step=1, reward_mean=0.25, weight_versions=["0"],
+                                                           seconds=1.0, samples=4)],
+                        failure="RolloutEnginesUnavailable: no engine left")
+
+    async def execute() -> RunSummary:
+        raise RunFailed("RolloutEnginesUnavailable", "no engine left")
+
+    assert cli._finish(execute, report=tmp_path / "report.html", so_far=lambda: so_far) == 1
+    assert f"rlfleet run: report {tmp_path / 'report.html'}" in capsys.readouterr().err
+    page = (tmp_path / "report.html").read_text()
+    assert 'data-step="1" data-value="0.25"' in page and "RolloutEnginesUnavailable: no engine left" in page
