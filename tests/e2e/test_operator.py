@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -259,11 +260,12 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
 
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
-QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL = 10, 5
+QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL, QUICKSTART_CHECKPOINT_INTERVAL = 10, 5, 2
 
 
-def quickstart_on_cluster(*, steps: int, eval_interval: int) -> dict:
-    """examples/quickstart.yaml as `kubectl apply` takes it, shortened (fewer steps, denser eval)."""
+def quickstart_on_cluster(*, steps: int, eval_interval: int, checkpoint_interval: int) -> dict:
+    """examples/quickstart.yaml as `kubectl apply` takes it, shortened (fewer steps, denser eval), with
+    checkpoints."""
     import yaml
 
     run = yaml.safe_load(QUICKSTART.read_text())
@@ -272,7 +274,13 @@ def quickstart_on_cluster(*, steps: int, eval_interval: int) -> dict:
     spec["trainer"]["steps"] = steps
     spec["rollout"]["health"]["startupTimeoutSeconds"] = ENGINE_START_S
     spec["eval"]["intervalSteps"] = eval_interval
+    spec["checkpoint"] = {"intervalSteps": checkpoint_interval}
     return run
+
+
+def complete_checkpoints(claim_dir: Path) -> list[int]:
+    """Steps of the checkpoints on the run's claim whose marker is written (what a resume may use)."""
+    return sorted(int(m.parent.name.removeprefix("step_")) for m in (claim_dir / "checkpoints").glob("step_*/COMPLETE"))
 
 
 def run_status(cp, name: str) -> dict:
@@ -302,7 +310,9 @@ def quickstart(control_plane, operator, node_agent) -> dict:
 
     Three real SGLang engines (two rollout, one eval) run through the node agent. At step 2 the rollout
     engines are checked as a user would; rollout engine 1 is SIGKILLed, and the operator is restarted
-    as soon as it has recorded the recreation; three steps later the rollout router's pod is deleted.
+    as soon as it has recorded the recreation. Once a checkpoint two steps after the kill is complete
+    (so it holds the recovery), the trainer pod is deleted: the operator recreates it, and it resumes
+    beside the running engines. Two steps into the resumed trainer the rollout router's pod is deleted.
     Everything the tests look at is gathered here (the run is deleted before they run, so no engine
     outlives this fixture).
     """
@@ -311,7 +321,9 @@ def quickstart(control_plane, operator, node_agent) -> dict:
     steps, interval = QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL
     seen: dict = {}
     started = time.monotonic()
-    apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval))
+    apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval,
+                                    checkpoint_interval=QUICKSTART_CHECKPOINT_INTERVAL))
+    claim_dir = node_agent.log_path.parent / "claims" / NS / "quickstart-snapshots"
 
     def context() -> str:
         return "\n".join([json.dumps(run_status(cp, "quickstart"))[-1500:], diagnostics(cp, operator, node_agent),
@@ -365,9 +377,39 @@ def quickstart(control_plane, operator, node_agent) -> dict:
         seen["operator_metrics"] = operator.metrics()
         assert replacement["metadata"]["uid"] != victim["metadata"]["uid"]
 
+        # A checkpoint that holds the recovery is complete: the trainer pod goes. The operator recreates it;
+        # the new one resumes from the newest complete checkpoint beside the engines, which keep running.
+        seen["checkpoint_before_delete"] = wait_for(
+            lambda: (done := complete_checkpoints(claim_dir)) and done[-1] >= seen["killed_at_step"] + 2
+            and done[-1], timeout=900, interval=0.5, what="a checkpoint two steps after the kill", context=context)
+        seen["trainer_deleted"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+        seen["engine_uids_before"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
+        seen["trainer_deleted_at_step"] = run_status(cp, "quickstart")["step"]
+        deleted_at = time.monotonic()
+        cp.kubectl("delete", "pod", "quickstart-trainer", "-n", NS, "--wait=false")
+        phases: list = []
+
+        def new_trainer_log() -> str:
+            pod = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+            if not pod or pod["metadata"]["uid"] == seen["trainer_deleted"]["metadata"]["uid"]:
+                return ""
+            return cp.kubectl("logs", "quickstart-trainer", "-n", NS, check=False).stdout
+
+        def resumed() -> int | None:
+            phases.append(run_status(cp, "quickstart").get("phase"))
+            found = re.search(r"resuming from checkpoint step (\d+)", new_trainer_log())
+            return int(found.group(1)) if found else None
+        seen["resumed_step"] = resumed_step = wait_for(resumed, timeout=600, interval=1,
+                                                       what="the recreated trainer to resume", context=context)
+        seen["resume_s"] = time.monotonic() - deleted_at
+        wait_for(lambda: phases.append(run_status(cp, "quickstart").get("phase"))
+                 or f"step {resumed_step + 2}/{steps}" in new_trainer_log(), timeout=900, interval=1,
+                 what="two steps of the recreated trainer", context=context)
+        seen["phases_while_restarting"] = phases
+        seen["trainer_recreated"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+        seen["engine_uids_after"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
+
         # Then the rollout router's pod goes: the Deployment replaces it (new address); the trainer follows.
-        wait_for(lambda: run_status(cp, "quickstart").get("step", 0) >= seen["killed_at_step"] + 3, timeout=900,
-                 interval=1, what="three more steps", context=context)
         router = get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}",
                           namespace=NS)["items"][0]
         seen["router_deleted"] = router
@@ -379,16 +421,17 @@ def quickstart(control_plane, operator, node_agent) -> dict:
         seen["total_s"] = time.monotonic() - started
         seen["row_final"] = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
         # The run summary, written by the trainer on the run's snapshot volume.
-        claim_dir = node_agent.log_path.parent / "claims" / NS / "quickstart-snapshots"
         summary_file = claim_dir / "quickstart-summary.json"
         seen["summary"] = json.loads(summary_file.read_text()) if summary_file.exists() else None
         seen["trainer_log"] = cp.kubectl("logs", "quickstart-trainer", "-n", NS).stdout  # what a user would read
         seen["fleet_final"] = fleet_status(cp, fleet)
         seen["fleet_events"] = {e["reason"] for e in events_of(cp, fleet)}
+        seen["run_events"] = {e["reason"] for e in events_of(cp, "quickstart")}
         print(f"\nfigures: step 2 reached {seen['running_s']:.0f} s after apply, Succeeded after "
               f"{seen['total_s']:.0f} s; engine killed at step {seen['killed_at_step']} and serving again after "
-              f"{seen['recovery_s']:.0f} s (operator restarted in between); router pod deleted at step "
-              f"{seen['router_deleted_at_step']}")
+              f"{seen['recovery_s']:.0f} s (operator restarted in between); trainer pod deleted at step "
+              f"{seen['trainer_deleted_at_step']}, resumed from checkpoint step {seen['resumed_step']} "
+              f"{seen['resume_s']:.0f} s later; router pod deleted at step {seen['router_deleted_at_step']}")
     finally:
         cp.kubectl("delete", "trainingrun", "quickstart", "-n", NS, "--wait=false", check=False)
         wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=quickstart", namespace=NS) or {})
@@ -477,6 +520,76 @@ def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(quickst
 
     assert seen["fleet_final"]["restarts"] == 1
     assert {"EngineDead", "RecreatingEngine"} <= seen["fleet_events"], seen["fleet_events"]
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2700)
+def test_a_deleted_trainer_pod_is_recreated_resumes_beside_the_running_engines_and_succeeds(quickstart):
+    """The quickstart's trainer pod deleted after a checkpoint: recreated by the operator (within
+    spec.trainer.maxRestarts), resumed from the newest complete checkpoint, every step once."""
+    seen = quickstart
+    steps = QUICKSTART_STEPS
+    old, new = seen["trainer_deleted"], seen["trainer_recreated"]
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+    assert "--resume" in new["spec"]["containers"][0]["command"]
+    assert "Failed" not in seen["phases_while_restarting"], seen["phases_while_restarting"]
+    assert seen["engine_uids_after"] == seen["engine_uids_before"]  # the engines kept running
+    assert seen["checkpoint_before_delete"] <= seen["resumed_step"] < steps
+
+    final = seen["final"]
+    assert final["phase"] == "Succeeded" and final["step"] == steps, json.dumps(final)[-3000:]
+    trainer = final["trainer"]
+    assert trainer["restarts"] == 1 and trainer["failures"] == 1, trainer
+    assert trainer["lastFailure"]["reason"] in ("TrainerLost", "TrainerFailed"), trainer
+    assert {"TrainerDead", "RecreatingTrainer", "Succeeded"} <= seen["run_events"], seen["run_events"]
+
+    summary = seen["summary"]
+    assert summary["resumed_from"] == [seen["resumed_step"]]
+    assert summary["steps_completed"] == steps  # each step once: the ones after the checkpoint trained again
+    assert sorted(int(k) for k in summary["loss_per_step"]) == list(range(1, steps + 1))
+    assert f"resuming from checkpoint step {seen['resumed_step']}" in seen["trainer_log"]
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_that_always_crashes_ends_failed_after_max_restarts_with_its_log_line(
+        control_plane, operator, node_agent):
+    """A trainer pod that cannot start (it finds no usable kubeconfig) is recreated once (maxRestarts 1),
+    then the run fails with the trainer's own error line. Its engine never starts (no node fits it)."""
+    cp = control_plane
+    run = {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+        "metadata": {"name": "tr-crash", "namespace": NS},
+        "spec": {"modelPath": "tiny://llama",
+                 "trainer": {"gpus": 0, "steps": 2, "maxRestarts": 1,
+                             "env": [{"name": "KUBECONFIG", "value": "/nonexistent/kubeconfig"}]},
+                 "rollout": {"replicas": 1,
+                             "engine": {"device": "cpu", "nodeSelector": {"rlfleet.io/test": "nowhere"}}},
+                 "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
+    }
+    started = time.monotonic()
+    apply(cp, run)
+    try:
+        status = wait_for(lambda: (s := run_status(cp, "tr-crash")).get("phase") == "Failed" and s, timeout=300,
+                          interval=1, what="the run to fail",
+                          context=lambda: json.dumps(run_status(cp, "tr-crash"))[-2000:] + operator.tail())
+        elapsed = time.monotonic() - started
+        failed = condition(status, "Failed")
+        assert failed["reason"] == "TrainerFailed", failed
+        assert "Invalid kube-config file" in failed["message"], failed  # the trainer's own last log line
+        assert "exit code 1" in failed["message"] and "maxRestarts 1" in failed["message"], failed
+        assert status["trainer"]["restarts"] == 1 and status["trainer"]["failures"] == 2, status["trainer"]
+        pod = get_json(cp, "pod", "tr-crash-trainer", namespace=NS)  # the last one, kept for diagnosis
+        assert pod["status"]["phase"] == "Failed" and pod["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+        reasons = [e["reason"] for e in events_of(cp, "tr-crash")]
+        assert reasons.count("RecreatingTrainer") == 1 and "TrainerDead" in reasons and "TrainerFailed" in reasons
+        time.sleep(3)
+        assert get_json(cp, "pod", "tr-crash-trainer", namespace=NS)["metadata"]["uid"] == pod["metadata"]["uid"]
+        print(f"\nfigures: the crashing trainer recreated once and the run Failed {elapsed:.0f} s after creation")
+    finally:
+        cp.kubectl("delete", "trainingrun", "tr-crash", "-n", NS, "--wait=false", check=False)
+        wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=tr-crash", namespace=NS) or {})
+                 .get("items"), timeout=180, what="the run's pods to be gone", context=lambda: diagnostics(cp))
 
 
 @pytest.mark.timeout(300)
