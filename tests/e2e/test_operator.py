@@ -316,8 +316,9 @@ def quickstart(control_plane, operator, node_agent) -> dict:
     Three real SGLang engines (two rollout, one eval) run through the node agent. At step 2 the rollout
     engines are checked as a user would; rollout engine 1 is SIGKILLed, and the operator is restarted
     as soon as it has recorded the recreation. Once a checkpoint two steps after the kill is complete
-    (so it holds the recovery), the trainer pod is deleted: the operator recreates it, and it resumes
-    beside the running engines. Two steps into the resumed trainer the rollout router's pod is deleted.
+    (so it holds the recovery) and the engines serve a later step, the trainer pod is deleted: the
+    operator recreates it, and it resumes beside the running engines, bringing them back to the
+    checkpoint's weights. Two steps into the resumed trainer the rollout router's pod is deleted.
     Everything the tests look at is gathered here (the run is deleted before they run, so no engine
     outlives this fixture).
     """
@@ -386,7 +387,8 @@ def quickstart(control_plane, operator, node_agent) -> dict:
         # the new one resumes from the newest complete checkpoint beside the engines, which keep running.
         seen["checkpoint_before_delete"] = wait_for(
             lambda: (done := complete_checkpoints(claim_dir)) and done[-1] >= seen["killed_at_step"] + 2
-            and done[-1], timeout=900, interval=0.5, what="a checkpoint two steps after the kill", context=context)
+            and run_status(cp, "quickstart").get("step", 0) > done[-1] and done[-1], timeout=900, interval=0.5,
+            what="a checkpoint two steps after the kill, and a step after it", context=context)
         seen["trainer_deleted"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
         seen["engine_uids_before"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
         seen["trainer_deleted_at_step"] = run_status(cp, "quickstart")["step"]
@@ -554,6 +556,8 @@ def test_a_deleted_trainer_pod_is_recreated_resumes_beside_the_running_engines_a
     assert summary["steps_completed"] == steps  # each step once: the ones after the checkpoint trained again
     assert sorted(int(k) for k in summary["loss_per_step"]) == list(range(1, steps + 1))
     assert f"resuming from checkpoint step {seen['resumed_step']}" in seen["trainer_log"]
+    if seen["trainer_deleted_at_step"] > seen["resumed_step"]:  # the engines served later weights: synced back
+        assert f"loading the launch weights v{seen['resumed_step']} into them" in seen["trainer_log"]
 
 
 @pytest.mark.timeout(600)
