@@ -277,10 +277,19 @@ def _models_with_paths(obj: Any, loc: tuple[str | int, ...]) -> Iterable[tuple[t
             yield from _models_with_paths(item, loc + (i,))
 
 
+LOCAL_MAX_RESTARTS_MESSAGE = ("recreates a trainer pod on Kubernetes; a local run has none (its trainer is this "
+                              "process): set 0 or leave it out, and resume a stopped local run with "
+                              "`rlfleet run FILE --resume`")
+
+
 def local_run_errors(run: TrainingRun) -> list[FieldError]:
     """What a valid TrainingRun asks for that a local run cannot do (each named by its field path)."""
-    return [
+    errors = [
         FieldError(format_path(loc + ("valueFrom",)), LOCAL_VALUE_FROM_MESSAGE, "local")
         for loc, model in _models_with_paths(run, ())
         if isinstance(model, EnvVarSpec) and model.value_from is not None
     ]
+    trainer = run.spec.trainer
+    if "max_restarts" in trainer.model_fields_set and trainer.max_restarts > 0:
+        errors.append(FieldError("spec.trainer.maxRestarts", LOCAL_MAX_RESTARTS_MESSAGE, "local"))
+    return errors

@@ -99,6 +99,15 @@ class TrainerSpec(ApiModel):
         description="Reward function module:function; unset: the task's own."
     )
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
+    max_restarts: int = Field(
+        3, ge=0, le=1000,
+        description="Kubernetes: times the operator recreates a trainer pod that failed or vanished for a reason "
+        "the run did not report itself (not a fleet's crash loop, a watchdog trip or an invalid spec), after an "
+        "exponential backoff (10 s, 20 s, ... up to 5 min); the recreated pod resumes from the newest complete "
+        "checkpoint (spec.checkpoint; without one it starts again from step 0) beside the running engines. "
+        "0: never. Past it the run fails with the trainer's last log lines. A local run (`rlfleet run`) has no "
+        "trainer pod: a value other than 0 is refused there (resume a stopped local run with --resume).",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
     tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")

@@ -42,6 +42,8 @@ FINISHED = "Finished"
 NOT_READY = "NotReady"
 TRAINER_FAILED = "TrainerFailed"
 TRAINER_LOST = "TrainerLost"
+TRAINER_DEAD = "TrainerDead"  # Event: the trainer pod failed or vanished; recreated after its backoff
+RECREATING_TRAINER = "RecreatingTrainer"  # Event: a trainer pod created again (restart n of maxRestarts)
 INVALID_SPEC = "InvalidSpec"
 
 # Children (conditions of the owner, Events).

@@ -157,6 +157,16 @@ class OrchestratorFailure(ApiModel):
     message: str = Field("", max_length=MESSAGE, description="Details, e.g. the engines' last log lines.")
 
 
+class TrainerStatus(ApiModel):
+    """The run's trainer pod, as the operator sees it: its recreations within spec.trainer.maxRestarts."""
+
+    restarts: int = Field(0, ge=0, description="Trainer pods recreated after a failure (spec.trainer.maxRestarts).")
+    failures: int = Field(0, ge=0, description="Trainer failures seen; one more than restarts while a "
+                          "recreation waits out its backoff.")
+    last_failure: FailureStatus | None = Field(None, description="The trainer pod's most recent failure: exit code "
+                                               "and its last log lines.")
+
+
 class TrainingRunStatus(ApiModel):
     """What a TrainingRun is doing."""
 
@@ -177,6 +187,7 @@ class TrainingRunStatus(ApiModel):
         json_schema_extra=CONDITION_LIST
     )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
+    trainer: TrainerStatus | None = Field(None, description="The trainer pod's failures and recreations.")
     orchestrator_failure: OrchestratorFailure | None = Field(
         None, description="Written by the run's orchestrator only: why it failed the run (the operator makes it "
         "the Failed condition).")

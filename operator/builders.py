@@ -498,14 +498,19 @@ def build_eval_fleet(run: dict, spec: TrainingRunSpec | None = None) -> dict | N
     return _run_child(run, "EvalFleet", eval_fleet_name(name), "eval-fleet", wire_dump(fleet))
 
 
-def trainer_command(run: dict) -> list[str]:
-    """`rlfleet run --kubernetes`: the orchestrator and trainer of this run, inside the cluster."""
+def trainer_command(run: dict, *, resume: bool = False) -> list[str]:
+    """`rlfleet run --kubernetes`: the orchestrator and trainer of this run, inside the cluster;
+    `resume`: from the newest complete checkpoint on the run's claim (a recreated trainer pod)."""
     meta = run["metadata"]
-    return ["rlfleet", "run", "--kubernetes", "--namespace", meta["namespace"], "--training-run", meta["name"]]
+    return ["rlfleet", "run", "--kubernetes", "--namespace", meta["namespace"], "--training-run", meta["name"],
+            *(["--resume"] if resume else [])]
 
 
-def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
-    """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount)."""
+def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0) -> dict:
+    """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount).
+
+    `restarts`: its incarnation (0: the first pod; n: the n-th recreation after a failure, which
+    resumes from the newest complete checkpoint when the run writes checkpoints)."""
     spec = spec or run_spec(run)
     name = run["metadata"]["name"]
     trainer = spec.trainer
@@ -517,7 +522,7 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
     container = _secure({
         "name": "trainer",
         "image": trainer.image,
-        "command": trainer_command(run),
+        "command": trainer_command(run, resume=restarts > 0 and spec.checkpoint is not None),
         "env": env,
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
         "resources": _resources(trainer.resources, trainer.gpus),
@@ -525,7 +530,8 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
         **_TERMINATION,
     })
     pod_spec: dict[str, Any] = {
-        # A failed trainer fails the run: its reason is in the termination message, not in a retry.
+        # The operator, not the kubelet, recreates a failed trainer (spec.trainer.maxRestarts, with backoff);
+        # the reason is in the termination message.
         "restartPolicy": "Never",
         # fsGroup: the non-root trainer can write a fresh claim.
         "securityContext": dict(POD_SECURITY),
@@ -541,7 +547,8 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None) -> dict:
     if trainer.tolerations:
         pod_spec["tolerations"] = _tolerations(trainer.tolerations)
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer")), "spec": pod_spec}
+            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer"), {ANN_RESTARTS: str(restarts)}),
+            "spec": pod_spec}
 
 
 # The trainer's account ---------------------------------------------------------------------------------

@@ -298,8 +298,8 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
                                eval=_owned_one(eval_fleets, key, uid, "EvalFleet", foreign),
                                trainer=_owned_one(trainer_pods, key, uid, "Pod", foreign),
                                pvc=_owned_one(snapshot_claims, key, uid, "PersistentVolumeClaim", foreign))
-        await reconcile_run(memo.kube, run, children, settings=memo.settings, foreign=foreign,
-                            reported=memo.foreign_reported)
-        return None
+        plan = await reconcile_run(memo.kube, run, children, settings=memo.settings, foreign=foreign,
+                                   reported=memo.foreign_reported)
+        return plan.requeue_after  # a trainer pod's backoff ends then
 
     await _loop(("run", ns, name), "TrainingRun", memo, stopped, once)

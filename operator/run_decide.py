@@ -6,9 +6,11 @@ pod) owns `step`, `weightVersion`, `rewardMean`, `lastEval` and `orchestratorFai
 never writes those. The orchestrator fails a run through `status.orchestratorFailure` (e.g.
 RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
 
-Phase: Pending -> Running (trainer pod running) -> Succeeded (trainer exited 0) or Failed (trainer
-failed or vanished, or the rollout fleet failed: its crash-loop message becomes the run's). A
-terminal phase is final: nothing is recreated afterwards. A Succeeded run scales its fleets to zero
+Phase: Pending -> Running (trainer pod running) -> Succeeded (trainer exited 0) or Failed (the
+orchestrator reported a failure, the rollout fleet failed: its crash-loop message becomes the run's,
+or the trainer pod failed or vanished more often than spec.trainer.maxRestarts allows: before that it
+is recreated after a backoff, see `trainer_decide`). A terminal phase is final: nothing is recreated
+afterwards. A Succeeded run scales its fleets to zero
 so their accelerators are freed; a Failed run keeps its pods for diagnosis.
 """
 from __future__ import annotations
@@ -22,12 +24,13 @@ from rlfleet.crds import reasons
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.platform_limits import unsupported_on_kubernetes
-from rlfleet.crds.status import Condition, RunPhase, TrainingRunStatus, ready_text, status_dump
+from rlfleet.crds.status import Condition, RunPhase, TrainerStatus, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
 from rlfleet.kube.marks import RUN_FAILURE
 from rlfleet.kube.refusals import Rejection
 from rlfleet.operator import builders as b
 from rlfleet.operator.fleet_decide import Event
+from rlfleet.operator.trainer_decide import TrainerPlan, decide_trainer
 from rlfleet.util.redact import redact
 
 TERMINAL = ("Succeeded", "Failed")
@@ -37,7 +40,7 @@ OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, re
                                 reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED,
                                 reasons.CHILD_REJECTED})
 OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "ready", "engineRestarts", "engines",
-                        "conditions", "observedGeneration", "startTime", "completionTime")
+                        "conditions", "observedGeneration", "startTime", "completionTime", "trainer")
 
 
 @dataclass
@@ -54,6 +57,8 @@ class RunPlan:
     create: list[dict] = field(default_factory=list)
     patch_fleet_specs: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, name, spec)
     events: list[Event] = field(default_factory=list)
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of pods: a failed trainer's
+    requeue_after: float | None = None  # reconcile again then (a trainer's backoff ends)
 
 
 @dataclass(frozen=True)
@@ -105,24 +110,40 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
 
     fleet_status = (children.rollout or {}).get("status") or {}
     old_failed = find(old.get("conditions"), "Failed")
-    change = next_phase(phase, adopted=adopted_failure(old.get(RUN_FAILURE), old_failed),
-                        old_failed=old_failed, old_message=old.get("message") or "", trainer=children.trainer,
-                        fleet_conditions=fleet_status.get("conditions") or [], run_name=meta["name"])
+    adopted = adopted_failure(old.get(RUN_FAILURE), old_failed)
+    fleet_conditions = fleet_status.get("conditions") or []
+    # The trainer pod is recreated only for a failure the run did not report itself, beside a fleet that
+    # has not failed; otherwise the run fails as before.
+    trainer_plan = None
+    if phase not in TERMINAL and not adopted[0] and not is_true(fleet_conditions, "Failed") and not rejected:
+        trainer_plan = decide_trainer(pod=children.trainer, phase=phase, old=old.get("trainer"),
+                                      max_restarts=spec.trainer.max_restarts,
+                                      pod_name=b.trainer_pod_name(meta["name"]), now=now)
+    change = next_phase(phase, adopted=adopted, old_failed=old_failed, old_message=old.get("message") or "",
+                        trainer=children.trainer, fleet_conditions=fleet_conditions, run_name=meta["name"],
+                        trainer_plan=trainer_plan)
     if rejected and phase not in TERMINAL:
         text = "\n".join(r.text() for r in rejected)
         change = PhaseChange("Failed", text, reasons.CHILD_REJECTED, text)
-    return RunPlan(
+    plan = RunPlan(
         status=run_status(spec, old, change, fleet_status, trainer=children.trainer, now=now,
-                          generation=meta.get("generation")),
-        create=missing_children(run, spec, children, phase, rollout=rollout, eval_fleet=evalf),
+                          generation=meta.get("generation"), trainer_plan=trainer_plan),
+        create=missing_children(run, spec, children, phase, rollout=rollout, eval_fleet=evalf,
+                                trainer_plan=trainer_plan),
         patch_fleet_specs=drifted_fleet_specs(phase, [(rollout, children.rollout), (evalf, children.eval)]),
         events=phase_events(phase, change),
     )
+    if trainer_plan is not None and change.phase not in TERMINAL:
+        plan.events[:0] = trainer_plan.events
+        plan.delete = [trainer_plan.delete] if trainer_plan.delete else []
+        plan.requeue_after = trainer_plan.requeue_after
+    return plan
 
 
 def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, phase: str, *, rollout: dict,
-                     eval_fleet: dict | None) -> list[dict]:
-    """The children to create: claim, fleets and, while Pending, the trainer pod; none once terminal."""
+                     eval_fleet: dict | None, trainer_plan: TrainerPlan | None = None) -> list[dict]:
+    """The children to create: claim, fleets and the trainer pod `trainer_plan` asks for (the first one
+    while Pending, a recreated one after a failure); none once terminal."""
     if phase in TERMINAL:
         return []
     create = []
@@ -133,8 +154,8 @@ def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, ph
         create.append(rollout)
     if eval_fleet is not None and children.eval is None:
         create.append(eval_fleet)
-    if children.trainer is None and phase == "Pending":
-        create.append(b.build_trainer_pod(run, spec))
+    if trainer_plan is not None and trainer_plan.create is not None and trainer_plan.give_up is None:
+        create.append(b.build_trainer_pod(run, spec, restarts=trainer_plan.create))
     return create
 
 
@@ -163,8 +184,12 @@ def adopted_failure(reported: dict | None, old_failed: dict | None) -> tuple[str
 
 
 def next_phase(phase: RunPhase, *, adopted: tuple[str | None, str | None], old_failed: dict | None, old_message: str,
-               trainer: dict | None, fleet_conditions: list[dict], run_name: str) -> PhaseChange:
-    """Phase transitions: Pending -> Running -> Succeeded or Failed; a terminal phase is final."""
+               trainer: dict | None, fleet_conditions: list[dict], run_name: str,
+               trainer_plan: TrainerPlan | None = None) -> PhaseChange:
+    """Phase transitions: Pending -> Running -> Succeeded or Failed; a terminal phase is final.
+
+    `trainer_plan`: the trainer pod's restart decision; a pending recreation keeps the phase, a
+    budget spent fails the run with the trainer's failure."""
     failed_reason, failed_message = adopted
     if phase in TERMINAL:
         if phase == "Failed" and old_failed:
@@ -175,6 +200,10 @@ def next_phase(phase: RunPhase, *, adopted: tuple[str | None, str | None], old_f
         pass
     elif trainer_phase == "Succeeded":
         return PhaseChange("Succeeded", "the trainer finished")
+    elif trainer_plan is not None and trainer_plan.give_up is not None:
+        failed_reason, failed_message = trainer_plan.give_up.reason, trainer_plan.give_up.message
+    elif trainer_plan is not None and trainer_plan.restarting:
+        return PhaseChange(phase, trainer_plan.restarting)
     elif trainer is not None and trainer_phase == "Failed":
         term = _pod_terminated(trainer)
         code = f" with exit code {term['exitCode']}" if term.get("exitCode") is not None else ""
@@ -194,8 +223,9 @@ def next_phase(phase: RunPhase, *, adopted: tuple[str | None, str | None], old_f
 
 
 def run_status(spec: TrainingRunSpec, old: dict, change: PhaseChange, fleet_status: dict, *, trainer: dict | None,
-               now: float, generation: int | None) -> dict:
-    """The status fields the operator owns: phase, counts from the rollout fleet, times, conditions."""
+               now: float, generation: int | None, trainer_plan: TrainerPlan | None = None) -> dict:
+    """The status fields the operator owns: phase, counts from the rollout fleet, times, conditions,
+    the trainer pod's recreations (kept as they were once the run is terminal)."""
     replicas = spec.rollout.replicas
     ready = int(fleet_status.get("readyReplicas") or 0)
     status = TrainingRunStatus(
@@ -206,6 +236,10 @@ def run_status(spec: TrainingRunSpec, old: dict, change: PhaseChange, fleet_stat
     )
     if generation is not None:
         status.observed_generation = generation
+    if trainer_plan is not None:
+        status.trainer = trainer_plan.status
+    elif old.get("trainer"):
+        status.trainer = TrainerStatus.model_validate(old["trainer"])
     start = old.get("startTime")
     if not start and change.phase in ("Running", *TERMINAL):
         start = (trainer or {}).get("status", {}).get("startTime") or iso(now)

@@ -220,7 +220,8 @@ class EvalDispatcher:
 
     @property
     def pending_steps(self) -> list[int]:
-        return [p.step for p in self._pending]
+        """Steps whose points have not settled (a settled one stays in `_pending` until the next reap)."""
+        return [p.step for p in self._pending if not p.task.done()]
 
     # --- one point --------------------------------------------------------------------------------------
 

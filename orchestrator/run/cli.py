@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chaos-interval", type=float, default=20.0, help="mean seconds between chaos kills")
     p.add_argument("--resume", action="store_true",
                    help="start from the newest complete checkpoint (spec.checkpoint); a broken newest one falls "
-                        "back to the one before, with a warning")
+                        "back to the one before, with a warning (a recreated trainer pod runs with it)")
     p.add_argument("--record-batches", type=Path, metavar="DIR",
                    help="write each step's training batch and loss to DIR/step_<N>.json, to replay a step")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -69,8 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.kubernetes:
         if args.file:
             return _usage_error("--kubernetes reads the TrainingRun from the API server; give no FILE")
-        if args.resume:
-            return _usage_error("--resume runs locally only for now")
         missing = [flag for flag, value in (("--namespace", args.namespace), ("--training-run", args.training_run),
                                             ("--snapshot-dir", args.snapshot_dir)) if not value]
         if missing:

@@ -14,7 +14,12 @@ status of fleets and runs, never a pod or a spec; see `rlfleet.kube.marks`):
   after every settled point;
 - a failure (watchdog trip, fleet crash loop, ...) is written as the run's `status.orchestratorFailure`,
   which the operator makes its Failed condition; exit status 0 means the
-  run Succeeded.
+  run Succeeded;
+- a trainer pod the operator recreated (spec.trainer.maxRestarts) runs with `--resume`: it restores the
+  newest complete checkpoint on the claim and attaches to the engines its predecessor left running.
+  They serve later weights than the checkpoint's, so they are brought to the checkpoint's by a weight
+  sync before the first rollout; `status.step` goes back to the checkpoint's step, and the steps after
+  it are trained again (each once in the summary).
 
 Snapshots live on the run's shared claim, mounted at `$RLFLEET_SNAPSHOT_DIR` in this pod and in every
 engine pod, so paths written here are valid there.
@@ -87,6 +92,34 @@ class KubernetesRun(RunLoop):
                                   engine_dtype=served_dtype(spec.rollout.engine))
         stack.push_async_callback(self._flush_status_writes)
         return url
+
+    async def _open_checkpoints(self, trainer, stack: contextlib.AsyncExitStack) -> None:
+        await super()._open_checkpoints(trainer, stack)
+        # The fleet's engines outlive a trainer pod: their recreations are counted by the fleet (the pods'
+        # restart annotations), so the checkpoint's count is already in what the backend reports.
+        self._recreated_before = 0
+
+    async def _bring_up(self, timeout_s: float) -> None:
+        """Admit engines serving the launch weights; engines a previous trainer pod left serving other
+        weights (it was recreated) get the launch weights by a sync first, before any rollout."""
+        assert self.fleet is not None and self.backend is not None and self.launch_snapshot is not None
+        alive = await self.backend.wait_all_alive(timeout_s)
+        served = await asyncio.gather(*(self._served_version(e.url) for e in alive if e.url))
+        if all(version == self.launch_version for version in served):
+            await self.fleet.bring_up(self.launch_version, timeout=timeout_s)
+            return
+        self.progress.event(f"engines serve weight versions {sorted({str(v) for v in served})}: loading the launch "
+                            f"weights v{self.launch_version} into them before any rollout", self.state)
+        await self.fleet.sync_weights(self.launch_snapshot, self.start_step)
+        await self._write_status(step=self.start_step, weightVersion=self.launch_version)
+
+    async def _served_version(self, url: str) -> str | None:
+        assert self.fleet is not None
+        try:
+            return await self.fleet.engine_client(url).weight_version(timeout_s=10.0)
+        except Exception as exc:  # an engine that does not answer gets the sync too
+            log.warning("reading the weight version of %s: %s", url, exc)
+            return None
 
     def _eval_fleet_factory(self):
         from rlfleet.orchestrator.evaluation.postures.fleet import PinnedEvalFleet

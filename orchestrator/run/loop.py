@@ -246,7 +246,7 @@ class RunLoop:
             stack.push_async_callback(self.fleet.stop)
             self.backend.subscribe(self._on_death)
             await self.fleet.start()
-            await self.fleet.bring_up(self.launch_version, timeout=spec.rollout.recovery.wait_all_alive_timeout_seconds)
+            await self._bring_up(spec.rollout.recovery.wait_all_alive_timeout_seconds)
             self._engines_changed()
             self.progress.event(f"{self._ready_engines()} engines serving weights v{self.launch_version} "
                                 f"behind {router_url}", self.state)
@@ -454,6 +454,11 @@ class RunLoop:
     def _eval_fleet_factory(self):
         """`async (launch_model) -> (PinnedEvalFleet, router or None)` for posture fleet."""
         raise NotImplementedError
+
+    async def _bring_up(self, timeout_s: float) -> None:
+        """The engines serve the launch weights (version `launch_version`): admit them to the router."""
+        assert self.fleet is not None
+        await self.fleet.bring_up(self.launch_version, timeout=timeout_s)
 
     async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
         """Every engine serves `snapshot` (version `step`) now."""

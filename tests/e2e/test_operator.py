@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -129,80 +130,6 @@ def test_operator_token_is_least_privilege(control_plane, operator_kubeconfig):
     assert as_operator("auth", "can-i", "create", "secrets", "-n", NS).stdout.strip() == "yes"
     for verb in ("get", "list", "watch", "patch", "update", "delete"):
         assert as_operator("auth", "can-i", verb, "secrets", "-n", NS).stdout.strip() == "no", verb
-
-
-@pytest.mark.engines
-@pytest.mark.timeout(2400)
-def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(control_plane, operator, node_agent,
-                                                                       tiny_model):
-    cp = control_plane
-    started = time.monotonic()
-    apply(cp, fleet_manifest("rf-a", tiny_model, replicas=2))
-    try:
-        status = wait_for(lambda: (s := fleet_status(cp, "rf-a")).get("readyReplicas") == 2 and s,
-                          timeout=ENGINE_START_S, interval=3, what="2 ready engines",
-                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
-        ready_s = time.monotonic() - started
-        engines = {e["slot"]: e for e in status["engines"]}
-        assert [engines[s]["state"] for s in (0, 1)] == ["Ready", "Ready"]
-        key = fleet_api_key(cp, "rf-a", NS)
-        for e in engines.values():  # the real engine answers on the pod's own address, to the fleet's key
-            assert http_json(e["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
-            with pytest.raises(urllib.error.HTTPError) as refused:  # and to nobody else
-                http_json(e["url"] + "/model_info")
-            assert refused.value.code == 401
-        assert engines[0]["url"] != engines[1]["url"]
-        assert condition(status, "Ready")["status"] == "True"
-        table = cp.kubectl("get", "rf", "rf-a", "-n", NS).stdout
-        assert table.split("\n")[0].split()[:5] == ["NAME", "DESIRED", "READY", "WEIGHTS", "RESTARTS"]
-        router = wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,"
-                                                       "rlfleet.io/fleet=rf-a", namespace=NS) or {}).get("items", [])
-                                   if p["status"].get("phase") == "Running"], timeout=120, what="the router pod")
-        assert router[0]["status"]["podIP"] not in (engines[0]["url"], engines[1]["url"])
-
-        # Crash engine 0: every process of its group dies at once.
-        old = engine_pods(cp, "rf-a", 0)[0]
-        pgid = engine_pgid(old["status"]["podIP"])
-        assert pgid is not None, "engine process not found"
-        killed_at = time.monotonic()
-        os.killpg(pgid, signal.SIGKILL)
-
-        # As soon as the operator has recorded the recreation, restart the operator.
-        wait_for(lambda: (fleet_status(cp, "rf-a").get("restarts") or 0) >= 1, timeout=120, interval=0.5,
-                 what="the recreation to be recorded", context=operator.tail)
-        operator.stop()
-        seen_per_slot = [len(engine_pods(cp, "rf-a", 0))]
-        operator.start()
-
-        def recovered():
-            seen_per_slot.append(len(engine_pods(cp, "rf-a", 0)))
-            s = fleet_status(cp, "rf-a")
-            return s.get("readyReplicas") == 2 and s
-        status = wait_for(recovered, timeout=ENGINE_START_S, interval=3, what="slot 0 to serve again",
-                          context=lambda: json.dumps(fleet_status(cp, "rf-a"))[-2000:])
-        recovery_s = time.monotonic() - killed_at
-        assert max(seen_per_slot) <= 1, f"two pods in one slot: {seen_per_slot}"
-        new = engine_pods(cp, "rf-a", 0)[0]
-        assert new["metadata"]["uid"] != old["metadata"]["uid"]
-        assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
-        slot0 = next(e for e in status["engines"] if e["slot"] == 0)
-        assert slot0["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
-        assert slot0["lastFailure"]["reason"] == "Crashed" and slot0["lastFailure"]["exitCode"] == 137
-        assert http_json(slot0["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
-        reasons = {e["reason"] for e in events_of(cp, "rf-a")}
-        assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
-        metrics = operator.metrics()
-        assert 'rlfleet_operator_reconciles_total{kind="RolloutFleet",outcome="ok"}' in metrics
-
-        # Scale subresource: down to one slot.
-        cp.kubectl("scale", "rolloutfleet/rf-a", "-n", NS, "--replicas=1")
-        wait_for(lambda: not engine_pods(cp, "rf-a", 1) and fleet_status(cp, "rf-a").get("replicas") == 1,
-                 timeout=180, what="slot 1 to be scaled away",
-                 context=lambda: diagnostics(cp, node_agent, operator))
-        print(f"\nfigures: 2 engines ready after {ready_s:.0f} s; killed engine serving again after "
-              f"{recovery_s:.0f} s (operator restarted in between)")
-    finally:
-        delete_and_wait(cp, "rolloutfleet", "rf-a", "rlfleet.io/fleet=rf-a", node_agent, operator)
 
 
 @pytest.mark.engines
@@ -333,10 +260,12 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
 
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL, QUICKSTART_CHECKPOINT_INTERVAL = 10, 5, 2
 
 
-def quickstart_on_cluster(*, steps: int, eval_interval: int) -> dict:
-    """examples/quickstart.yaml as `kubectl apply` takes it, shortened (fewer steps, denser eval)."""
+def quickstart_on_cluster(*, steps: int, eval_interval: int, checkpoint_interval: int) -> dict:
+    """examples/quickstart.yaml as `kubectl apply` takes it, shortened (fewer steps, denser eval), with
+    checkpoints."""
     import yaml
 
     run = yaml.safe_load(QUICKSTART.read_text())
@@ -345,96 +274,349 @@ def quickstart_on_cluster(*, steps: int, eval_interval: int) -> dict:
     spec["trainer"]["steps"] = steps
     spec["rollout"]["health"]["startupTimeoutSeconds"] = ENGINE_START_S
     spec["eval"]["intervalSteps"] = eval_interval
+    spec["checkpoint"] = {"intervalSteps": checkpoint_interval}
     return run
+
+
+def complete_checkpoints(claim_dir: Path) -> list[int]:
+    """Steps of the checkpoints on the run's claim whose marker is written (what a resume may use)."""
+    return sorted(int(m.parent.name.removeprefix("step_")) for m in (claim_dir / "checkpoints").glob("step_*/COMPLETE"))
 
 
 def run_status(cp, name: str) -> dict:
     return (get_json(cp, "trainingrun", name, namespace=NS) or {}).get("status", {})
 
 
-@pytest.mark.engines
-@pytest.mark.timeout(2700)
-def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(control_plane, operator, node_agent):
-    """`kubectl apply` of the quickstart: the trainer pod drives the operator's fleets to Succeeded.
+def engine_model_path(pod: dict) -> str:
+    """The model the pod's engine command names (its own pod name substituted, as the kubelet does)."""
+    command = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")["command"]
+    return command[command.index("--model-path") + 1].replace("$(POD_NAME)", pod["metadata"]["name"])
 
-    Three real SGLang engines (two rollout, one eval) run through the node agent; one rollout engine
-    is SIGKILLed mid-run and must be recreated before the next weight sync and serve that version;
-    later the rollout router's pod is deleted and the trainer must follow its replacement.
+
+def serves_its_model(served: str, pod: dict) -> bool:
+    """The engine serves what its pod started with, or a weight snapshot a sync loaded since (step_N)."""
+    return served == engine_model_path(pod) or re.fullmatch(r".*/quickstart-snapshots/step_\d+", served) is not None
+
+
+def engine_answers(url: str, key: str) -> tuple[str, int]:
+    """(model_path the engine serves to the fleet's key, HTTP status of the same call without a key)."""
+    served = http_json(url + "/model_info", api_key=key)["model_path"]
+    try:
+        http_json(url + "/model_info")
+        refused = 200
+    except urllib.error.HTTPError as e:
+        refused = e.code
+    return served, refused
+
+
+@pytest.fixture(scope="module")
+def quickstart(control_plane, operator, node_agent) -> dict:
+    """ONE `kubectl apply` of the quickstart, driven through its faults; the tests below assert their aspects.
+
+    Three real SGLang engines (two rollout, one eval) run through the node agent. At step 2 the rollout
+    engines are checked as a user would; rollout engine 1 is SIGKILLed, and the operator is restarted
+    as soon as it has recorded the recreation. Once a checkpoint two steps after the kill is complete
+    (so it holds the recovery) and the engines serve a later step, the trainer pod is deleted: the
+    operator recreates it, and it resumes beside the running engines, bringing them back to the
+    checkpoint's weights. Two steps into the resumed trainer the rollout router's pod is deleted.
+    Everything the tests look at is gathered here (the run is deleted before they run, so no engine
+    outlives this fixture).
     """
     cp = control_plane
-    steps, interval = 10, 5
+    fleet = "quickstart-rollout"
+    steps, interval = QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL
+    seen: dict = {}
     started = time.monotonic()
-    apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval))
+    apply(cp, quickstart_on_cluster(steps=steps, eval_interval=interval,
+                                    checkpoint_interval=QUICKSTART_CHECKPOINT_INTERVAL))
+    claim_dir = node_agent.log_path.parent / "claims" / NS / "quickstart-snapshots"
+
     def context() -> str:
         return "\n".join([json.dumps(run_status(cp, "quickstart"))[-1500:], diagnostics(cp, operator, node_agent),
                           pod_log(node_agent, NS, "quickstart-trainer", "trainer")[-4000:]])
 
     try:
-        status = wait_for(lambda: (s := run_status(cp, "quickstart")).get("step", 0) >= 2 and s,
-                          timeout=ENGINE_START_S + 600, interval=1, what="the run to reach step 2", context=context)
-        running_s = time.monotonic() - started
-        assert status["phase"] == "Running" and status["weightVersion"] == str(status["step"])
-        row = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
-        assert row[:2] == ["quickstart", "Running"], row
+        # Step 2: the run is Running; its rollout fleet's engines serve, each on its own address.
+        seen["at_step_2"] = wait_for(lambda: (s := run_status(cp, "quickstart")).get("step", 0) >= 2 and s,
+                                     timeout=ENGINE_START_S + 600, interval=1, what="the run to reach step 2",
+                                     context=context)
+        seen["running_s"] = time.monotonic() - started
+        seen["row_running"] = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
+        seen["fleet_ready"] = wait_for(lambda: (s := fleet_status(cp, fleet)).get("readyReplicas") == 2 and s,
+                                       timeout=ENGINE_START_S, interval=1, what="2 ready rollout engines",
+                                       context=context)
+        seen["key"] = key = fleet_api_key(cp, fleet, NS)
+        pods = {int(p["metadata"]["labels"]["rlfleet.io/slot"]): p for p in engine_pods(cp, fleet)}
+        seen["pods_ready"] = pods
+        seen["answers_ready"] = {e["slot"]: engine_answers(e["url"], key) for e in seen["fleet_ready"]["engines"]}
+        seen["fleet_table"] = cp.kubectl("get", "rf", fleet, "-n", NS).stdout
+        seen["router_pod"] = wait_for(
+            lambda: [p for p in (get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet="
+                                          f"{fleet}", namespace=NS) or {}).get("items", [])
+                     if p["status"].get("phase") == "Running"], timeout=120, what="the router pod")[0]
 
-        victim = engine_pods(cp, "quickstart-rollout", 1)[0]
-        killed_at_step = run_status(cp, "quickstart")["step"]
-        os.killpg(engine_pgid(victim["status"]["podIP"]), signal.SIGKILL)
+        # Crash rollout engine 1: every process of its group dies at once. As soon as the operator has
+        # recorded the recreation, restart the operator.
+        seen["victim"] = victim = pods[1]
+        pgid = engine_pgid(victim["status"]["podIP"])
+        assert pgid is not None, "engine process not found"
+        seen["killed_at_step"] = run_status(cp, "quickstart")["step"]
+        killed_at = time.monotonic()
+        os.killpg(pgid, signal.SIGKILL)
+        wait_for(lambda: (fleet_status(cp, fleet).get("restarts") or 0) >= 1, timeout=120, interval=0.5,
+                 what="the recreation to be recorded", context=operator.tail)
+        operator.stop()
+        seen["pods_per_slot"] = per_slot = [len(engine_pods(cp, fleet, 1))]
+        operator.start()
+
+        def recovered():
+            per_slot.append(len(engine_pods(cp, fleet, 1)))
+            s = fleet_status(cp, fleet)
+            return s.get("readyReplicas") == 2 and s
+        seen["fleet_recovered"] = wait_for(recovered, timeout=ENGINE_START_S, interval=1,
+                                           what="slot 1 to serve again", context=context)
+        seen["recovery_s"] = time.monotonic() - killed_at
+        seen["replacement"] = replacement = engine_pods(cp, fleet, 1)[0]
+        slot1 = next(e for e in seen["fleet_recovered"]["engines"] if e["slot"] == 1)
+        seen["answers_recovered"] = engine_answers(slot1["url"], key)
+        seen["fleet_events_recovered"] = {e["reason"] for e in events_of(cp, fleet)}
+        seen["operator_metrics"] = operator.metrics()
+        assert replacement["metadata"]["uid"] != victim["metadata"]["uid"]
+
+        # A checkpoint that holds the recovery is complete: the trainer pod goes. The operator recreates it;
+        # the new one resumes from the newest complete checkpoint beside the engines, which keep running.
+        seen["checkpoint_before_delete"] = wait_for(
+            lambda: (done := complete_checkpoints(claim_dir)) and done[-1] >= seen["killed_at_step"] + 2
+            and run_status(cp, "quickstart").get("step", 0) > done[-1] and done[-1], timeout=900, interval=0.5,
+            what="a checkpoint two steps after the kill, and a step after it", context=context)
+        seen["trainer_deleted"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+        seen["engine_uids_before"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
+        seen["trainer_deleted_at_step"] = run_status(cp, "quickstart")["step"]
+        deleted_at = time.monotonic()
+        cp.kubectl("delete", "pod", "quickstart-trainer", "-n", NS, "--wait=false")
+        phases: list = []
+
+        def new_trainer_log() -> str:
+            pod = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+            if not pod or pod["metadata"]["uid"] == seen["trainer_deleted"]["metadata"]["uid"]:
+                return ""
+            return cp.kubectl("logs", "quickstart-trainer", "-n", NS, check=False).stdout
+
+        def resumed() -> int | None:
+            phases.append(run_status(cp, "quickstart").get("phase"))
+            found = re.search(r"resuming from checkpoint step (\d+)", new_trainer_log())
+            return int(found.group(1)) if found else None
+        seen["resumed_step"] = resumed_step = wait_for(resumed, timeout=600, interval=1,
+                                                       what="the recreated trainer to resume", context=context)
+        seen["resume_s"] = time.monotonic() - deleted_at
+        wait_for(lambda: phases.append(run_status(cp, "quickstart").get("phase"))
+                 or f"step {resumed_step + 2}/{steps}" in new_trainer_log(), timeout=900, interval=1,
+                 what="two steps of the recreated trainer", context=context)
+        seen["phases_while_restarting"] = phases
+        seen["trainer_recreated"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
+        seen["engine_uids_after"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
 
         # Then the rollout router's pod goes: the Deployment replaces it (new address); the trainer follows.
-        wait_for(lambda: run_status(cp, "quickstart").get("step", 0) >= killed_at_step + 3, timeout=900, interval=1,
-                 what="three more steps", context=context)
-        router = get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,rlfleet.io/fleet=quickstart-rollout",
+        router = get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}",
                           namespace=NS)["items"][0]
+        seen["router_deleted"] = router
         cp.kubectl("delete", "pod", router["metadata"]["name"], "-n", NS, "--wait=false")
-        router_deleted_at_step = run_status(cp, "quickstart")["step"]
+        seen["router_deleted_at_step"] = run_status(cp, "quickstart")["step"]
 
-        final = wait_for(lambda: (s := run_status(cp, "quickstart")).get("phase") in ("Succeeded", "Failed") and s,
-                         timeout=1800, interval=3, what="the run to finish", context=context)
-        total_s = time.monotonic() - started
-        assert final["phase"] == "Succeeded", json.dumps(final)[-3000:]
-        assert final["step"] == steps and final["weightVersion"] == str(steps)
-        assert final["lastEval"]["step"] == steps and final["lastEval"]["weightVersion"] == str(steps)
-        assert set(final["lastEval"]["scores"]) == {"rotate"}
-        row = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
-        assert row[:4] == ["quickstart", "Succeeded", str(steps), str(steps)], row
-
+        seen["final"] = wait_for(lambda: (s := run_status(cp, "quickstart")).get("phase") in ("Succeeded", "Failed")
+                                 and s, timeout=1800, interval=2, what="the run to finish", context=context)
+        seen["total_s"] = time.monotonic() - started
+        seen["row_final"] = cp.kubectl("get", "tr", "quickstart", "-n", NS).stdout.split("\n")[1].split()
         # The run summary, written by the trainer on the run's snapshot volume.
-        claim_dir = node_agent.log_path.parent / "claims" / NS / "quickstart-snapshots"
-        summary = json.loads((claim_dir / "quickstart-summary.json").read_text())
-        assert summary["steps_completed"] == steps and summary["failure"] is None
-        recovered = {int(step): slots for step, slots in summary["recovered_slots_per_step"].items()}
-        assert recovered, "no step recovered the killed engine"
-        first = min(recovered)
-        # Recreated before the next weight sync after the kill (the one after, if the kill hit a sync in
-        # flight), and serving that sync's version from then on.
-        assert recovered[first] == [1] and killed_at_step < first <= killed_at_step + 2, (killed_at_step, recovered)
-        for step in range(first, steps + 1):
-            assert summary["engine_versions_per_step"][str(step)] == {"0": str(step), "1": str(step)}, step
-        assert summary["engines_marked_dead"] >= 1 and summary["engines_recreated"] == 1
-
-        # Eval on the operator's EvalFleet, at every interval and the final step, from one version each.
-        points = {p["step"]: p for p in summary["eval"]}
-        assert sorted(points) == list(range(0, steps + 1, interval))
-        for step, point in points.items():
-            assert point["skipped"] is None and point["posture"] == "fleet", point
-            assert point["weight_version"] == str(step) and point["mixed_version_ratio"] == 0
-        assert final["lastEval"]["scores"]["rotate"] == pytest.approx(points[steps]["scores"]["rotate"], abs=1e-3)
-
-        trainer_log = cp.kubectl("logs", "quickstart-trainer", "-n", NS).stdout  # what a user would read
-        assert f"router moved {router['status']['podIP']}" in trainer_log.replace("http://", ""), trainer_log[-3000:]
-
-        fleet = fleet_status(cp, "quickstart-rollout")
-        assert fleet["restarts"] == 1
-        reasons = {e["reason"] for e in events_of(cp, "quickstart-rollout")}
-        assert {"EngineDead", "RecreatingEngine"} <= reasons, reasons
-        print(f"\nfigures: step 2 reached {running_s:.0f} s after apply, Succeeded after {total_s:.0f} s; "
-              f"engine killed at step {killed_at_step}, recovered at the sync of step {first}; router pod "
-              f"deleted at step {router_deleted_at_step}")
+        summary_file = claim_dir / "quickstart-summary.json"
+        seen["summary"] = json.loads(summary_file.read_text()) if summary_file.exists() else None
+        seen["trainer_log"] = cp.kubectl("logs", "quickstart-trainer", "-n", NS).stdout  # what a user would read
+        seen["fleet_final"] = fleet_status(cp, fleet)
+        seen["fleet_events"] = {e["reason"] for e in events_of(cp, fleet)}
+        seen["run_events"] = {e["reason"] for e in events_of(cp, "quickstart")}
+        print(f"\nfigures: step 2 reached {seen['running_s']:.0f} s after apply, Succeeded after "
+              f"{seen['total_s']:.0f} s; engine killed at step {seen['killed_at_step']} and serving again after "
+              f"{seen['recovery_s']:.0f} s (operator restarted in between); trainer pod deleted at step "
+              f"{seen['trainer_deleted_at_step']}, resumed from checkpoint step {seen['resumed_step']} "
+              f"{seen['resume_s']:.0f} s later; router pod deleted at step {seen['router_deleted_at_step']}")
     finally:
         cp.kubectl("delete", "trainingrun", "quickstart", "-n", NS, "--wait=false", check=False)
         wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=quickstart", namespace=NS) or {})
                  .get("items"), timeout=180, what="the run's pods to be gone", context=lambda: diagnostics(cp))
+    return seen
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2700)
+def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(quickstart):
+    """The quickstart's rollout fleet: ready engines on their own addresses, answering only the fleet's
+    key; a SIGKILLed engine recreated once (one pod per slot) across a restart of the operator."""
+    seen = quickstart
+    ready = seen["fleet_ready"]
+    engines = {e["slot"]: e for e in ready["engines"]}
+    assert [engines[s]["state"] for s in (0, 1)] == ["Ready", "Ready"]
+    for slot, (served, refused) in seen["answers_ready"].items():  # the real engine, to the fleet's key only
+        assert serves_its_model(served, seen["pods_ready"][slot]), (slot, served)
+        assert refused == 401, slot
+    assert engines[0]["url"] != engines[1]["url"]
+    assert condition(ready, "Ready")["status"] == "True"
+    table = seen["fleet_table"]
+    assert table.split("\n")[0].split()[:5] == ["NAME", "DESIRED", "READY", "WEIGHTS", "RESTARTS"]
+    router_ip = seen["router_pod"]["status"]["podIP"]
+    assert router_ip not in [e["url"].split("//")[1].split(":")[0] for e in engines.values()]
+
+    assert max(seen["pods_per_slot"]) <= 1, f"two pods in one slot: {seen['pods_per_slot']}"
+    new, old = seen["replacement"], seen["victim"]
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+    status = seen["fleet_recovered"]
+    slot1 = next(e for e in status["engines"] if e["slot"] == 1)
+    assert slot1["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
+    assert slot1["lastFailure"]["reason"] == "Crashed" and slot1["lastFailure"]["exitCode"] == 137
+    served, refused = seen["answers_recovered"]
+    assert serves_its_model(served, new) and refused == 401, served
+    assert {"EngineDead", "RecreatingEngine"} <= seen["fleet_events_recovered"], seen["fleet_events_recovered"]
+    assert 'rlfleet_operator_reconciles_total{kind="RolloutFleet",outcome="ok"}' in seen["operator_metrics"]
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2700)
+def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(quickstart):
+    """`kubectl apply` of the quickstart: the trainer pod drives the operator's fleets to Succeeded.
+
+    The killed rollout engine must be recreated before the next weight sync and serve that version;
+    the trainer must follow the rollout router's replacement pod.
+    """
+    seen = quickstart
+    steps, interval = QUICKSTART_STEPS, QUICKSTART_EVAL_INTERVAL
+    status = seen["at_step_2"]
+    assert status["phase"] == "Running" and status["weightVersion"] == str(status["step"])
+    assert seen["row_running"][:2] == ["quickstart", "Running"], seen["row_running"]
+
+    final = seen["final"]
+    assert final["phase"] == "Succeeded", json.dumps(final)[-3000:]
+    assert final["step"] == steps and final["weightVersion"] == str(steps)
+    assert final["lastEval"]["step"] == steps and final["lastEval"]["weightVersion"] == str(steps)
+    assert set(final["lastEval"]["scores"]) == {"rotate"}
+    assert seen["row_final"][:4] == ["quickstart", "Succeeded", str(steps), str(steps)], seen["row_final"]
+
+    summary = seen["summary"]
+    assert summary is not None, "no run summary on the run's snapshot volume"
+    assert summary["steps_completed"] == steps and summary["failure"] is None
+    recovered = {int(step): slots for step, slots in summary["recovered_slots_per_step"].items()}
+    assert recovered, "no step recovered the killed engine"
+    first, killed_at_step = min(recovered), seen["killed_at_step"]
+    # Recreated before the next weight sync after the kill (the one after, if the kill hit a sync in
+    # flight), and serving that sync's version from then on.
+    assert recovered[first] == [1] and killed_at_step < first <= killed_at_step + 2, (killed_at_step, recovered)
+    for step in range(first, steps + 1):
+        assert summary["engine_versions_per_step"][str(step)] == {"0": str(step), "1": str(step)}, step
+    assert summary["engines_marked_dead"] >= 1 and summary["engines_recreated"] == 1
+
+    # Eval on the operator's EvalFleet, at every interval and the final step, from one version each.
+    points = {p["step"]: p for p in summary["eval"]}
+    assert sorted(points) == list(range(0, steps + 1, interval))
+    for step, point in points.items():
+        assert point["skipped"] is None and point["posture"] == "fleet", point
+        assert point["weight_version"] == str(step) and point["mixed_version_ratio"] == 0
+    assert final["lastEval"]["scores"]["rotate"] == pytest.approx(points[steps]["scores"]["rotate"], abs=1e-3)
+
+    router_ip = seen["router_deleted"]["status"]["podIP"]
+    trainer_log = seen["trainer_log"]
+    assert f"router moved {router_ip}" in trainer_log.replace("http://", ""), trainer_log[-3000:]
+
+    assert seen["fleet_final"]["restarts"] == 1
+    assert {"EngineDead", "RecreatingEngine"} <= seen["fleet_events"], seen["fleet_events"]
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2700)
+def test_a_deleted_trainer_pod_is_recreated_resumes_beside_the_running_engines_and_succeeds(quickstart):
+    """The quickstart's trainer pod deleted after a checkpoint: recreated by the operator (within
+    spec.trainer.maxRestarts), resumed from the newest complete checkpoint, every step once."""
+    seen = quickstart
+    steps = QUICKSTART_STEPS
+    old, new = seen["trainer_deleted"], seen["trainer_recreated"]
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    assert new["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+    assert "--resume" in new["spec"]["containers"][0]["command"]
+    assert "Failed" not in seen["phases_while_restarting"], seen["phases_while_restarting"]
+    assert seen["engine_uids_after"] == seen["engine_uids_before"]  # the engines kept running
+    assert seen["checkpoint_before_delete"] <= seen["resumed_step"] < steps
+
+    final = seen["final"]
+    assert final["phase"] == "Succeeded" and final["step"] == steps, json.dumps(final)[-3000:]
+    trainer = final["trainer"]
+    assert trainer["restarts"] == 1 and trainer["failures"] == 1, trainer
+    assert trainer["lastFailure"]["reason"] in ("TrainerLost", "TrainerFailed"), trainer
+    assert {"TrainerDead", "RecreatingTrainer", "Succeeded"} <= seen["run_events"], seen["run_events"]
+
+    summary = seen["summary"]
+    assert summary["resumed_from"] == [seen["resumed_step"]]
+    assert summary["steps_completed"] == steps  # each step once: the ones after the checkpoint trained again
+    assert sorted(int(k) for k in summary["loss_per_step"]) == list(range(1, steps + 1))
+    assert f"resuming from checkpoint step {seen['resumed_step']}" in seen["trainer_log"]
+    if seen["trainer_deleted_at_step"] > seen["resumed_step"]:  # the engines served later weights: synced back
+        assert f"loading the launch weights v{seen['resumed_step']} into them" in seen["trainer_log"]
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_that_always_crashes_ends_failed_after_max_restarts_with_its_log_line(
+        control_plane, operator, node_agent):
+    """A trainer pod that cannot start (it finds no usable kubeconfig) is recreated once (maxRestarts 1),
+    then the run fails with the trainer's own error line. Its engine never starts (no node fits it)."""
+    cp = control_plane
+    run = {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+        "metadata": {"name": "tr-crash", "namespace": NS},
+        "spec": {"modelPath": "tiny://llama",
+                 "trainer": {"gpus": 0, "steps": 2, "maxRestarts": 1,
+                             "env": [{"name": "KUBECONFIG", "value": "/nonexistent/kubeconfig"}]},
+                 "rollout": {"replicas": 1,
+                             "engine": {"device": "cpu", "nodeSelector": {"rlfleet.io/test": "nowhere"}}},
+                 "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
+    }
+    started = time.monotonic()
+    apply(cp, run)
+    try:
+        status = wait_for(lambda: (s := run_status(cp, "tr-crash")).get("phase") == "Failed" and s, timeout=300,
+                          interval=1, what="the run to fail",
+                          context=lambda: json.dumps(run_status(cp, "tr-crash"))[-2000:] + operator.tail())
+        elapsed = time.monotonic() - started
+        failed = condition(status, "Failed")
+        assert failed["reason"] == "TrainerFailed", failed
+        assert "Invalid kube-config file" in failed["message"], failed  # the trainer's own last log line
+        assert "exit code 1" in failed["message"] and "maxRestarts 1" in failed["message"], failed
+        assert status["trainer"]["restarts"] == 1 and status["trainer"]["failures"] == 2, status["trainer"]
+        pod = get_json(cp, "pod", "tr-crash-trainer", namespace=NS)  # the last one, kept for diagnosis
+        assert pod["status"]["phase"] == "Failed" and pod["metadata"]["annotations"]["rlfleet.io/restarts"] == "1"
+        reasons = [e["reason"] for e in events_of(cp, "tr-crash")]
+        assert {"TrainerDead", "RecreatingTrainer", "TrainerFailed"} <= set(reasons), reasons
+        time.sleep(3)
+        assert get_json(cp, "pod", "tr-crash-trainer", namespace=NS)["metadata"]["uid"] == pod["metadata"]["uid"]
+        print(f"\nfigures: the crashing trainer recreated once and the run Failed {elapsed:.0f} s after creation")
+    finally:
+        cp.kubectl("delete", "trainingrun", "tr-crash", "-n", NS, "--wait=false", check=False)
+        wait_for(lambda: not (get_json(cp, "pods", "-l", "rlfleet.io/run=tr-crash", namespace=NS) or {})
+                 .get("items"), timeout=180, what="the run's pods to be gone", context=lambda: diagnostics(cp))
+
+
+@pytest.mark.timeout(300)
+def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_agent):
+    """`kubectl scale` of a RolloutFleet: the slot above the new count goes (pods that never start suffice)."""
+    cp = control_plane
+    fleet = fleet_manifest("rf-s", Path("/models/none"), replicas=2)
+    fleet["spec"]["engine"]["nodeSelector"] = {"rlfleet.io/test": "nowhere"}
+    apply(cp, fleet)
+    try:
+        wait_for(lambda: len(engine_pods(cp, "rf-s")) == 2 and fleet_status(cp, "rf-s").get("replicas") == 2,
+                 timeout=60, what="2 engine pods")
+        cp.kubectl("scale", "rolloutfleet/rf-s", "-n", NS, "--replicas=1")
+        wait_for(lambda: not engine_pods(cp, "rf-s", 1) and fleet_status(cp, "rf-s").get("replicas") == 1,
+                 timeout=120, what="slot 1 to be scaled away", context=lambda: diagnostics(cp, node_agent, operator))
+        assert len(engine_pods(cp, "rf-s", 0)) == 1
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-s", "rlfleet.io/fleet=rf-s", node_agent, operator)
 
 
 def pod_log(agent, namespace: str, pod: str, container: str) -> str:

@@ -215,6 +215,16 @@ async def test_cancel_settles_pending_points_as_cancelled_and_retires_their_snap
     assert dispatcher.pending_steps == []
 
 
+async def test_a_settled_point_is_not_pending_before_the_next_dispatch():
+    """What a checkpoint records as pending (to evaluate again on resume) excludes points settled since."""
+    evaluator = ScriptedEvaluator(seconds=1)
+    dispatcher, _, state = make(evaluator, steps=10, interval=5, before_train=True)
+    await dispatcher.after_step(0)
+    assert dispatcher.pending_steps == [0]
+    await asyncio.sleep(5)
+    assert [p.step for p in dispatcher.points] == [0] and dispatcher.pending_steps == []
+
+
 async def test_a_snapshot_still_being_written_is_not_deleted_even_if_its_point_is_cancelled_twice():
     evaluator = ScriptedEvaluator(seconds=1)
     dispatcher, volume, state = make(evaluator, steps=10, keep=0, exporter_kwargs={"write_s": 50.0})

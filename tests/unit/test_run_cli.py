@@ -12,8 +12,6 @@ from rlfleet.orchestrator.run.cli import main
     (["--kubernetes", "--namespace", "ns", "--training-run", "r"], "--kubernetes needs --snapshot-dir"),
     (["examples/quickstart.yaml", "--steps", "0"], "--steps must be >= 1"),
     (["examples/quickstart.yaml", "--resume"], "--resume: examples/quickstart.yaml has no spec.checkpoint"),
-    (["--kubernetes", "--namespace", "ns", "--training-run", "r", "--snapshot-dir", "/s", "--resume"],
-     "--resume runs locally only for now"),
 ])
 def test_usage_errors_exit_2_and_say_what_is_missing(argv, message, capsys, monkeypatch):
     for var in ("POD_NAMESPACE", "RLFLEET_TRAINING_RUN", "RLFLEET_SNAPSHOT_DIR"):

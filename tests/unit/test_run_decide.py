@@ -77,7 +77,7 @@ def test_fleet_crash_loop_fails_the_run_with_the_engine_log():
 
 
 def test_failed_trainer_fails_the_run_with_its_log_and_nothing_is_recreated():
-    r = run(status={"phase": "Running"})
+    r = run(status={"phase": "Running"}, trainer={"gpus": 0, "maxRestarts": 0})
     kids = RunChildren(rollout=fleet_of(r), trainer=trainer("Failed", 2, "usage: rlfleet run ..."), pvc={})
     plan = decide_run(r, kids, now=T0)
     failed = find(plan.status["conditions"], "Failed")
@@ -117,7 +117,7 @@ def test_succeeded_run_scales_its_fleets_to_zero():
 
 
 def test_trainer_vanishing_while_running_fails_the_run():
-    r = run(status={"phase": "Running"})
+    r = run(status={"phase": "Running"}, trainer={"gpus": 0, "maxRestarts": 0})
     plan = decide_run(r, RunChildren(rollout=fleet_of(r), pvc={}), now=T0)
     assert plan.status["phase"] == "Failed" and find(plan.status["conditions"], "Failed")["reason"] == "TrainerLost"
     assert plan.create == []
