@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -80,9 +81,22 @@ async def shared_engine(shared_processes: LocalProcesses, tiny_model: Path) -> E
     """One engine serving the tiny model at weight version "0", shared by the whole session.
 
     A test that loads other weights into it must load the tiny model back (version "0") before it ends.
-    A test that kills or pauses an engine must start its own with `sglang_engines`.
+    A test that kills or SIGSTOPs an engine must start its own with `sglang_engines`; one that pauses
+    it through its API (/pause_generation) must continue it before it ends.
     """
     return await shared_processes.engine(tiny_model, name="shared-engine", weight_version="0")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def lent_shared_engine(shared_engine: EngineProcess, tiny_model: Path) -> AsyncIterator[EngineProcess]:
+    """The shared engine (tiny model, float32 on CPU), lent to a module that loads other weights into it:
+    the tiny model is loaded back as version "0" when the module ends. Saves an engine start per module."""
+    yield shared_engine
+    from rlfleet.sglang.engine import EngineClient
+
+    async with aiohttp.ClientSession() as session:
+        result = await EngineClient(session, shared_engine.url).update_weights_from_disk(str(tiny_model), "0")
+    assert result.success, f"the shared engine did not load the tiny model back: {result.message}"
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

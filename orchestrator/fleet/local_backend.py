@@ -50,7 +50,7 @@ class LocalBackend(SlotFleetBackend):
 
     def __init__(self, *, engine: EngineSpec, replicas: int, recovery: RecoverySpec, run_dir: str | os.PathLike,
                  fleet: str = "rollout", min_ready: int | None = None, weight_version: str = "0",
-                 startup_timeout_s: float = 600.0, ready_poll_s: float = 1.0, ready_probe_timeout_s: float = 10.0,
+                 startup_timeout_s: float = 600.0, ready_poll_s: float = 0.25, ready_probe_timeout_s: float = 10.0,
                  stop_grace_s: float = 8.0, python: str | None = None, api_key: str | None = None):
         super().__init__(fleet=fleet, replicas=replicas, recovery=recovery, min_ready=min_ready)
         self.engine = engine

@@ -28,6 +28,10 @@ from rlfleet.util.procs import ManagedProcess
 
 log = logging.getLogger(__name__)
 
+# sglang-router 0.3.2 takes 5-8 s to exit after SIGTERM even idle (0 workers, nothing in flight), and it
+# holds no state of ours (membership is re-registered on every start): a stop waits 1 s, then kills it.
+ROUTER_STOP_GRACE_S = 1.0
+
 __all__ = ["ROUTER_FAILED_REASON", "LocalRouter", "RouterFailed", "RouterStartFailed", "RouterSupervisor"]
 
 LOG_LINES = 12
@@ -106,7 +110,7 @@ class LocalRouter:
     async def stop(self) -> None:
         self.stopping = True
         if self.process is not None:
-            await self.process.stop(grace_s=5.0)
+            await self.process.stop(grace_s=ROUTER_STOP_GRACE_S)
 
 
 # Called with the router's URL after each restart (the same or a new one): re-register the engines.

@@ -15,6 +15,10 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 
 # Offline engines must never reach for a hub; CPU engines need the transformers implementation.
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# On a stop (SIGTERM to the group) SGLang treats its scheduler's exit as a crash and, by default, sleeps
+# 5 s "to let GPU activity settle" before a py-spy dump and a CUDA coredump. A CPU engine has no GPU
+# activity and no CUDA: without these every CPU engine stop (teardown, recreation) takes 5 s longer.
+CPU_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def build_engine_launch(
     if api_key:
         args += [f.API_KEY.flag, api_key]
     args += list(engine.extra_args)
-    env = dict(BASE_ENV)
+    env = dict(BASE_ENV) | (CPU_ENV if engine.device == "cpu" else {})
     env.update({e.name: e.value for e in engine.env if e.value is not None})
     return EngineLaunch(args=tuple(args), env=env)
 

@@ -28,7 +28,7 @@ SYSTEM_NS = "rlfleet-system"
 OPERATOR_SA = "rlfleet-operator"
 
 
-def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 2.0, what: str = "condition",
+def wait_for(check: Callable[[], Any], *, timeout: float, interval: float = 1.0, what: str = "condition",
              context: Callable[[], str] | None = None) -> Any:
     """Poll check() until it returns something truthy; fail with what was last seen."""
     deadline = time.monotonic() + timeout

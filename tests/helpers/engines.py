@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from rlfleet.crds.specs import EngineSpec
+from rlfleet.orchestrator.fleet.local_router import ROUTER_STOP_GRACE_S
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint, free_port
@@ -140,7 +141,7 @@ class RouterProcess:
         return self.process.log_path
 
     async def stop(self) -> None:
-        await self.process.stop()
+        await self.process.stop(grace_s=ROUTER_STOP_GRACE_S)
 
 
 async def wait_group_gone(pgid: int, timeout_s: float) -> bool:

@@ -31,8 +31,8 @@ async def wait_until(condition, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_hot_engine_is_paused_and_resumed_when_it_cools(sglang_engines, tmp_path):
-    engine = await sglang_engines.start(name="hot-engine")
+async def test_hot_engine_is_paused_and_resumed_when_it_cools(shared_engine, tmp_path):
+    engine = shared_engine  # paused through its API and resumed before the test ends
     temps = tmp_path / "gpu-temperatures"
     temps.write_text("rollout-0 60\n")
     spec = HeatGuardSpec(enabled=True, min_pause_seconds=2, max_pause_seconds=60,
@@ -73,6 +73,7 @@ async def test_hot_engine_is_paused_and_resumed_when_it_cools(sglang_engines, tm
             assert guard.mark_step(1, step_started, loop.time()).overlapped_pause
             assert not guard.mark_step(2, loop.time() + 1, loop.time() + 2).overlapped_pause
         finally:
-            runner.cancel()
+            runner.cancel()  # resumes what it paused
             with contextlib.suppress(asyncio.CancelledError):
                 await runner
+            await post_engine_action(session, engine.url, HeatAction.RESUME)  # the session's engine serves on

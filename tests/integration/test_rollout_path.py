@@ -65,14 +65,15 @@ def attempts(fleet: str, result: str) -> float:
 
 
 async def test_an_engine_killed_mid_rollout_loses_no_sample_and_none_is_counted_twice(
-        sglang_engines, sglang_router):
-    """The router's only engine dies under load; a replacement joins; every sample arrives once.
+        sglang_engines, sglang_router, shared_engine):
+    """The router's only engine dies under load; a replacement (the session's shared engine) joins;
+    every sample arrives once.
 
     (With a second live engine the router itself re-sends in-flight requests, so the client never
     sees the death; with one engine the failures reach the client and its retries must carry them.)
     """
     router = await sglang_router.start()
-    doomed, replacement = await sglang_engines.start_many(2)
+    doomed, replacement = await sglang_engines.start(), shared_engine
     samples = {f"sample-{i:03d}": {"text": f"Prompt {i}:",
                                    "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
                for i in range(40)}

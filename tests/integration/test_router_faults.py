@@ -1,6 +1,7 @@
 """`rlfleet run` when the router dies: real SGLang CPU engines, the real sglang-router, the real trainer.
 
-A killed router is restarted and the run goes on; a router that may not come back fails the run with
+Killed routers (the rollout fleet's and the eval fleet's, in one run shared by two tests) are restarted
+and the run goes on; a router that may not come back fails the run with
 its reason; a run whose router is dead (or hung) still stops on SIGTERM and Ctrl-C within the stated
 bound, leaving no engine, router or scratch volume.
 """
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from helpers.cli_run import start_cli_run, wait_output
 from rlfleet.orchestrator.run.local import LocalRun, RunFailed, RunOptions
@@ -48,31 +50,68 @@ async def wait_for(predicate, task: asyncio.Task, log: io.StringIO, timeout_s: f
             await asyncio.sleep(0.05)
 
 
-async def test_a_killed_rollout_router_is_restarted_and_the_run_completes(tmp_path: Path):
-    run = quickstart(steps=10)
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def two_router_kills(tmp_path_factory):
+    """One run (a rollout engine, an eval engine, each fleet behind its own router) whose eval router is
+    SIGKILLed while the point of step 0 is being pinned, and whose rollout router is SIGKILLed while step
+    3 rolls out. Both routers must be restarted and the run must complete."""
+    tmp_path = tmp_path_factory.mktemp("router-kills")
+    run = quickstart(steps=4, eval_on=True)
+    run.spec.eval.interval_steps = 2  # points at 0 (before training), 2 and 4
     log = io.StringIO()
     local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
                                      metrics_port=0, progress=ProgressReporter(log, tty=False)))
     task = asyncio.create_task(local.execute())
-    await wait_for(lambda: len(local.summary.steps) >= 2, task, log)  # step 3 is rolling out now
-    old_url = local.fleet.router_url
-    local.router.process.signal_group(signal.SIGKILL)
-    killed_at = asyncio.get_running_loop().time()
-    await wait_for(lambda: local.supervisors["rollout"].restored >= 1, task, log, timeout_s=120)
-    restarted_s = asyncio.get_running_loop().time() - killed_at
-    summary = await asyncio.wait_for(task, 1200)
+    try:
+        def point_in_flight() -> bool:
+            evaluator = local.evaluation.evaluator if local.evaluation is not None else None
+            return evaluator is not None and evaluator._lock.locked()
 
+        await wait_for(point_in_flight, task, log)  # the point of step 0 is being pinned
+        local.eval_router.process.signal_group(signal.SIGKILL)
+
+        await wait_for(lambda: len(local.summary.steps) >= 2, task, log)  # step 3 is rolling out now
+        old_url = local.fleet.router_url
+        local.router.process.signal_group(signal.SIGKILL)
+        killed_at = asyncio.get_running_loop().time()
+        await wait_for(lambda: local.supervisors["rollout"].restored >= 1, task, log, timeout_s=120)
+        restarted_s = asyncio.get_running_loop().time() - killed_at
+        summary = await asyncio.wait_for(task, 1200)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
     data = json.loads((tmp_path / "summary.json").read_text())
-    assert data["steps_completed"] == data["steps_planned"] == 10, log.getvalue()[-3000:]
+    return {"local": local, "summary": summary, "data": data, "log": log.getvalue(), "old_url": old_url,
+            "restarted_s": restarted_s}
+
+
+async def test_a_killed_rollout_router_is_restarted_and_the_run_completes(two_router_kills):
+    local, summary, data, log = (two_router_kills[k] for k in ("local", "summary", "data", "log"))
+    assert data["steps_completed"] == data["steps_planned"] == 4, log[-3000:]
     assert summary.failure is None
-    assert data["router_restarts"] == {"rollout": 1}
+    assert data["router_restarts"] == {"rollout": 1, "eval": 1}, data["router_restarts"]
     assert any("router restarted" in e for e in data["router_events"]), data["router_events"]
-    assert "router restarted" in log.getvalue()
-    assert local.fleet.router_url == old_url  # same address: nothing had to follow it
+    assert "router restarted" in log
+    assert local.fleet.router_url == two_router_kills["old_url"]  # same address: nothing had to follow it
     refused = data["rollout_attempts"].get("connection_refused", 0)
     assert refused < REFUSED_BOUND, data["rollout_attempts"]
-    print(f"\nfigures: router restarted {restarted_s:.1f} s after the kill; attempts {data['rollout_attempts']}; "
-          f"refused connections {refused} (bound {REFUSED_BOUND})")
+    print(f"\nfigures: router restarted {two_router_kills['restarted_s']:.1f} s after the kill; attempts "
+          f"{data['rollout_attempts']}; refused connections {refused} (bound {REFUSED_BOUND})")
+
+
+async def test_a_killed_eval_router_skips_the_point_in_flight_and_the_next_point_scores(two_router_kills):
+    summary, data, log = (two_router_kills[k] for k in ("summary", "data", "log"))
+    assert summary.failure is None and data["steps_completed"] == 4, log[-3000:]
+    assert data["router_restarts"].get("eval") == 1, data
+    points = {p["step"]: p for p in data["eval"]}
+    assert points[0]["skipped"] == "unhealthy", points[0]
+    assert "router restarted" in (points[0].get("detail") or ""), points[0]
+    scored = [p for p in data["eval"] if not p["skipped"]]
+    assert scored and min(p["step"] for p in scored) == 2, data["eval"]
+    assert all(p["weight_version"] == str(p["step"]) for p in scored), scored
+    assert "fleet eval: router restarted" in log
 
 
 async def test_a_router_that_may_not_come_back_fails_the_run_with_its_reason(tmp_path: Path):
@@ -94,34 +133,6 @@ async def test_a_router_that_may_not_come_back_fails_the_run_with_its_reason(tmp
     assert local.summary.failure.startswith("RouterUnavailable")
     print(f"\nfigures: run failed {failed_s:.1f} s after the router kill (bound "
           f"{spec.checks * spec.check_interval_seconds + spec.window_seconds} s)")
-
-
-async def test_a_killed_eval_router_skips_the_point_in_flight_and_the_next_point_scores(tmp_path: Path):
-    run = quickstart(steps=4, eval_on=True)
-    run.spec.eval.interval_steps = 2  # points at 0 (before training), 2 and 4
-    log = io.StringIO()
-    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
-                                     metrics_port=0, progress=ProgressReporter(log, tty=False)))
-    task = asyncio.create_task(local.execute())
-
-    def point_in_flight() -> bool:
-        evaluator = local.evaluation.evaluator if local.evaluation is not None else None
-        return evaluator is not None and evaluator._lock.locked()
-
-    await wait_for(point_in_flight, task, log)  # the point of step 0 is being pinned
-    local.eval_router.process.signal_group(signal.SIGKILL)
-    summary = await asyncio.wait_for(task, 1200)
-
-    data = json.loads((tmp_path / "summary.json").read_text())
-    assert summary.failure is None and data["steps_completed"] == 4, log.getvalue()[-3000:]
-    assert data["router_restarts"].get("eval") == 1, data
-    points = {p["step"]: p for p in data["eval"]}
-    assert points[0]["skipped"] == "unhealthy", points[0]
-    assert "router restarted" in (points[0].get("detail") or ""), points[0]
-    scored = [p for p in data["eval"] if not p["skipped"]]
-    assert scored and min(p["step"] for p in scored) == 2, data["eval"]
-    assert all(p["weight_version"] == str(p["step"]) for p in scored), scored
-    assert "fleet eval: router restarted" in log.getvalue()
 
 
 # --- stopping with a dead or hung serving path (the CLI, as users run it) ------------------------------

@@ -145,14 +145,11 @@ def test_megatron_trains_like_torch(family, request):
     assert diff < 1e-3
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def float32_engine(session_sglang_engines, tiny_model):
-    # float32 so greedy choices and logprobs are the trainer's; SGLang's default casts float32 to float16.
-    engine = await session_sglang_engines.start(tiny_model, name="parity-engine", extra_args=("--dtype", "float32"))
-    try:
-        yield engine
-    finally:
-        await engine.stop()
+@pytest.fixture(scope="module")
+def float32_engine(lent_shared_engine):
+    # float32 so greedy choices and logprobs are the trainer's (SGLang's default casts float32 to float16;
+    # the launch builder gives CPU engines float32): the session's shared engine of the tiny model.
+    return lent_shared_engine
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

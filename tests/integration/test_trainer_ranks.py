@@ -19,7 +19,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from safetensors.torch import load_file
 
 from helpers.rank_steps import train_layouts, train_steps
@@ -94,13 +93,9 @@ def test_a_dying_rank_stops_the_group_and_is_named(tiny_model, tmp_path):
     assert "trainer rank 1 exited with 3" in str(failed.value) and failed.value.reason == "TrainerRankFailed"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def float32_engine(session_sglang_engines, tiny_model):
-    engine = await session_sglang_engines.start(tiny_model, name="ranks-engine", extra_args=("--dtype", "float32"))
-    try:
-        yield engine
-    finally:
-        await engine.stop()
+@pytest.fixture(scope="module")
+def float32_engine(lent_shared_engine):
+    return lent_shared_engine  # the tiny model in float32 (CPU engines' default), lent by the session
 
 
 @pytest.mark.engines

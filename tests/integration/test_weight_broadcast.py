@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,10 +75,11 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
+def base_model(tmp_path_factory, tiny_model) -> Path:
+    """A private copy of the tiny model (the shared cache copy may be rewritten by setup runs); a copy,
+    not a generation in a fresh interpreter (importing torch alone takes seconds)."""
     out = tmp_path_factory.mktemp("model") / "tiny"
-    subprocess.run([sys.executable, "-m", "rlfleet.trainer.tiny", str(out), "--seed", "0"], check=True,
-                   stdout=subprocess.DEVNULL, timeout=300)
+    shutil.copytree(tiny_model, out)
     return out
 
 

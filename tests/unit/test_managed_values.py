@@ -12,7 +12,7 @@ from rlfleet.crds.loader import load_text
 from rlfleet.crds.managed import ENGINE_FLAGS, MANAGED_OPTION_STRINGS, RESERVED_ENV, USER_SETTABLE_ENGINE_FLAGS
 from rlfleet.crds.specs import EngineSpec
 from rlfleet.operator import builders as b
-from rlfleet.sglang.launch import BASE_ENV, build_engine_launch
+from rlfleet.sglang.launch import BASE_ENV, CPU_ENV, build_engine_launch
 
 
 def _flags(args) -> set[str]:
@@ -93,7 +93,7 @@ def test_every_variable_the_builders_set_is_reserved_or_a_default_the_user_repla
     trainer = b.build_trainer_pod(run)
     names = {e["name"] for p in (pod, trainer)
              for c in p["spec"].get("initContainers", []) + p["spec"]["containers"] for e in c["env"]}
-    defaults = set(BASE_ENV) | {"PYTHONUNBUFFERED", "HF_HUB_OFFLINE"}
+    defaults = set(BASE_ENV) | set(CPU_ENV) | {"PYTHONUNBUFFERED", "HF_HUB_OFFLINE"}
     assert names - defaults == set(RESERVED_ENV)
 
 
