@@ -157,6 +157,14 @@ class OrchestratorFailure(ApiModel):
     message: str = Field("", max_length=MESSAGE, description="Details, e.g. the engines' last log lines.")
 
 
+class TrainerStatus(ApiModel):
+    """The run's trainer: its torch.distributed ranks (written by the trainer pod)."""
+
+    ranks: int | None = Field(None, ge=1, description="Ranks of the trainer (tensor x pipeline x data parallel).")
+    ready: int | None = Field(None, ge=0, description="Ranks that joined the trainer's process group and train; "
+                              "0 once a rank has failed (the group stops as one).")
+
+
 class TrainingRunStatus(ApiModel):
     """What a TrainingRun is doing."""
 
@@ -177,6 +185,7 @@ class TrainingRunStatus(ApiModel):
         json_schema_extra=CONDITION_LIST
     )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
+    trainer: TrainerStatus | None = Field(None, description="The trainer's ranks, and how many are ready.")
     orchestrator_failure: OrchestratorFailure | None = Field(
         None, description="Written by the run's orchestrator only: why it failed the run (the operator makes it "
         "the Failed condition).")
