@@ -131,10 +131,10 @@ class TrainerSpec(ApiModel):
             f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}): one rank per GPU",
         ),
         Rule(
-            cel="self.pipelineParallelSize == 1",
-            check=lambda s: s.pipeline_parallel_size == 1,
+            cel="self.pipelineParallelSize == 1 || self.gpus == 0",
+            check=lambda s: s.pipeline_parallel_size == 1 or s.gpus == 0,
             field="pipelineParallelSize",
-            message="pipeline parallelism is not supported by the trainer yet: pipelineParallelSize must be 1 "
+            message="pipeline parallelism runs on CPU (gpus: 0) only so far: with GPUs pipelineParallelSize must be 1 "
             "(use tensorParallelSize and dataParallelSize)",
         ),
         Rule(

@@ -15,7 +15,6 @@ def unsupported_on_kubernetes(spec: TrainingRunSpec) -> list[str]:
         # Engine pods would have to reach the trainer pod's update-group port (NetworkPolicy, pod address).
         problems.append("spec.weightSync.mode: broadcast runs with `rlfleet run` (local processes) only so far; "
                         "on Kubernetes use mode disk")
-    if spec.trainer.world_size > 1:
-        problems.append(f"spec.trainer: a trainer of {spec.trainer.world_size} ranks (tensor x pipeline x data "
-                        "parallel) runs with `rlfleet run` only so far; a trainer pod runs one rank")
+    # A trainer of several ranks on one node is one pod that starts its ranks itself (spec.trainer.nodes
+    # is 1 by the API's own rule).
     return problems

@@ -158,13 +158,17 @@ class OrchestratorFailure(ApiModel):
 
 
 class TrainerStatus(ApiModel):
-    """The run's trainer pod, as the operator sees it: its recreations within spec.trainer.maxRestarts."""
+    """The run's trainer: its recreations within spec.trainer.maxRestarts (written by the operator) and its
+    torch.distributed ranks (written by the trainer pod)."""
 
     restarts: int = Field(0, ge=0, description="Trainer pods recreated after a failure (spec.trainer.maxRestarts).")
     failures: int = Field(0, ge=0, description="Trainer failures seen; one more than restarts while a "
                           "recreation waits out its backoff.")
     last_failure: FailureStatus | None = Field(None, description="The trainer pod's most recent failure: exit code "
                                                "and its last log lines.")
+    ranks: int | None = Field(None, ge=1, description="Ranks of the trainer (tensor x pipeline x data parallel).")
+    ready: int | None = Field(None, ge=0, description="Ranks that joined the trainer's process group and train; "
+                              "0 once a rank has failed (the group stops as one).")
 
 
 class TrainingRunStatus(ApiModel):
@@ -187,7 +191,8 @@ class TrainingRunStatus(ApiModel):
         json_schema_extra=CONDITION_LIST
     )
     last_eval: LastEvalStatus | None = Field(None, description="Most recent evaluation point.")
-    trainer: TrainerStatus | None = Field(None, description="The trainer pod's failures and recreations.")
+    trainer: TrainerStatus | None = Field(None, description="The trainer: its ranks, how many are ready, and the "
+                                          "trainer pod's failures and recreations.")
     orchestrator_failure: OrchestratorFailure | None = Field(
         None, description="Written by the run's orchestrator only: why it failed the run (the operator makes it "
         "the Failed condition).")

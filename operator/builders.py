@@ -506,6 +506,16 @@ def trainer_command(run: dict, *, resume: bool = False) -> list[str]:
             *(["--resume"] if resume else [])]
 
 
+def _trainer_resources(spec: TrainingRunSpec) -> dict:
+    """The trainer's resources: one GPU per rank (`gpus` per node), or on CPU a core per rank unless
+    `resources.requests.cpu` says otherwise (the pod runs all of its ranks)."""
+    trainer = spec.trainer
+    resources = trainer.resources
+    if trainer.gpus == 0 and trainer.world_size > 1 and "cpu" not in resources.requests:
+        resources = resources.model_copy(update={"requests": {**resources.requests, "cpu": str(trainer.world_size)}})
+    return _resources(resources, trainer.gpus)
+
+
 def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0) -> dict:
     """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount).
 
@@ -525,7 +535,7 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
         "command": trainer_command(run, resume=restarts > 0 and spec.checkpoint is not None),
         "env": env,
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
-        "resources": _resources(trainer.resources, trainer.gpus),
+        "resources": _trainer_resources(spec),
         "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": mount_path}],
         **_TERMINATION,
     })

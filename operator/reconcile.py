@@ -142,6 +142,20 @@ async def _patch(kube: KubeClient, res: Resource, obj: dict, body: dict, refused
         return False
 
 
+def merge_patch_delta(current: dict, new: dict) -> dict:
+    """The JSON merge patch that turns `current` into `new`, naming only what changed: a field another
+    writer shares (the trainer's `status.trainer.ranks`) is left alone unless this writer changes it.
+    None removes a key."""
+    delta: dict = {}
+    for key in set(current) | set(new):
+        before, after = current.get(key), new.get(key)
+        if before == after:
+            continue
+        delta[key] = merge_patch_delta(before, after) if isinstance(before, dict) and isinstance(after, dict) \
+            else after
+    return delta
+
+
 async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict, current: dict,
                        owned: tuple[str, ...] | None = None) -> bool:
     """One merge patch of /status when it differs from what the object shows; returns whether written.
@@ -151,7 +165,7 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
     keys = set(status) | {k for k in current if owned is None or k in owned}
     if all(current.get(k) == status.get(k) for k in keys):
         return False
-    patch = {k: status.get(k) for k in keys}  # None removes the key (JSON merge patch)
+    patch = merge_patch_delta({k: current.get(k) for k in keys}, {k: status.get(k) for k in keys})
     await kube.merge_patch(res, obj["metadata"]["name"], {"status": patch}, obj["metadata"]["namespace"],
                            sub="status")
     return True

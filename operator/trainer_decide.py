@@ -83,7 +83,8 @@ def decide_trainer(*, pod: dict | None, phase: str, old: dict | None, max_restar
     incarnation = view.restarts if view is not None else 0
     restarts = max(prev.restarts, incarnation)
     failures = max(prev.failures, restarts)
-    status = TrainerStatus(restarts=restarts, failures=failures)
+    # ranks/ready are the trainer pod's own report: carried as read, never rewritten here.
+    status = TrainerStatus(restarts=restarts, failures=failures, ranks=prev.ranks, ready=prev.ready)
     if prev.last_failure is not None:
         status.last_failure = prev.last_failure
     plan = TrainerPlan(status=status)

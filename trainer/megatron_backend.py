@@ -15,8 +15,9 @@ Two execution paths, chosen by `device`:
 With `options.parallel` above one rank, the process is one rank of a torch.distributed group the
 launcher started (trainer/launch.py, trainer/ranks.py): megatron's model-parallel state splits it into
 tensor-parallel groups (each rank holds its shards, trainer/shards.py) and data-parallel replicas
-(gradients summed across them); the HF export gathers the shards. Pipeline parallelism is refused at
-set-up (`check_layout`) until its schedule is in place.
+(gradients summed across them); the HF export gathers the shards. With pipeline parallelism (CPU so
+far) each rank builds its stage of the model and the stages hand activations, logits and gradients to
+each other (trainer/pipeline.py); the export gathers the stages too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.hf_export import Architecture, hf_to_megatron, megatron_to_hf
 from rlfleet.trainer.parallel import ParallelLayout, check_layout
+from rlfleet.trainer.pipeline import EMBEDDING, Pipeline, global_names, stage_part
 from rlfleet.trainer.shards import ShardPlan, join_shards, split_for_rank
 
 
@@ -183,19 +185,51 @@ def build_gpt_model(arch: Architecture, dtype: Any, layout: ParallelLayout | Non
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
     )
-    model = GPTModel(
-        config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=arch.rope_theta,
-        share_embeddings_and_output_weights=arch.tied_embeddings,
-        parallel_output=False,
-    )
+    stages: dict[str, bool] = {}
+    if layout is not None and layout.pipeline > 1:
+        from megatron.core import parallel_state
+
+        stages = {"pre_process": parallel_state.is_pipeline_first_stage(),
+                  "post_process": parallel_state.is_pipeline_last_stage()}
+    with _no_embedding_sync_at_build(bool(stages)):
+        model = GPTModel(
+            config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=arch.rope_theta,
+            share_embeddings_and_output_weights=arch.tied_embeddings,
+            parallel_output=False,
+            **stages,
+        )
     mark_tensor_parallel(model)
     return model
+
+
+class _no_embedding_sync_at_build:
+    """With pipeline stages and tied embeddings megatron copies the first stage's embedding into the last
+    stage's output weight at construction, on CUDA (`weight.data.cuda()`). Every weight is loaded from
+    the HF checkpoint instead (the last stage's copy included, trainer/pipeline.py), so that copy is
+    skipped while the model is built."""
+
+    def __init__(self, active: bool):
+        self.active = active
+        self.saved: Any = None
+
+    def __enter__(self) -> None:
+        if self.active:
+            from megatron.core.models.common.language_module.language_module import LanguageModule
+
+            self.saved = LanguageModule._is_in_embd_group
+            LanguageModule._is_in_embd_group = lambda self: False  # see the class doc
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            from megatron.core.models.common.language_module.language_module import LanguageModule
+
+            LanguageModule._is_in_embd_group = self.saved
 
 
 def mark_tensor_parallel(model: Any) -> None:
@@ -262,6 +296,7 @@ class MegatronTrainer(Trainer):
         self._dtype = resolve_dtype(options.dtype, device)
         torch.manual_seed(options.seed)
         _init_ranks(device, options.seed, self.layout)
+        self.pipe = Pipeline() if self.layout.pipeline > 1 else None
         self.gpt = build_gpt_model(self.arch, self._dtype, self.layout)
         self._plan = ShardPlan.of(self.gpt)
         initial = self._this_ranks_part(hf_to_megatron(load_hf_weights(model_dir), self.arch))
@@ -286,6 +321,8 @@ class MegatronTrainer(Trainer):
         from megatron.core import parallel_state
 
         rank = parallel_state.get_tensor_model_parallel_rank()
+        if self.pipe is not None:  # this stage's layers, under megatron's local numbering
+            full = stage_part(full, self.pipe.stage, self.pipe.stages, self.arch.num_layers, self.arch.tied_embeddings)
         part = split_for_rank(full, self._plan, rank, self.layout.tensor)
         # Buffers and extra state megatron keeps beside the parameters load as they are.
         return {**{k: v for k, v in full.items() if k not in self._plan.dims}, **part}
@@ -300,7 +337,17 @@ class MegatronTrainer(Trainer):
         return reduce_scalars(values, op, parallel_state.get_data_parallel_group())
 
     def _full_state(self) -> dict[str, Any]:
-        """Every parameter whole: the tensor-parallel shards gathered (a collective of the TP group)."""
+        """Every parameter whole, under the whole model's names: the tensor-parallel shards gathered (a
+        collective of the TP group), then the pipeline stages (of the pipeline group)."""
+        state = self._stage_state()
+        if self.pipe is None:
+            return state
+        arch = self.arch
+        mine = {k: v.detach().cpu() for k, v in state.items() if v is not None}
+        part = global_names(mine, self.pipe.stage, self.pipe.stages, arch.num_layers, arch.tied_embeddings)
+        return self.pipe.gather_states(part)
+
+    def _stage_state(self) -> dict[str, Any]:
         state = self.gpt.state_dict()
         if self.layout.tensor == 1:
             return dict(state)
@@ -353,7 +400,16 @@ class MegatronTrainer(Trainer):
 
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(batch, length)
-        return model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+        pipe = self.pipe
+        if pipe is None:
+            return model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+        if not pipe.first:  # megatron's activations are sequence-first
+            model.set_input_tensor(pipe.receive_input((length, batch, self.arch.hidden_size), self._dtype,
+                                                      input_ids.device))
+        out = model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
+        if pipe.last:
+            return pipe.share_logits(out)
+        return pipe.hand_on(out, (batch, length, self.arch.vocab_size), self._dtype)
 
     def _forward_logits(self, input_ids: Any) -> Any:
         return self._logits_of(self.model, input_ids)
@@ -391,11 +447,19 @@ class MegatronTrainer(Trainer):
         params = list(self.gpt.parameters())
         if self.layout.data > 1:
             sum_gradients(params, parallel_state.get_data_parallel_group())
+        tied_copy = None
+        if self.pipe is not None and self.arch.tied_embeddings:
+            # The first stage's embedding and the last stage's copy of it take the same (summed) gradient.
+            weight = self.gpt.state_dict(keep_vars=True)[EMBEDDING if self.pipe.first else "output_layer.weight"]
+            self.pipe.sum_tied_gradient(weight)
+            tied_copy = None if self.pipe.first else weight
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         group = parallel_state.get_model_parallel_group() if self.layout.tensor * self.layout.pipeline > 1 else None
-        # A replicated tensor (a norm) has the same gradient on every tensor-parallel rank: count it once.
+        # A replicated tensor (a norm) has the same gradient on every tensor-parallel rank: count it once;
+        # the tied embedding once too, on the first stage.
         return clip_grad_norm(params, max_norm, group,
-                              counts=lambda p: tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False)))
+                              counts=lambda p: p is not tied_copy and (
+                                  tp_rank == 0 or bool(getattr(p, "tensor_model_parallel", False))))
 
     def _set_train(self, training: bool) -> None:
         self.model.train(training)

@@ -69,9 +69,9 @@ def layout_problems(layout: ParallelLayout, backend: str, arch: Architecture | N
     if backend != "megatron" and (layout.tensor > 1 or layout.pipeline > 1):
         problems.append(f"spec.trainer.tensorParallelSize {layout.tensor} x pipelineParallelSize "
                         f"{layout.pipeline}: model parallelism needs backend megatron (backend is {backend})")
-    if layout.pipeline > 1:
-        problems.append(f"spec.trainer.pipelineParallelSize {layout.pipeline}: pipeline parallelism is not "
-                        "supported by the trainer yet (use tensorParallelSize and dataParallelSize)")
+    if layout.pipeline > 1 and device.startswith("cuda"):
+        problems.append(f"spec.trainer.pipelineParallelSize {layout.pipeline}: pipeline parallelism runs on CPU "
+                        "(gpus: 0) only so far; on GPUs use tensorParallelSize and dataParallelSize")
     if device.startswith("cuda") and devices_available is not None and layout.world > devices_available:
         problems.append(f"the trainer is {layout.world} ranks (tensorParallelSize {layout.tensor} x "
                         f"pipelineParallelSize {layout.pipeline} x dataParallelSize {layout.data}) but only "

@@ -404,7 +404,7 @@ def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -
 
 TRAININGRUNS = rlfleet_resource("TrainingRun")
 # The TrainingRun status fields the orchestrator owns; the operator writes the others.
-ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval", "orchestratorFailure")
+ORCHESTRATOR_STATUS_KEYS = ("step", "weightVersion", "rewardMean", "lastEval", "orchestratorFailure", "trainer")
 
 
 async def report_run_progress(kube: KubeClient, namespace: str, run: str, **fields) -> None:

@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
                                             ("--snapshot-dir", args.snapshot_dir)) if not value]
         if missing:
             return _usage_error(f"--kubernetes needs {', '.join(missing)}")
+        if "RANK" not in os.environ:  # the pod's own process: it launches the ranks of a multi-rank trainer
+            run = asyncio.run(_read_cluster_run(args))
+            if run is not None and run.spec.trainer.world_size > 1:
+                return _launch_cluster_ranks(run, list(sys.argv[1:] if argv is None else argv), args)
         return _finish(lambda: _run_in_cluster(args),
                        report=report_path_for(args.snapshot_dir / f"{args.training_run}-summary.json"))
     if not args.file:
@@ -121,6 +125,69 @@ def _launch_ranks(run: TrainingRun, argv: list[str], run_dir: Path) -> int:
     return launch_run(run, argv, model_dir, run_dir)
 
 
+async def _read_cluster_run(args) -> TrainingRun | None:
+    """The run as the API server has it; None when it cannot be read or is invalid (the one-rank path
+    then reports why on the run)."""
+    from rlfleet.kube.client import ApiError, KubeClient
+    from rlfleet.orchestrator.fleet.k8s_backend import TRAININGRUNS
+
+    try:
+        async with await KubeClient.load(args.kubeconfig) as kube, asyncio.timeout(60):
+            obj = await kube.get(TRAININGRUNS, args.training_run, args.namespace)
+    except (ApiError, OSError, TimeoutError):
+        return None
+    run, _ = _validate_run(obj)
+    return run if isinstance(run, TrainingRun) else None
+
+
+def _validate_run(obj: dict):
+    meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
+    return validate_object({"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
+                            "spec": obj.get("spec")})
+
+
+def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
+    """A trainer pod of several ranks: check the layout against the model, then launch them here; rank 0
+    runs `rlfleet run --kubernetes`. A failure rank 0 did not write itself is written on the run."""
+    from rlfleet.errors import RunError
+    from rlfleet.orchestrator.run.loop import resolve_model_dir
+    from rlfleet.orchestrator.run.ranks import check_before_launch, launch_run
+
+    assert run.metadata.name is not None, "a run read from the API server has a name"
+    world = run.spec.trainer.world_size
+
+    def record(error: RunError) -> None:
+        message = getattr(error, "message", None) or str(error)
+        asyncio.run(_record_rank_failure(args, error.reason, message, world))
+
+    run_dir = args.run_dir or Path(tempfile.gettempdir()) / "rlfleet" / run.metadata.name
+    try:
+        model_dir = resolve_model_dir(run.spec.model_path)
+        check_before_launch(run, model_dir)
+    except RunFailed as exc:
+        record(exc)
+        print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as exc:
+        failure = RunFailed("TrainerSetupFailed", f"{run.spec.trainer.backend} trainer on {run.spec.model_path}: {exc}")
+        record(failure)
+        print(f"rlfleet run: FAILED ({failure.reason}): {failure.message}", file=sys.stderr)
+        return 1
+    return launch_run(run, argv, model_dir, run_dir, on_failure=record)
+
+
+async def _record_rank_failure(args, reason: str, message: str, world: int) -> None:
+    from rlfleet.kube.client import ApiError, KubeClient
+    from rlfleet.orchestrator.fleet.k8s_backend import fail_run, report_run_progress
+
+    try:
+        async with await KubeClient.load(args.kubeconfig) as kube, asyncio.timeout(30):
+            await report_run_progress(kube, args.namespace, args.training_run, trainer={"ranks": world, "ready": 0})
+            await fail_run(kube, args.namespace, args.training_run, reason=reason, message=message)
+    except (ApiError, OSError, TimeoutError) as exc:
+        print(f"rlfleet run: could not record the failure on the run: {exc}", file=sys.stderr)
+
+
 def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:
     """The last resort of a stop that ran past its bound: SIGKILL every process group of the run (each
     child logs under run_dir) and remove the scratch volume. Runs in a thread: the loop may be stuck."""
@@ -153,9 +220,7 @@ async def _run_in_cluster(args) -> RunSummary:
         except ApiError as exc:
             raise RunFailed("TrainingRunUnreadable",
                             f"TrainingRun {args.namespace}/{args.training_run}: {exc}") from None
-        meta = {k: v for k, v in obj["metadata"].items() if k in ("name", "namespace", "labels", "annotations")}
-        run, errors = validate_object({"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
-                                       "spec": obj.get("spec")})
+        run, errors = _validate_run(obj)
         try:
             if run is None:
                 raise RunFailed("InvalidSpec", "; ".join(str(e) for e in errors))

@@ -72,6 +72,9 @@ class KubernetesRun(RunLoop):
             # is touched, rather than silently syncing from disk.
             raise RunFailed("WeightSyncUnsupported" if spec.weight_sync.mode == "broadcast" else "InvalidSpec",
                             "; ".join(problems))
+        # Every rank joined the trainer's process group (building the trainer waited for them).
+        world = spec.trainer.world_size
+        await self._write_status(trainer={"ranks": world, "ready": world})
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
                                                timeout=spec.rollout.health.startup_timeout_seconds,

@@ -10,14 +10,20 @@ every rank logs to `<run dir>/trainer-ranks/rank-<r>.log`.
 Stopping: Ctrl-C / SIGTERM reach the launcher, which stops every rank (rank 0 stops its engines and
 router first, as a single-rank run does). A rank that dies stops the group: the run fails with
 `TrainerRankFailed`, naming the rank, its exit code and its last log lines.
+
+In a trainer pod (`rlfleet run --kubernetes`) the same: the pod's process launches the ranks, rank 0
+runs `rlfleet run --kubernetes` (the fleets through the API server), and a rank's death that rank 0
+did not report itself is written on the run by `on_failure` (its `status.orchestratorFailure`).
 """
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlfleet.crds.models import TrainingRun
+from rlfleet.errors import RunError
 from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer, device_of, layout_of
 
 
@@ -37,8 +43,12 @@ def check_before_launch(run: TrainingRun, model_dir: Path) -> None:
     check_layout(layout_of(spec), spec.trainer.backend, arch, device_of(spec), available)
 
 
-def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path) -> int:
-    """Launch the run's ranks (this process is their agent); the exit status of the run."""
+def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path,
+               on_failure: Callable[[RunError], None] | None = None) -> int:
+    """Launch the run's ranks (this process is their agent); the exit status of the run.
+
+    `on_failure(error)` is called when a rank failed the group and rank 0 did not fail the run itself.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from rlfleet.trainer.launch import RankFailed, launch_ranks
@@ -47,12 +57,14 @@ def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path
     print(f"rlfleet run: starting {world} trainer ranks; rank logs in {run_dir / 'trainer-ranks'}",
           file=sys.stderr, flush=True)
     try:
-        launch_ranks(rank_main, (argv, str(model_dir), str(run_dir)), world=world, log_dir=run_dir / "trainer-ranks",
-                     run_id=run.metadata.name or "rlfleet", tee=True)
+        launch_ranks(rank_main, (argv, str(model_dir), str(run_dir), run), world=world,
+                     log_dir=run_dir / "trainer-ranks", run_id=run.metadata.name or "rlfleet", tee=True)
     except RankFailed as exc:
         if exc.rank == 0 and exc.exitcode > 0:
             return exc.exitcode  # the run itself failed: rank 0 has said why
-        print(f"rlfleet run: FAILED ({exc.reason}): {exc}", file=sys.stderr)
+        print(f"rlfleet run: FAILED ({exc.reason}): {exc}", file=sys.stderr, flush=True)
+        if on_failure is not None:
+            on_failure(exc)
         return 1
     except SignalException as exc:
         print(f"rlfleet run: stopped by {exc.sigval.name}; trainer ranks, engines and router stopped", file=sys.stderr)
@@ -60,8 +72,9 @@ def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path
     return 0
 
 
-def rank_main(argv: list[str], model_dir: str, run_dir: str) -> None:
-    """Every rank's entry: rank 0 runs `rlfleet run` itself (same arguments), the others follow it."""
+def rank_main(argv: list[str], model_dir: str, run_dir: str, run: TrainingRun) -> None:
+    """Every rank's entry: rank 0 runs `rlfleet run` itself (same arguments), the others follow it
+    (building their part of the trainer from `run`, the spec the launcher checked)."""
     from rlfleet.trainer.ranks import rank_env
 
     if rank_env()[0] == 0:
@@ -71,15 +84,11 @@ def rank_main(argv: list[str], model_dir: str, run_dir: str) -> None:
         if code:
             raise SystemExit(code)
         return
-    follow_run(argv, Path(model_dir))
+    follow_run(run, Path(model_dir))
 
 
-def follow_run(argv: list[str], model_dir: Path) -> None:
-    from rlfleet.crds.loader import load_training_run
-    from rlfleet.orchestrator.run.cli import build_parser
+def follow_run(run: TrainingRun, model_dir: Path) -> None:
     from rlfleet.trainer.ranks import follow
 
-    args = build_parser().parse_args(argv)
-    run = load_training_run(args.file)
     trainer: Any = build_rank_trainer(run.spec, model_dir)
     follow(trainer)

@@ -327,6 +327,8 @@ GOOD_INPUT: list[Case] = [
     Case("megatron-cpu-ranks", spec({"trainer": {"backend": "megatron", "gpus": 0, "tensorParallelSize": 2,
                                                  "dataParallelSize": 2}}), None),
     Case("torch-data-parallel", spec({"trainer": {"gpus": 2, "dataParallelSize": 2}}), None),
+    Case("megatron-cpu-pipeline", spec({"trainer": {"backend": "megatron", "gpus": 0, "pipelineParallelSize": 2,
+                                                    "tensorParallelSize": 2}}), None),
     Case("cpu-engine-no-gpus", spec({"rollout": {"engine": {"device": "cpu", "gpusPerEngine": 0}}}), None),
     Case("fleet-scaled-to-zero", {"spec": {"replicas": 0}}, None, kind="RolloutFleet"),
     # Boundaries of the cross-field rules: equal values are allowed where the rule says "not exceed".

@@ -2,15 +2,15 @@
 train like one rank.
 
 The same four GRPO steps (the tiny Llama; batches scored by the initial weights, so later steps are
-off-policy and the loss depends on the weights) through megatron TP=2, DP=2 and TP=2 x DP=2 and torch
-DP=2, against one rank of the same backend: the loss and gradient norm of every step and every
+off-policy and the loss depends on the weights) through megatron TP=2, PP=2, DP=2, TP=2 x DP=2 and
+TP=2 x PP=2 and torch DP=2, against one rank of the same backend: the loss and gradient norm of every step and every
 exported HF weight agree within 1e-4 (float32), and each export is one snapshot in the single-rank
 layout (same files, tensor names, shapes and dtypes). SGLang loading that layout is proven in
 test_trainer_parity.py (the single-rank export); here an engine loads the TP=2 x DP=2 export and its
 greedy tokens equal the single-rank trainer's. A rank that dies stops the group and is named with its
 last log lines.
 
-World 2 runs its three layouts one after another in the same ranks (one launch); world 4 is one more.
+World 2 runs its four layouts one after another in the same ranks (one launch); world 4 its two likewise.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from rlfleet.trainer.launch import RankFailed, launch_ranks
 
 STEPS = 4
 TOLERANCE = 1e-4
-WORLD_2 = [("megatron", (2, 1, 1)), ("megatron", (1, 1, 2)), ("torch", (1, 1, 2))]
-WORLD_4 = [("megatron", (2, 1, 2))]
+WORLD_2 = [("megatron", (2, 1, 1)), ("megatron", (1, 2, 1)), ("megatron", (1, 1, 2)), ("torch", (1, 1, 2))]
+WORLD_4 = [("megatron", (2, 1, 2)), ("megatron", (2, 2, 1))]
 LAYOUTS = WORLD_2 + WORLD_4
 
 

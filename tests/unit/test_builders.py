@@ -215,6 +215,19 @@ def test_trainer_pod_runs_rlfleet_in_kubernetes_mode():
     assert t["spec"]["restartPolicy"] == "Never"
 
 
+def test_trainer_pod_asks_for_a_device_per_rank():
+    def resources(**trainer):
+        spec = run(trainer={"image": "rlfleet/rlfleet:0.1.0", **trainer})
+        return b.build_trainer_pod(spec)["spec"]["containers"][0].get("resources", {})
+
+    assert resources(gpus=0) == {}
+    assert resources(gpus=0, dataParallelSize=2) == {"requests": {"cpu": "2"}}
+    assert resources(gpus=0, dataParallelSize=2, resources={"requests": {"cpu": "500m"}}) == {
+        "requests": {"cpu": "500m"}}
+    assert resources(gpus=4, backend="megatron", tensorParallelSize=2, dataParallelSize=2) == {
+        "requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
+
+
 def test_eval_fleet_only_for_posture_fleet_and_inherits_the_engine():
     assert b.build_eval_fleet(run()) is None
     r = run(eval={"posture": "fleet", "datasets": [{"name": "d", "task": "reverse"}],

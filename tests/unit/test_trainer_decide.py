@@ -5,6 +5,7 @@ from helpers.manifests import RUN
 from rlfleet.crds.loader import load_text, local_run_errors
 from rlfleet.kube.conditions import find
 from rlfleet.operator import builders as b
+from rlfleet.operator.reconcile import merge_patch_delta
 from rlfleet.operator.run_decide import RunChildren, decide_run
 from rlfleet.operator.trainer_decide import backoff_s
 
@@ -138,3 +139,20 @@ def test_max_restarts_is_refused_locally_when_set_and_checked_by_the_schema():
     assert local_run_errors(zero.obj) == []
     (bad,) = load_text(RUN + "  trainer: {maxRestarts: -1}\n")
     assert [e.path for e in bad.errors] == ["spec.trainer.maxRestarts"]
+
+
+def test_the_ranks_the_trainer_pod_reported_survive_the_operators_status_write():
+    """status.trainer is shared: the operator writes restarts, the trainer pod its ranks and ready ones;
+    the operator's patch names only what it changed, so a report between its read and write is kept."""
+    r = run(status={"phase": "Running", "trainer": {"restarts": 0, "failures": 0, "ranks": 2, "ready": 2}})
+    plan, _ = reconcile(r, trainer_pod("Failed", exit_code=1, log="boom", uid="p0"), T0)
+    assert plan.status["trainer"]["ranks"] == 2 and plan.status["trainer"]["ready"] == 2
+    patch = merge_patch_delta(r["status"], plan.status)
+    assert patch["trainer"] == {"failures": 1, "lastFailure": plan.status["trainer"]["lastFailure"]}
+
+
+def test_a_merge_patch_delta_names_only_changes_and_none_removes():
+    current = {"a": 1, "b": {"x": 1, "y": 2}, "c": [1], "gone": 3}
+    new = {"a": 1, "b": {"x": 1, "y": 5}, "c": [1, 2], "added": {"z": 0}}
+    assert merge_patch_delta(current, new) == {"b": {"y": 5}, "c": [1, 2], "gone": None, "added": {"z": 0}}
+    assert merge_patch_delta(new, new) == {}
