@@ -11,10 +11,6 @@ from rlfleet.crds.models import TrainingRunSpec
 def unsupported_on_kubernetes(spec: TrainingRunSpec) -> list[str]:
     """`field: why` for each part of the spec a trainer pod cannot run yet (empty: it can run all of it)."""
     problems = []
-    if spec.weight_sync.mode == "broadcast":
-        # Engine pods would have to reach the trainer pod's update-group port (NetworkPolicy, pod address).
-        problems.append("spec.weightSync.mode: broadcast runs with `rlfleet run` (local processes) only so far; "
-                        "on Kubernetes use mode disk")
     if spec.trainer.world_size > 1:
         problems.append(f"spec.trainer: a trainer of {spec.trainer.world_size} ranks (tensor x pipeline x data "
                         "parallel) runs with `rlfleet run` only so far; a trainer pod runs one rank")

@@ -37,7 +37,7 @@ class FleetRuntime:
                  reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
                  timeouts: EngineTimeouts | None = None, api_key: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None):
+                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
         self.backend = backend
         self.api_key = api_key  # the fleet's key: every call to its engines and router sends it
         self.fleet = backend.fleet
@@ -48,6 +48,7 @@ class FleetRuntime:
         self._pause_mode = pause_mode
         self._weight_sync_spec = weight_sync
         self._broadcast_address = broadcast_address
+        self._broadcast_port = broadcast_port
         self._broadcast_device = broadcast_device
         self._engine_tp_size = engine_tp_size
         self._engine_device = engine_device
@@ -97,7 +98,8 @@ class FleetRuntime:
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference,
-                                  broadcast_address=self._broadcast_address, broadcast_device=self._broadcast_device,
+                                  broadcast_address=self._broadcast_address, broadcast_port=self._broadcast_port,
+                                  broadcast_device=self._broadcast_device,
                                   engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
                                   engine_dtype=self._engine_dtype)
         self._unsubscribe = self.backend.subscribe(self._on_death)

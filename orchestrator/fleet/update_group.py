@@ -78,12 +78,14 @@ class UpdateGroup:
     @classmethod
     async def build(cls, engines: Sequence[EngineSlot], *, buckets: Sequence[Bucket], bounds: StepBounds,
                     client: Callable[[str], EngineClient], address: str, backend: str, group_name: str,
-                    device: str = "cpu", tp_size: int = 1) -> UpdateGroup:
-        """Start rank 0 and have every engine join; TransferFailed names the engines that did not."""
+                    device: str = "cpu", tp_size: int = 1, port: int | None = None) -> UpdateGroup:
+        """Start rank 0 on address:port (None: a free port) and have every engine join; TransferFailed
+        names the engines that did not."""
         offsets, world_size = rank_offsets([tp_size] * len(engines))
         members = [Member(e.slot, e.incarnation, e.url or "", off) for e, off in zip(engines, offsets, strict=True)]
         try:
-            port = free_port(address)  # OSError at once when this machine has no such address
+            if port is None:
+                port = free_port(address)  # OSError at once when this machine has no such address
             check_listen_address(address, port)
         except (BroadcastError, OSError) as exc:
             raise TransferFailed(f"broadcast cannot start: cannot listen on {address}: {exc}") from exc

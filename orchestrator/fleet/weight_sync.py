@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class WeightSync:
                  pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None):
+                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
         if pause_mode not in SAFE_PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "
                              f"inconsistent after an update), got {pause_mode!r}")
@@ -114,6 +115,10 @@ class WeightSync:
         self._lock = asyncio.Lock()
         self.last_error: str | None = None  # of the last sync (None after a successful one)
         self.broadcast_address = broadcast_address
+        self.broadcast_port = broadcast_port  # None: any free port on the address (a pod declares its own)
+        # Group names are unique per orchestrator: engines that outlived an earlier trainer may still
+        # hold its group under the same counter.
+        self._group_prefix = f"rlfleet-{self.fleet}-{secrets.token_hex(4)}"
         self.broadcast_device = broadcast_device
         self.engine_tp_size = engine_tp_size
         self.engine_device = engine_device  # where engines hold their weights: how they hash them
@@ -242,8 +247,8 @@ class WeightSync:
         self._group = await UpdateGroup.build(
             alive, buckets=buckets, bounds=plan.StepBounds(self.spec.transfer_timeout_seconds),
             client=lambda url: self._engine_client(url), address=self.broadcast_address, backend=backend,
-            group_name=f"rlfleet-{self.fleet}-{self._groups_built}", device=self.broadcast_device,
-            tp_size=self.engine_tp_size)
+            group_name=f"{self._group_prefix}-{self._groups_built}", device=self.broadcast_device,
+            tp_size=self.engine_tp_size, port=self.broadcast_port)
         metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()
         result.phases["group"] = time.monotonic() - started
         return self._group

@@ -182,9 +182,16 @@ def test_a_run_spec_the_models_reject_fails_the_run_and_creates_nothing():
 
 
 def test_a_run_only_local_processes_can_run_fails_before_anything_is_created():
-    for spec, field in (({"weightSync": {"mode": "broadcast", "mountPath": "/snapshots"}}, "spec.weightSync.mode"),
-                        ({"trainer": {"backend": "torch", "gpus": 0, "dataParallelSize": 2}}, "spec.trainer")):
+    for spec, field in (({"trainer": {"backend": "torch", "gpus": 0, "dataParallelSize": 2}}, "spec.trainer"),):
         plan = decide_run(run(**spec), RunChildren(), now=T0)
         failed = find(plan.status["conditions"], "Failed")
         assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
         assert field in plan.status["message"] and "rlfleet run" in plan.status["message"]
+
+
+def test_a_broadcast_run_gets_its_children_and_a_trainer_pod_with_the_update_group_port():
+    plan = decide_run(run(weightSync={"mode": "broadcast", "mountPath": "/snapshots"}), RunChildren(), now=T0)
+    assert plan.status["phase"] == "Pending" and find(plan.status["conditions"], "Failed")["status"] == "False"
+    (pod,) = [o for o in plan.create if o["kind"] == "Pod"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert ports == {"metrics": 9400, "update-group": 29600}
