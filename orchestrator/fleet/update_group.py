@@ -111,8 +111,9 @@ class UpdateGroup:
         except TransferFailed:
             await group.abandon()
             raise
-        log.info("update group %s: %d engine(s), world size %d, %s, %d bucket(s) of %.1f MiB", group_name,
-                 len(members), world_size, backend, len(buckets), buffer_bytes(buckets) / 2**20)
+        log.info("update group %s: rank 0 at %s:%d, %d engine(s), world size %d, %s, %d bucket(s) of %.1f MiB",
+                 group_name, address, port, len(members), world_size, backend, len(buckets),
+                 buffer_bytes(buckets) / 2**20)
         return group
 
     async def _all(self, call: Callable[[Member], Awaitable[tuple[bool, str]]], what: str, timeout_s: float) -> None:
