@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,11 +154,12 @@ class FleetRuntime:
                 admitted.append(engine.slot)
         return admitted
 
-    async def sync_weights(self, snapshot_dir: str | Path, step: int, *,
-                           tensors: Mapping[str, Any] | None = None) -> WeightSyncResult:
-        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast."""
+    async def sync_weights(self, snapshot_dir: str | Path, step: int, *, tensors: Mapping[str, Any] | None = None,
+                           snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
+        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast, while
+        the snapshot is still being written when `snapshot_written` is given (see WeightSync.sync)."""
         assert self.weights is not None
-        return await self.weights.sync(snapshot_dir, step, tensors=tensors)
+        return await self.weights.sync(snapshot_dir, step, tensors=tensors, snapshot_written=snapshot_written)
 
     async def stop(self) -> None:
         try:
