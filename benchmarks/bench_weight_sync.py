@@ -7,9 +7,12 @@ behind a real router, the orchestrator's own WeightSync. Per sync the phases are
   to hash it, validated with a full re-hash (`diskVerify: full`), loaded by every engine;
 - disk, after: the snapshot hashed while it is written, validated from the manifest (`diskVerify:
   manifest`), loaded by every engine;
-- broadcast: copied into the shared buffer and broadcast over the gloo update group into every engine
-  (the group is built by a first, unmeasured sync), versions read back; then once more with the
-  checksum verification on, to give its cost.
+- broadcast: copied into the shared buffer (each bucket after the first while the one before is on the
+  wire) and broadcast over the gloo update group into every engine (the group is built by a first,
+  unmeasured sync), versions read back; then once more with the checksum verification on, to give its
+  cost;
+- a broadcast step's export and sync: the snapshot written, then the broadcast, against the snapshot
+  written beside the broadcast (what the run loop does).
 
 Floors measured in the same run: the bare `update_weights_from_disk` of an unvalidated snapshot already
 in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
@@ -117,7 +120,7 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
     from rlfleet.orchestrator.fleet.local_backend import LocalBackend
     from rlfleet.orchestrator.fleet.local_router import LocalRouter
     from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-    from rlfleet.snapshot.writer import ExportState, config_with_dtype
+    from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
     from rlfleet.trainer.base import read_hf_config
 
     run_dir = work / f"fleet-{engines}"
@@ -180,6 +183,23 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             rows[label] = {"fill": p.get("fill", 0.0), "broadcast": p.get("begin", 0) + p.get("broadcast", 0) +
                            p.get("end", 0), "read_back": p.get("read_back", 0.0), "verify": p.get("verify", 0.0),
                            "total": result.total_s - result.validate_s}
+
+        # A training step's export and sync in broadcast mode: the snapshot written first, then broadcast
+        # (as before), against the snapshot written beside the broadcast (the run loop's way now).
+        weights.spec = spec
+        step += 1
+        out = work / f"step-seq-{engines}-{step}"
+        t = time.perf_counter()
+        await asyncio.to_thread(export_after, state(step), out)
+        result = await runtime.sync_weights(out, step, tensors=tensors)
+        rows["step, write then sync"] = {"total": time.perf_counter() - t}
+        step += 1
+        out = work / f"step-beside-{engines}-{step}"
+        t = time.perf_counter()
+        written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state(step), out))
+        result = await runtime.sync_weights(out, step, tensors=tensors, snapshot_written=written)
+        assert result.mode == "broadcast", result.fallback_reason
+        rows["step, write beside sync"] = {"wait_for_write": result.validate_s, "total": time.perf_counter() - t}
     finally:
         await runtime.stop()
         await router.stop()
@@ -194,7 +214,10 @@ def report(figures: dict, raw_s: float) -> None:
           f"raw gloo broadcast of the same bytes (2 processes) {raw_s:.2f} s")
     for label, row in figures["rows"].items():
         cells = "  ".join(f"{k} {v:.2f}" for k, v in row.items())
-        if label.startswith("disk"):
+        if label.startswith("step"):
+            before = figures["rows"]["step, write then sync"]["total"]
+            ratio = f"{row['total'] / before:.2f}x the write-then-sync step"
+        elif label.startswith("disk"):
             overhead = row["total"] / figures["bare_load_s"] - 1
             ratio = f"overhead beyond the bare load {100 * overhead:.0f}% (goal <= 25%)"
         else:

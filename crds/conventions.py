@@ -42,6 +42,13 @@ API_KEY_SECRET_KEY = "api-key"
 # Pods the operator builds run as this non-root user and group (Pod Security `restricted`); fsGroup too,
 # so the trainer can write a fresh snapshot claim and engines read what it wrote.
 POD_USER_ID = 1000
+# Broadcast weight sync on Kubernetes: the trainer pod's update-group rendezvous (rank 0's TCP store, on
+# its pod IP) listens here (containerPort `update-group`). The collective's own connections (gloo pairs,
+# NCCL sockets) use ports the kernel picks from its ephemeral range: the NetworkPolicies admit the run's
+# engines to those ports of the trainer and of each other, and nothing else there.
+UPDATE_GROUP_PORT = 29600
+UPDATE_GROUP_PORT_NAME = "update-group"
+COLLECTIVE_PORTS = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
 
 def engine_pod_name(fleet_name: str, slot: int) -> str:
     return f"{fleet_name}-engine-{slot}"
@@ -81,6 +88,14 @@ def network_policy_name(fleet_name: str) -> str:
 
 def router_network_policy_name(fleet_name: str) -> str:
     return f"{fleet_name}-router"
+
+
+def trainer_network_policy_name(run_name: str) -> str:
+    return f"{run_name}-trainer"
+
+
+def update_group_network_policy_name(run_name: str) -> str:
+    return f"{run_name}-update-group"
 
 
 def api_key_secret_name(fleet_name: str) -> str:

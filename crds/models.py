@@ -13,6 +13,7 @@ from pydantic import ConfigDict, Field
 
 from rlfleet.crds import API_VERSION, GROUP, VERSION
 from rlfleet.crds import k8s_values as kv
+from rlfleet.crds.conventions import UPDATE_GROUP_PORT
 from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
 from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
 from rlfleet.crds.rules import Rule, immutable
@@ -210,6 +211,13 @@ class TrainingRunSpec(ApiModel):
             field="weightSync.mode",
             message="weight sync mode broadcast needs the trainer and the engines on the same kind of device "
             "(GPU trainer with cuda engines: nccl; CPU trainer with cpu engines: gloo); use disk",
+        ),
+        Rule(
+            cel=f"self.weightSync.mode != 'broadcast' || self.metricsPort != {UPDATE_GROUP_PORT}",
+            check=lambda s: s.weight_sync.mode != "broadcast" or s.metrics_port != UPDATE_GROUP_PORT,
+            field="metricsPort",
+            message=f"port {UPDATE_GROUP_PORT} is the trainer pod's update-group port in weight sync mode "
+            "broadcast; choose another",
         ),
         immutable("modelPath", "model_path"),
         Rule(

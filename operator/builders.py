@@ -28,6 +28,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     API_KEY_ENV,
     API_KEY_SECRET_KEY,
     API_VERSION,
+    COLLECTIVE_PORTS,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
     GROUP,
@@ -43,6 +44,8 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     ROUTER_METRICS_PORT,
     SNAPSHOT_VOLUME,
     TRAINER_SERVICE_ACCOUNT,
+    UPDATE_GROUP_PORT,
+    UPDATE_GROUP_PORT_NAME,
     api_key_secret_name,
     engine_labels,
     engine_pod_name,
@@ -53,7 +56,9 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     router_labels,
     router_name,
     router_network_policy_name,
+    trainer_network_policy_name,
     trainer_pod_name,
+    update_group_network_policy_name,
 )
 from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
 from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
@@ -534,7 +539,8 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
         "image": trainer.image,
         "command": trainer_command(run, resume=restarts > 0 and spec.checkpoint is not None),
         "env": env,
-        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"},
+                  *_update_group_ports(spec)],
         "resources": _trainer_resources(spec),
         "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": mount_path}],
         **_TERMINATION,
@@ -559,6 +565,57 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer"), {ANN_RESTARTS: str(restarts)}),
             "spec": pod_spec}
+
+
+def _update_group_ports(spec: TrainingRunSpec) -> list[dict]:
+    """Broadcast weight sync: the trainer's orchestrator is rank 0 of the update group, on its pod IP."""
+    if spec.weight_sync.mode != "broadcast":
+        return []
+    return [{"name": UPDATE_GROUP_PORT_NAME, "containerPort": UPDATE_GROUP_PORT, "protocol": "TCP"}]
+
+
+# Broadcast weight sync: the update group's NetworkPolicies ----------------------------------------------
+UPDATE_GROUP_NETWORK_POLICY_COMPONENT = "update-group-network-policy"
+
+
+def update_group_network_policy_labels(run_name: str) -> dict[str, str]:
+    return {**run_labels(run_name, UPDATE_GROUP_NETWORK_POLICY_COMPONENT)}
+
+
+def build_update_group_network_policies(run: dict, spec: TrainingRunSpec | None = None) -> list[dict]:
+    """The NetworkPolicies of a broadcast run's update group (none in disk mode), owned by the run.
+
+    The group is the trainer pod (rank 0: its TCP store on the update-group port, on its pod IP) and
+    every rollout engine. Engines connect to that port; the collective's own connections (gloo pairs,
+    NCCL sockets) go either way between any two members, on ports the kernel picks from its ephemeral
+    range. So:
+    - `<run>-trainer` selects the trainer pod: the run's rollout engines may reach the update-group port
+      and the ephemeral range; the metrics port stays open as it is without a policy; nothing else;
+    - `<run>-update-group` selects the rollout engines: they may reach each other on the ephemeral range
+      (their fleet's `<fleet>-engines` policy already admits the trainer on every port).
+    """
+    spec = spec or run_spec(run)
+    if spec.weight_sync.mode != "broadcast":
+        return []
+    name = run["metadata"]["name"]
+    engines = {"podSelector": {"matchLabels": {LABEL_COMPONENT: "engine", LABEL_FLEET: rollout_fleet_name(name)}}}
+    collective = {"port": COLLECTIVE_PORTS[0], "endPort": COLLECTIVE_PORTS[1], "protocol": "TCP"}
+    labels = update_group_network_policy_labels(name)
+
+    def policy(policy_name: str, selected: dict, ingress: list[dict]) -> dict:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": _meta(policy_name, run, labels),
+                "spec": {"podSelector": selected, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+    trainer = {"matchLabels": {LABEL_COMPONENT: "trainer", LABEL_RUN: name}}
+    return [
+        policy(trainer_network_policy_name(name), trainer, [
+            {"from": [engines], "ports": [{"port": UPDATE_GROUP_PORT, "protocol": "TCP"}, collective]},
+            {"ports": [{"port": spec.metrics_port, "protocol": "TCP"}]},
+        ]),
+        policy(update_group_network_policy_name(name), engines["podSelector"],
+               [{"from": [engines], "ports": [collective]}]),
+    ]
 
 
 # The trainer's account ---------------------------------------------------------------------------------

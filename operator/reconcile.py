@@ -324,6 +324,9 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
         for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
             await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
+    if settings.network_policy and any(obj["kind"] == "Pod" for obj in plan.create):
+        for obj in b.build_update_group_network_policies(run):  # broadcast: before rank 0's pod exists
+            await _create(kube, NETWORK_POLICIES, obj, refused)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     for kind, name, spec in plan.patch_fleet_specs:

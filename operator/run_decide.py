@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from rlfleet.crds import reasons
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.models import TrainingRunSpec
-from rlfleet.crds.platform_limits import unsupported_on_kubernetes
 from rlfleet.crds.status import Condition, RunPhase, TrainerStatus, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
 from rlfleet.kube.marks import RUN_FAILURE
@@ -105,8 +104,6 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
         evalf = b.build_eval_fleet(run, spec)
     except (ValidationError, ValueError) as e:
         return _invalid(run, old, str(e), now)
-    if problems := unsupported_on_kubernetes(spec):
-        return _invalid(run, old, "; ".join(problems), now)
 
     fleet_status = (children.rollout or {}).get("status") or {}
     old_failed = find(old.get("conditions"), "Failed")

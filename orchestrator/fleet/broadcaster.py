@@ -161,21 +161,60 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _listening_socket(address: str, port: int) -> socket.socket:
+    """A socket listening on exactly address:port (a TCP store of its own would listen on every address,
+    colliding with any other pod's on a node whose pods share the host's network, as the dev cluster's)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((address, port))
+    sock.listen(128)
+    return sock
+
+
+def _gloo_on(address: str) -> None:
+    """Gloo of this process binds `address` (the pod IP), not what the machine's hostname resolves to."""
+    from torch.distributed import ProcessGroupGloo
+    from torch.distributed.distributed_c10d import Backend
+
+    def create(opts, backend_options):
+        options = ProcessGroupGloo._Options()
+        options._timeout = opts.timeout
+        options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+        pg = ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+        pg.options.global_ranks_in_group = opts.global_ranks_in_group
+        pg.options.group_name = opts.group_id
+        return pg
+
+    Backend._ensure_backend_registered(Backend.GLOO)
+    plugin = Backend._plugins["GLOO"]
+    Backend._plugins["GLOO"] = plugin._replace(creator_fn=create)
+
+
 def _custom_group(backend: str, address: str, port: int, world_size: int, group_name: str, timeout_s: float):
-    """SGLang's `init_custom_process_group` (sglang/srt/utils/common.py) for rank 0."""
+    """SGLang's `init_custom_process_group` (sglang/srt/utils/common.py) for rank 0, its store and (gloo)
+    its connections on `address`."""
+    from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", 0, world_size, timeout=timeout))
+    listener = _listening_socket(address, port)
+    try:
+        # As rendezvous("tcp://...") makes it for rank 0, but on the socket above.
+        store = TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         multi_tenant=True, master_listen_fd=listener.detach(), use_libuv=True)
+    except BaseException:
+        listener.close()
+        raise
     store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+    if backend == "gloo":
+        _gloo_on(address)
+    rank = 0
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name,  # type: ignore[arg-type]  # a str, as SGLang passes it
                                       backend_options=None, timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}

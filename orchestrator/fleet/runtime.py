@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ class FleetRuntime:
                  reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
                  timeouts: EngineTimeouts | None = None, api_key: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None):
+                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
         self.backend = backend
         self.api_key = api_key  # the fleet's key: every call to its engines and router sends it
         self.fleet = backend.fleet
@@ -48,6 +48,7 @@ class FleetRuntime:
         self._pause_mode = pause_mode
         self._weight_sync_spec = weight_sync
         self._broadcast_address = broadcast_address
+        self._broadcast_port = broadcast_port
         self._broadcast_device = broadcast_device
         self._engine_tp_size = engine_tp_size
         self._engine_device = engine_device
@@ -97,7 +98,8 @@ class FleetRuntime:
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
                                   pause_mode=self._pause_mode, reference=self._reference,
-                                  broadcast_address=self._broadcast_address, broadcast_device=self._broadcast_device,
+                                  broadcast_address=self._broadcast_address, broadcast_port=self._broadcast_port,
+                                  broadcast_device=self._broadcast_device,
                                   engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
                                   engine_dtype=self._engine_dtype)
         self._unsubscribe = self.backend.subscribe(self._on_death)
@@ -152,11 +154,12 @@ class FleetRuntime:
                 admitted.append(engine.slot)
         return admitted
 
-    async def sync_weights(self, snapshot_dir: str | Path, step: int, *,
-                           tensors: Mapping[str, Any] | None = None) -> WeightSyncResult:
-        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast."""
+    async def sync_weights(self, snapshot_dir: str | Path, step: int, *, tensors: Mapping[str, Any] | None = None,
+                           snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
+        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast, while
+        the snapshot is still being written when `snapshot_written` is given (see WeightSync.sync)."""
         assert self.weights is not None
-        return await self.weights.sync(snapshot_dir, step, tensors=tensors)
+        return await self.weights.sync(snapshot_dir, step, tensors=tensors, snapshot_written=snapshot_written)
 
     async def stop(self) -> None:
         try:

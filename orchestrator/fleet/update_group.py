@@ -78,12 +78,14 @@ class UpdateGroup:
     @classmethod
     async def build(cls, engines: Sequence[EngineSlot], *, buckets: Sequence[Bucket], bounds: StepBounds,
                     client: Callable[[str], EngineClient], address: str, backend: str, group_name: str,
-                    device: str = "cpu", tp_size: int = 1) -> UpdateGroup:
-        """Start rank 0 and have every engine join; TransferFailed names the engines that did not."""
+                    device: str = "cpu", tp_size: int = 1, port: int | None = None) -> UpdateGroup:
+        """Start rank 0 on address:port (None: a free port) and have every engine join; TransferFailed
+        names the engines that did not."""
         offsets, world_size = rank_offsets([tp_size] * len(engines))
         members = [Member(e.slot, e.incarnation, e.url or "", off) for e, off in zip(engines, offsets, strict=True)]
         try:
-            port = free_port(address)  # OSError at once when this machine has no such address
+            if port is None:
+                port = free_port(address)  # OSError at once when this machine has no such address
             check_listen_address(address, port)
         except (BroadcastError, OSError) as exc:
             raise TransferFailed(f"broadcast cannot start: cannot listen on {address}: {exc}") from exc
@@ -109,8 +111,9 @@ class UpdateGroup:
         except TransferFailed:
             await group.abandon()
             raise
-        log.info("update group %s: %d engine(s), world size %d, %s, %d bucket(s) of %.1f MiB", group_name,
-                 len(members), world_size, backend, len(buckets), buffer_bytes(buckets) / 2**20)
+        log.info("update group %s: rank 0 at %s:%d, %d engine(s), world size %d, %s, %d bucket(s) of %.1f MiB",
+                 group_name, address, port, len(members), world_size, backend, len(buckets),
+                 buffer_bytes(buckets) / 2**20)
         return group
 
     async def _all(self, call: Callable[[Member], Awaitable[tuple[bool, str]]], what: str, timeout_s: float) -> None:
@@ -157,15 +160,21 @@ class UpdateGroup:
             detail = f"rank 0: {rank0_problem}" + (f"; {detail}" if detail else "")
         raise TransferFailed(f"{what}: {detail}", wedged=wedged, gone=gone)
 
-    async def transfer(self, tensors: Mapping[str, Any], version: str) -> TransferTimes:
-        """Broadcast every bucket into every member; the engines serve `version` afterwards."""
-        times = TransferTimes(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
-        started = time.monotonic()
+    async def _fill(self, buckets: Sequence[Bucket], tensors: Mapping[str, Any]) -> None:
         try:
-            await asyncio.to_thread(self.broadcaster.fill, self.buckets, tensors)
+            await asyncio.to_thread(self.broadcaster.fill, buckets, tensors)
         except Exception as exc:
             self.broken = True
             raise TransferFailed(f"copying the weights for the broadcast failed: {exc}") from exc
+
+    async def transfer(self, tensors: Mapping[str, Any], version: str) -> TransferTimes:
+        """Broadcast every bucket into every member; the engines serve `version` afterwards.
+
+        Only the first bucket is copied into the shared buffer before the update begins; each later one
+        is copied while the one before it is on the wire (disjoint parts of the buffer)."""
+        times = TransferTimes(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
+        started = time.monotonic()
+        await self._fill(self.buckets[:1], tensors)
         times.fill_s = time.monotonic() - started
         control = self.bounds.control_s
 
@@ -185,8 +194,20 @@ class UpdateGroup:
                     timeout_s=bound, weight_version=version if final else None, flush_cache=final,
                     load_format=LOAD_FORMAT)
 
-            await self._together(lambda bucket=bucket, bound=bound: self.broadcaster.broadcast(  # type: ignore[misc]
-                bucket.start, bucket.end, bound), receive, f"bucket {bucket.index + 1}/{len(self.buckets)}", bound)
+            following = self.buckets[bucket.index + 1:bucket.index + 2]
+            fill_next = asyncio.ensure_future(self._fill(following, tensors)) if following else None
+            try:
+                await self._together(lambda bucket=bucket, bound=bound: self.broadcaster.broadcast(  # type: ignore[misc]
+                    bucket.start, bucket.end, bound), receive, f"bucket {bucket.index + 1}/{len(self.buckets)}", bound)
+            finally:
+                if fill_next is not None:
+                    if not fill_next.done():  # its thread ends by itself, soon; the wait is the copy's share
+                        w = time.monotonic()
+                        await asyncio.wait([fill_next])
+                        times.fill_s += time.monotonic() - w
+                    copy_failed = fill_next.exception()  # retrieved even when the bucket failed first
+            if fill_next is not None and copy_failed is not None:
+                raise copy_failed
             times.per_bucket_s.append(time.monotonic() - b0)
         times.broadcast_s = time.monotonic() - t
         t = time.monotonic()

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ class WeightSync:
                  pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None):
+                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
         if pause_mode not in SAFE_PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "
                              f"inconsistent after an update), got {pause_mode!r}")
@@ -114,6 +115,10 @@ class WeightSync:
         self._lock = asyncio.Lock()
         self.last_error: str | None = None  # of the last sync (None after a successful one)
         self.broadcast_address = broadcast_address
+        self.broadcast_port = broadcast_port  # None: any free port on the address (a pod declares its own)
+        # Group names are unique per orchestrator: engines that outlived an earlier trainer may still
+        # hold its group under the same counter.
+        self._group_prefix = f"rlfleet-{self.fleet}-{secrets.token_hex(4)}"
         self.broadcast_device = broadcast_device
         self.engine_tp_size = engine_tp_size
         self.engine_device = engine_device  # where engines hold their weights: how they hash them
@@ -142,30 +147,51 @@ class WeightSync:
     def groups_built(self) -> int:
         return self._groups_built
 
+    async def _validated(self, snapshot_dir: Path, step: int, written: Awaitable[Any] | None = None) -> Manifest:
+        """The snapshot's manifest once it is written (`written`) and valid; SnapshotInvalid otherwise."""
+        if written is not None:
+            await written
+        return await asyncio.to_thread(validate_snapshot, snapshot_dir, self._reference, expected_step=step,
+                                       verify_checksums=self.spec.disk_verify == "full")
+
     async def sync(self, snapshot_dir: str | Path, step: int, *, version: str | None = None,
-                   tensors: Mapping[str, Any] | None = None) -> WeightSyncResult:
+                   tensors: Mapping[str, Any] | None = None,
+                   snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
         """Give every engine the snapshot's weights (broadcast mode: `tensors`, the same weights under HF
         names, are broadcast; the snapshot is the fallback). Raises SnapshotInvalid (nothing loaded),
-        FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines)."""
+        FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines).
+
+        `snapshot_written` (broadcast mode): the snapshot is still being written and this completes when
+        it is; the broadcast goes on meanwhile, and only a disk fallback, or the end of the sync, waits
+        for it (and its validation)."""
         snapshot_dir = Path(snapshot_dir)
         version = version or str(step)
+        overlap = snapshot_written is not None and self.spec.mode == "broadcast" and tensors is not None
         async with self._lock:
             started = time.monotonic()
             outcome = "failed"
             mode = "disk"
+            snapshot: asyncio.Future[Manifest] | None = None
             try:
-                # Validation touches no engine, so monitoring keeps running while large files are hashed.
-                manifest: Manifest = await asyncio.to_thread(
-                    validate_snapshot, snapshot_dir, self._reference, expected_step=step,
-                    verify_checksums=self.spec.disk_verify == "full")
+                if overlap:
+                    snapshot = asyncio.ensure_future(self._validated(snapshot_dir, step, snapshot_written))
+                    manifest = None
+                else:
+                    # Validation touches no engine, so monitoring keeps running while large files are hashed.
+                    manifest = await self._validated(snapshot_dir, step, snapshot_written)
                 validate_s = time.monotonic() - started
                 if self.monitor is not None:
                     self.monitor.pause()
                 try:
-                    result = await self._apply(snapshot_dir, step, version, tensors)
+                    result = await self._apply(snapshot_dir, step, version, tensors, snapshot)
                 finally:
                     if self.monitor is not None:
                         self.monitor.resume()
+                if snapshot is not None:  # the sync ends once the snapshot replacements start from is good
+                    waited = time.monotonic()
+                    manifest = await snapshot
+                    validate_s = time.monotonic() - waited
+                assert manifest is not None
                 result.validate_s = validate_s
                 result.phases["validate"] = validate_s
                 result.total_s = time.monotonic() - started
@@ -186,12 +212,16 @@ class WeightSync:
                 self.last_error = str(exc)
                 raise
             finally:
+                if snapshot is not None and not snapshot.done():
+                    await asyncio.wait([snapshot])  # the writing thread ends by itself; leave none behind
+                if snapshot is not None and not snapshot.cancelled():
+                    snapshot.exception()  # retrieved: the error raised above (or none) is what counts
                 metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome).inc()
                 metrics.WEIGHT_SYNC_DURATION.labels(fleet=self.fleet, outcome=outcome).observe(
                     time.monotonic() - started)
 
-    async def _apply(self, snapshot_dir: Path, step: int, version: str,
-                     tensors: Mapping[str, Any] | None) -> WeightSyncResult:
+    async def _apply(self, snapshot_dir: Path, step: int, version: str, tensors: Mapping[str, Any] | None,
+                     snapshot: asyncio.Future[Manifest] | None = None) -> WeightSyncResult:
         """Recover, wait, load everywhere, read back, verify, admit. Monitoring is paused meanwhile."""
         result = WeightSyncResult(step=step, version=version, model_path=str(snapshot_dir))
         t1 = time.monotonic()
@@ -202,7 +232,7 @@ class WeightSync:
         result.phases["recover"] = result.recover_s
         self._syncs += 1
         if self.spec.mode == "broadcast" and tensors is not None:
-            result.engines = await self._broadcast_sync(alive, tensors, str(snapshot_dir), version, result)
+            result.engines = await self._broadcast_sync(alive, tensors, str(snapshot_dir), version, result, snapshot)
         else:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._sync_engine(engine, str(snapshot_dir), version)) for engine in alive]
@@ -242,14 +272,15 @@ class WeightSync:
         self._group = await UpdateGroup.build(
             alive, buckets=buckets, bounds=plan.StepBounds(self.spec.transfer_timeout_seconds),
             client=lambda url: self._engine_client(url), address=self.broadcast_address, backend=backend,
-            group_name=f"rlfleet-{self.fleet}-{self._groups_built}", device=self.broadcast_device,
-            tp_size=self.engine_tp_size)
+            group_name=f"{self._group_prefix}-{self._groups_built}", device=self.broadcast_device,
+            tp_size=self.engine_tp_size, port=self.broadcast_port)
         metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()
         result.phases["group"] = time.monotonic() - started
         return self._group
 
     async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
-                              version: str, result: WeightSyncResult) -> list[EngineSyncOutcome]:
+                              version: str, result: WeightSyncResult,
+                              snapshot: asyncio.Future[Manifest] | None = None) -> list[EngineSyncOutcome]:
         outcomes = {e.slot: EngineSyncOutcome(slot=e.slot, incarnation=e.incarnation, url=e.url or "",
                                               via="broadcast") for e in alive}
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
@@ -274,6 +305,15 @@ class WeightSync:
                 await self._continue_all(paused)
                 raise WeightSyncFailed(f"fleet {self.fleet}: broadcast of version {version} failed and "
                                        f"fallbackToDisk is false: {exc}", result) from exc
+            if snapshot is not None:  # the fallback needs the snapshot written and valid
+                waited = time.monotonic()
+                try:
+                    await snapshot
+                except BaseException:
+                    await self._continue_all(paused)  # the old weights serve on
+                    raise
+                finally:
+                    result.phases["snapshot_wait"] = time.monotonic() - waited
             await self._continue_all(paused)
             return await self._finish_from_disk(alive, outcomes, model_path, version, result)
         await self._continue_all(paused)

@@ -34,8 +34,8 @@ from pathlib import Path
 
 from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRun
-from rlfleet.crds.platform_limits import unsupported_on_kubernetes
 from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
@@ -67,14 +67,15 @@ class KubernetesRun(RunLoop):
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
-        if problems := unsupported_on_kubernetes(spec):
-            # The operator fails such a run before creating this pod; refused here too, before any engine
-            # is touched, rather than silently syncing from disk.
-            raise RunFailed("WeightSyncUnsupported" if spec.weight_sync.mode == "broadcast" else "InvalidSpec",
-                            "; ".join(problems))
         # Every rank joined the trainer's process group (building the trainer waited for them).
         world = spec.trainer.world_size
         await self._write_status(trainer={"ranks": world, "ready": world})
+        # Broadcast: this pod's orchestrator is rank 0 of the update group, on its own pod IP (downward
+        # API) and the pod's declared update-group port; engines are told that address when they join.
+        pod_ip = os.environ.get(ReservedEnv.POD_IP, "")
+        if spec.weight_sync.mode == "broadcast" and not pod_ip:
+            raise RunFailed("WeightSyncUnsupported", f"spec.weightSync.mode: broadcast needs the pod's address in "
+                                                     f"${ReservedEnv.POD_IP} (status.podIP); it is not set")
         self._phase("waiting for the rollout fleet")
         backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
                                                timeout=spec.rollout.health.startup_timeout_seconds,
@@ -91,6 +92,10 @@ class KubernetesRun(RunLoop):
         self.backend = backend
         self.fleet = FleetRuntime(backend, url, health=spec.rollout.health, weight_sync=spec.weight_sync,
                                   reference=self.current_snapshot, api_key=self.api_key,
+                                  broadcast_address=pod_ip or "127.0.0.1",
+                                  broadcast_port=conventions.UPDATE_GROUP_PORT,
+                                  broadcast_device="cuda" if spec.trainer.gpus > 0 else "cpu",
+                                  engine_tp_size=spec.rollout.engine.tensor_parallel_size,
                                   engine_device=spec.rollout.engine.device,
                                   engine_dtype=served_dtype(spec.rollout.engine))
         stack.push_async_callback(self._flush_status_writes)

@@ -350,12 +350,15 @@ class RunLoop:
                 await asyncio.to_thread(record_batch, self.options.record_batches, step, batch.samples, stats)
             self._phase("export")
             ws = self.spec.weight_sync
-            path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
-                                                    ws.mode == "broadcast" or ws.verify_every > 0)
-            self._phase("weight sync")
             assert self.fleet is not None, "the rollout fleet starts before training"
-            result = await self.fleet.sync_weights(path, step, tensors=tensors)
-            del tensors
+            if ws.mode == "broadcast":
+                result, path = await self._broadcast_step(trainer, step)
+            else:
+                path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
+                                                        ws.verify_every > 0)
+                self._phase("weight sync")
+                result = await self.fleet.sync_weights(path, step, tensors=tensors)
+                del tensors
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
             await self._retire_snapshot(previous)
@@ -395,6 +398,24 @@ class RunLoop:
         if self.evaluation is not None:  # eval: every point settles before the run ends
             self._phase("eval drain")
             await self.evaluation.finish()
+
+    async def _broadcast_step(self, trainer, step: int) -> tuple[WeightSyncResult, Path]:
+        """Broadcast the step's weights while its snapshot (the fallback, and what replacements start
+        from) is written beside the broadcast; the sync ends once both are done."""
+        assert self.fleet is not None, "the rollout fleet starts before training"
+        state = await asyncio.to_thread(trainer.state_for_export)  # off the device: the copy all three read
+        state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+        written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, snapshot_dir(self.snapshots, step)))
+        self._phase("weight sync")
+        try:
+            result = await self.fleet.sync_weights(snapshot_dir(self.snapshots, step), step, tensors=state.tensors,
+                                                   snapshot_written=written)
+        finally:
+            if not written.done():
+                await asyncio.wait([written])  # a thread: it ends by itself
+            if not written.cancelled():
+                written.exception()  # retrieved: a failed sync's own error is the one raised
+        return result, written.result()
 
     async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
         wanted = self.spec.trainer.prompts_per_step

@@ -70,7 +70,7 @@ ENGINE_WEIGHT_VERSION = Gauge(
     registry=REGISTRY,
 )
 # Per sync, by the mode that delivered the weights (disk, broadcast; broadcast_fallback: disk after a failed
-# broadcast) and phase (validate, recover, group, fill, begin, broadcast, end, load, read_back, verify).
+# broadcast) and phase (validate, recover, group, fill, begin, broadcast, end, load, read_back, verify, snapshot_wait).
 WEIGHT_SYNC_PHASE_DURATION = Histogram(
     "rlfleet_weight_sync_phase_duration_seconds", "One phase of a weight sync.", ["fleet", "mode", "phase"],
     buckets=DURATION_BUCKETS, registry=REGISTRY,

@@ -153,6 +153,8 @@ BAD_INPUT: list[Case] = [
     Case("weight-sync-broadcast-mixed-devices",
          spec({"weightSync": {"mode": "broadcast"}, "trainer": {"gpus": 0}, "rollout": {"engine": {"device": "cuda"}}}),
          "spec.weightSync.mode", "same kind of device"),
+    Case("weight-sync-broadcast-metrics-port-clash",
+         spec({"weightSync": {"mode": "broadcast"}, "metricsPort": 29600}), "spec.metricsPort", "update-group port"),
     Case("weight-sync-bucket-zero", spec({"weightSync": {"bucketMegabytes": 0}}), "spec.weightSync.bucketMegabytes",
          "greater than or equal to 1"),
     Case("weight-sync-disk-verify-unknown", spec({"weightSync": {"diskVerify": "some"}}),

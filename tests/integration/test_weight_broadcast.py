@@ -30,6 +30,7 @@ from rlfleet.orchestrator.fleet.update_group import UpdateGroup
 from rlfleet.orchestrator.fleet.weight_sync import EngineSyncOutcome
 from rlfleet.orchestrator.run.loop import export_step
 from rlfleet.sglang.engine import EngineClient
+from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer.base import build_trainer
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
@@ -60,6 +61,14 @@ class Fleet:
                 p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
         return await asyncio.to_thread(export_step, self.trainer, self.snapshots / f"step_{self.step}", self.step,
                                        True)
+
+    async def next_weights_written_beside(self) -> tuple[Path, dict, asyncio.Future]:
+        """`next_weights`, the snapshot still being written (in a thread) when this returns."""
+        path, _ = await self.next_weights()
+        state = await asyncio.to_thread(self.trainer.state_for_export)
+        state = ExportState(step=self.step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+        out = self.snapshots / f"step_{self.step}-beside"
+        return out, state.tensors, asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, out))
 
     async def greedy(self, url: str) -> tuple[list[int], str]:
         payload = {"input_ids": self.prompt_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -240,10 +249,13 @@ async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
     weights.broadcast_address = "192.0.2.1"  # not an address of this machine
     await weights.close()  # the next sync builds a group again, on the wrong address
     try:
-        path, tensors = await fleet.next_weights()
-        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
+        # The snapshot is written beside the broadcast (as a run's step does): the fallback waits for it.
+        path, tensors, written = await fleet.next_weights_written_beside()
+        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
         print(f"\n[no start] {result.mode}: {result.fallback_reason}")
+        assert written.done() and written.result() == path
         assert result.mode == "broadcast_fallback" and "cannot start" in (result.fallback_reason or "")
+        assert "snapshot_wait" in result.phases
         assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
         assert not any(e.marked_dead for e in result.engines)
 

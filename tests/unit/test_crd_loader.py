@@ -162,6 +162,10 @@ def test_weight_sync_fields_are_checked_and_named():
         assert path in [p for p, _ in errors(RUN + f"  weightSync: {{{bad}}}\n")], bad
     mixed = errors(RUN + "  trainer: {gpus: 0}\n  rollout: {engine: {device: cuda}}\n  weightSync: {mode: broadcast}\n")
     assert [(p, m) for p, m in mixed if p == "spec.weightSync.mode" and "same kind of device" in m]
+    # The trainer pod's update-group port is not the metrics port's to take.
+    clash = errors(RUN + "  metricsPort: 29600\n  weightSync: {mode: broadcast}\n")
+    assert [(p, m) for p, m in clash if p == "spec.metricsPort" and "update-group port" in m], clash
+    assert errors(RUN + "  metricsPort: 29600\n") == []
 
 
 def test_checkpoint_fields_are_checked_naming_the_field():

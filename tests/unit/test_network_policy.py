@@ -208,3 +208,64 @@ def test_router_policy_decision_creates_restores_and_deletes():
     current["spec"]["ingress"] = [{"from": [{"podSelector": {}}]}]
     assert decide_network_policy(f, current, enabled=True, build=build).verb == "patch"
     assert decide_network_policy(f, current, enabled=False, build=build).verb == "delete"
+
+
+# Broadcast weight sync: the update group's policies ------------------------------------------------------
+def training_run(mode="broadcast", metrics_port=9400):
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+            "metadata": {"name": "run1", "namespace": "team", "uid": "run-uid"},
+            "spec": {"modelPath": "/m", "metricsPort": metrics_port, "weightSync": {"mode": mode}}}
+
+
+def admitted_range(policy: dict, labels: dict, port: int) -> bool:
+    """`admitted`, with port ranges (endPort) and rules of any source (no `from`)."""
+    for rule in policy["spec"]["ingress"]:
+        ranges = [(p["port"], p.get("endPort", p["port"])) for p in rule.get("ports", [])]
+        if ranges and not any(lo <= port <= hi for lo, hi in ranges):
+            continue
+        if "from" not in rule or any(selects(peer["podSelector"], labels) for peer in rule["from"]):
+            return True
+    return False
+
+
+def test_a_disk_run_has_no_update_group_policies_nor_port():
+    r = training_run("disk")
+    assert b.build_update_group_network_policies(r) == []
+    assert [p["name"] for p in b.build_trainer_pod(r)["spec"]["containers"][0]["ports"]] == ["metrics"]
+
+
+def test_only_the_runs_engines_reach_the_trainers_update_group_and_each_other():
+    r = training_run(metrics_port=9500)
+    trainer_policy, engines_policy = b.build_update_group_network_policies(r)
+    for policy in (trainer_policy, engines_policy):
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == "run-uid"
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert b.LABEL_FLEET not in policy["metadata"]["labels"]  # not one of a fleet's own policies
+    assert [p["metadata"]["name"] for p in (trainer_policy, engines_policy)] == ["run1-trainer", "run1-update-group"]
+
+    trainer_pod = b.build_trainer_pod(r)
+    assert {"name": "update-group", "containerPort": 29600, "protocol": "TCP"} in \
+        trainer_pod["spec"]["containers"][0]["ports"]
+    rollout = b.build_rollout_fleet({**r, "metadata": {**r["metadata"]}})
+    rollout["metadata"]["uid"] = "fleet-uid"
+    engine = b.build_engine_pod(rollout, 0)["metadata"]["labels"]
+    eval_engine = b.engine_labels("run1-eval", 0)
+    other_engine = b.engine_labels("run2-rollout", 0)
+    router = b.router_labels("run1-rollout")
+
+    assert selects(trainer_policy["spec"]["podSelector"], trainer_pod["metadata"]["labels"])
+    assert not selects(trainer_policy["spec"]["podSelector"], engine)
+    assert admitted_range(trainer_policy, engine, 29600)  # the rendezvous (rank 0's TCP store)
+    assert admitted_range(trainer_policy, engine, 40000)  # gloo / NCCL connections, ephemeral ports
+    assert not admitted_range(trainer_policy, engine, 22)
+    for stranger in (eval_engine, other_engine, router, {b.LABEL_CLIENT: "true"}):
+        assert not admitted_range(trainer_policy, stranger, 29600), stranger
+        assert not admitted_range(trainer_policy, stranger, 40000), stranger
+    assert admitted_range(trainer_policy, router, 9500)  # the metrics port stays as open as without a policy
+
+    assert selects(engines_policy["spec"]["podSelector"], engine)
+    assert not selects(engines_policy["spec"]["podSelector"], eval_engine)
+    assert admitted_range(engines_policy, b.engine_labels("run1-rollout", 1), 40000)
+    assert not admitted_range(engines_policy, b.engine_labels("run1-rollout", 1), 30000)  # HTTP: the fleet's own
+    assert not admitted_range(engines_policy, other_engine, 40000)
+    assert not admitted_range(engines_policy, router, 40000)

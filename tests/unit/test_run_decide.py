@@ -181,16 +181,17 @@ def test_a_run_spec_the_models_reject_fails_the_run_and_creates_nothing():
     assert [e.reason for e in plan.events] == ["InvalidSpec"]
 
 
-def test_a_run_only_local_processes_can_run_fails_before_anything_is_created():
-    plan = decide_run(run(weightSync={"mode": "broadcast", "mountPath": "/snapshots"}), RunChildren(), now=T0)
-    failed = find(plan.status["conditions"], "Failed")
-    assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
-    assert "spec.weightSync.mode" in plan.status["message"] and "rlfleet run" in plan.status["message"]
-
-
 def test_a_trainer_of_several_ranks_on_one_node_is_one_trainer_pod():
     plan = decide_run(run(trainer={"backend": "torch", "gpus": 0, "dataParallelSize": 2}), RunChildren(), now=T0)
     assert plan.status["phase"] != "Failed", plan.status
     pods = [obj for obj in plan.create if obj["kind"] == "Pod"]
     assert [p["metadata"]["name"] for p in pods] == ["r-trainer"]
     assert pods[0]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "2"
+
+
+def test_a_broadcast_run_gets_its_children_and_a_trainer_pod_with_the_update_group_port():
+    plan = decide_run(run(weightSync={"mode": "broadcast", "mountPath": "/snapshots"}), RunChildren(), now=T0)
+    assert plan.status["phase"] == "Pending" and find(plan.status["conditions"], "Failed")["status"] == "False"
+    (pod,) = [o for o in plan.create if o["kind"] == "Pod"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert ports == {"metrics": 9400, "update-group": 29600}
