@@ -290,12 +290,11 @@ def check_shard_reports(step: int, reports: list[Mapping[str, Any] | None], worl
 
 
 def prepare_step_dir(root: str | os.PathLike, step: int) -> Path:
-    """The directory of step `step`'s checkpoint, a leftover of a writer killed before its marker
-    removed (before any rank writes into it); a complete one is kept (CheckpointInvalid)."""
+    """The directory of step `step`'s checkpoint, emptied before any rank writes into it: what is there
+    is a leftover of a writer killed before its marker, or one a resume skipped as broken (a run
+    resumes from its newest intact checkpoint, so it writes only steps after it)."""
     directory = step_dir(root, step)
     if directory.exists():
-        if (directory / MARKER).exists():
-            raise CheckpointInvalid(f"{directory} is a complete checkpoint already")
         shutil.rmtree(directory)
     return directory
 

@@ -210,12 +210,12 @@ def test_a_replica_resumes_the_weights_of_its_source_rank_and_its_own_rng(tiny_m
     assert fresh.optimizer.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
 
 
-def test_a_leftover_directory_is_removed_before_ranks_write_and_a_complete_one_kept(tmp_path):
+def test_a_leftover_directory_is_removed_before_ranks_write_into_it(tmp_path):
     leftover = ckpt.step_dir(tmp_path, 6)
     leftover.mkdir()
     (leftover / "rank_00001.done").write_text("{}")  # of a killed run: must not count for this one
     assert ckpt.prepare_step_dir(tmp_path, 6) == leftover and not leftover.exists()
-    small_checkpoint(tmp_path, 9)
-    with pytest.raises(ckpt.CheckpointInvalid, match="complete checkpoint already"):
-        ckpt.prepare_step_dir(tmp_path, 9)
-    assert ckpt.validate(ckpt.step_dir(tmp_path, 9)).step == 9
+    broken = small_checkpoint(tmp_path, 9)  # a resume skipped it (corrupt): rewritten from scratch
+    broken.shard(0).write_bytes(b"x")
+    assert ckpt.prepare_step_dir(tmp_path, 9) == broken.directory and not broken.directory.exists()
+    assert ckpt.prepare_step_dir(tmp_path, 12) == ckpt.step_dir(tmp_path, 12)  # nothing there: nothing to do
