@@ -8,7 +8,11 @@
         COMPLETE            the checksums of every file above; written last, by rank 0, once every
                             rank's `.done` is there. Without it the checkpoint does not exist.
 
-Each rank writes only its own shard (`write_shard`); rank 0 writes the rest (`finalize`). Files are
+Each rank writes only its own shard (`write_shard`); rank 0 writes the rest (`finalize`) once every
+rank has reported its shard written (`check_shard_reports`). Data-parallel replicas hold the same
+weights and optimizer state: only data-parallel rank 0 of each tensor/pipeline position writes them
+(`writes_weights`), every rank its RNG states and step; a rank resumes its weights from the shard of
+`source_rank`. A checkpoint resumes only on its own layout (`check_identity` names both). Files are
 written to a temporary name, flushed and renamed, so a killed writer leaves a directory without
 `COMPLETE`, never a truncated file under a final name. `newest_complete` validates the newest first
 and falls back, naming why it skipped each (missing marker, checksum, truncated shard, ...).
@@ -29,6 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rlfleet.trainer.parallel import ParallelLayout
 
 FORMAT = 1
 MARKER = "COMPLETE"
@@ -59,6 +65,9 @@ class Identity:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def layout(self) -> str:
+        return describe_layout(self.to_dict())
+
     def mismatches(self, other: Mapping[str, Any]) -> list[str]:
         """The fields where `other` (a checkpoint's identity) differs, as 'name: theirs != ours'."""
         return [f"{key}: checkpoint {other.get(key)!r} != this run {value!r}"
@@ -82,6 +91,34 @@ class CheckpointInfo:
 
     def run_state(self) -> dict[str, Any]:
         return json.loads((self.directory / RUN_STATE).read_text())
+
+
+_LAYOUT_KEYS = ("world_size", "tensor_parallel", "pipeline_parallel")
+
+
+def describe_layout(identity: Mapping[str, Any]) -> str:
+    """'tensor 2 x pipeline 1 x data 1 (2 ranks)' of an identity (or a checkpoint's meta)."""
+    layout = layout_of(identity)
+    return f"tensor {layout.tensor} x pipeline {layout.pipeline} x data {layout.data} ({layout.world} ranks)"
+
+
+def layout_of(identity: Mapping[str, Any]) -> ParallelLayout:
+    """The parallel layout of an identity's fields (or a checkpoint's meta)."""
+    world, tp, pp = (int(identity.get(k) or 1) for k in _LAYOUT_KEYS)
+    return ParallelLayout(tensor=tp, pipeline=pp, data=max(world // (tp * pp), 1))
+
+
+def writes_weights(rank: int, layout: ParallelLayout) -> bool:
+    """Whether this rank's shard holds model and optimizer state: data-parallel rank 0 only (the
+    replicas' are the same: their gradients are summed before every step)."""
+    return layout.coords(rank)[1] == 0
+
+
+def source_rank(rank: int, layout: ParallelLayout) -> int:
+    """The rank whose shard holds `rank`'s weights and optimizer state: same tensor-parallel rank and
+    pipeline stage, data-parallel rank 0."""
+    tp_rank, _, stage = layout.coords(rank)
+    return tp_rank + stage * layout.tensor * layout.data
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -130,21 +167,24 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def capture_state(trainer: Any) -> dict[str, Any]:
+def capture_state(trainer: Any, *, weights: bool = True) -> dict[str, Any]:
     """This rank's trainer state, copied off the device (the only part that holds the training loop).
 
     The model's state dict under the backend's own names (tensors only: megatron's `_extra_state`
     entries carry nothing for the local layer spec), the optimizer's state dict (moments, step
-    counts, learning rates of the param groups), the RNG states and the step.
+    counts, learning rates of the param groups), the RNG states and the step. Without `weights`
+    (a data-parallel replica other than the first): the RNG states and the step only.
     """
     import torch
 
+    if not weights:
+        return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "rng": rng_state()}
     model, optimizer = trainer.checkpoint_objects()
     with torch.no_grad():
-        weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
                    if isinstance(v, torch.Tensor)}
         optim = _to_cpu(optimizer.state_dict())
-    return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "model": weights,
+    return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "model": tensors,
             "optimizer": optim, "rng": rng_state()}
 
 
@@ -161,17 +201,24 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-def restore_state(trainer: Any, state: Mapping[str, Any]) -> None:
-    """Load a shard's state into a trainer built from the same model and options."""
-    if state.get("backend") != trainer.backend:
-        raise CheckpointMismatch(f"the shard is of backend {state.get('backend')!r}, the trainer {trainer.backend!r}")
+def restore_state(trainer: Any, state: Mapping[str, Any], weights: Mapping[str, Any] | None = None) -> None:
+    """Load a shard's state into a trainer built from the same model and options. `weights`: the shard
+    holding the model and optimizer state when `state` (this rank's: RNG, step) holds none."""
+    weights = state if weights is None else weights
+    for shard in (state, weights):
+        if shard.get("backend") != trainer.backend:
+            raise CheckpointMismatch(f"the shard is of backend {shard.get('backend')!r}, the trainer "
+                                     f"{trainer.backend!r}")
+    if "model" not in weights:
+        raise CheckpointMismatch("the shard holds no weights (a data-parallel replica's): restore from its "
+                                 "source rank's shard")
     model, optimizer = trainer.checkpoint_objects()
-    result = model.load_state_dict(state["model"], strict=False)
+    result = model.load_state_dict(weights["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise CheckpointMismatch(f"the shard's weights do not fit the model: missing {missing[:5]}, "
                                  f"unexpected {list(result.unexpected_keys)[:5]}")
-    optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(weights["optimizer"])
     set_rng_state(state["rng"])
     trainer.step = int(state["step"])
 
@@ -228,6 +275,28 @@ def write_shard(directory: str | os.PathLike, rank: int, state: Mapping[str, Any
     entry = _file_entry(shard)
     _write_json(directory / _done_name(rank), entry)
     return entry
+
+
+def check_shard_reports(step: int, reports: list[Mapping[str, Any] | None], world: int) -> None:
+    """CheckpointInvalid unless every rank reported its shard written (a report per rank, in rank
+    order: the shard's {"size", "sha256"}, or {"error": why}). Pure."""
+    if len(reports) != world:
+        raise CheckpointInvalid(f"step_{step:08d}: {len(reports)} of {world} ranks reported their shard")
+    failed = [f"rank {rank}: {report.get('error') if report else 'no report'}"
+              for rank, report in enumerate(reports) if not report or "error" in report or "sha256" not in report]
+    if failed:
+        raise CheckpointInvalid(f"step_{step:08d}: the shards of {len(failed)} rank(s) are not written: "
+                                + "; ".join(failed))
+
+
+def prepare_step_dir(root: str | os.PathLike, step: int) -> Path:
+    """The directory of step `step`'s checkpoint, emptied before any rank writes into it: what is there
+    is a leftover of a writer killed before its marker, or one a resume skipped as broken (a run
+    resumes from its newest intact checkpoint, so it writes only steps after it)."""
+    directory = step_dir(root, step)
+    if directory.exists():
+        shutil.rmtree(directory)
+    return directory
 
 
 def finalize(directory: str | os.PathLike, *, identity: Identity, step: int, weight_version: str,
@@ -332,11 +401,26 @@ def load_shard(info: CheckpointInfo, rank: int = 0) -> dict[str, Any]:
     return torch.load(info.shard(rank), map_location="cpu", weights_only=True)
 
 
+def restore_rank(trainer: Any, info: CheckpointInfo, rank: int) -> None:
+    """Rank `rank` of the checkpoint's layout restored: its own shard (RNG, step) and the weights and
+    optimizer state of its source rank's shard."""
+    source = source_rank(rank, layout_of(info.meta))
+    state = load_shard(info, rank)
+    restore_state(trainer, state, state if source == rank else load_shard(info, source))
+
+
 def check_identity(info: CheckpointInfo, identity: Identity) -> None:
     """CheckpointMismatch when the checkpoint is of another run, model, backend or layout."""
     differences = identity.mismatches(info.meta)
-    if differences:
-        raise CheckpointMismatch(f"{info.directory} is not a checkpoint of this run: " + "; ".join(differences))
+    if not differences:
+        return
+    message = f"{info.directory} is not a checkpoint of this run: " + "; ".join(differences)
+    if any(info.meta.get(k) != getattr(identity, k) for k in _LAYOUT_KEYS):
+        message += (f". It was written by a trainer of {describe_layout(info.meta)}, this run's trainer is "
+                    f"{identity.layout()} (spec.trainer tensorParallelSize x pipelineParallelSize x "
+                    "dataParallelSize): a checkpoint resumes only on its own layout (no resharding); resume "
+                    "with that layout, or start again with another spec.checkpoint.path")
+    raise CheckpointMismatch(message)
 
 
 def prune(root: str | os.PathLike, keep: int) -> list[Path]:

@@ -106,6 +106,7 @@ class LeadingTrainer:
         self.local = trainer
         self._commands = _Commands()
         self._closed = False
+        self._reports: Any = None  # checkpoint shard reports, made at the first checkpoint
         # One command at a time, whichever thread calls (the loop trains, eval copies weights).
         self._lock = threading.Lock()
 
@@ -139,6 +140,40 @@ class LeadingTrainer:
             self._commands.send("logits", input_ids)
             return self.local.logits(input_ids)
 
+    # --- checkpoints (trainer/rank_checkpoints.py) ---------------------------------------------
+
+    def capture_checkpoint(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Every rank copies its state off the device and writes its shard into `directory` beside the
+        next steps; rank 0's state is returned (its shard is `write_checkpoint_shard`'s)."""
+        from rlfleet.trainer import rank_checkpoints
+
+        with self._lock:
+            self._commands.send("checkpoint", str(directory))
+            self._shard_reports.group()
+            return rank_checkpoints.capture(self.local)
+
+    def write_checkpoint_shard(self, directory: str | os.PathLike, state: dict[str, Any]) -> list:
+        """Rank 0's shard written; every rank's report (rank order). Blocks: a thread beside the loop."""
+        from rlfleet.trainer import rank_checkpoints
+
+        return rank_checkpoints.write_and_report(directory, state, self._shard_reports)
+
+    def restore_checkpoint(self, info: Any) -> None:
+        """Every rank restores its shard of the (validated) checkpoint `info`."""
+        from rlfleet.trainer import checkpoint as ckpt
+
+        with self._lock:
+            self._commands.send("restore", str(info.directory), info.step, dict(info.meta))
+            ckpt.restore_rank(self.local, info, 0)
+
+    @property
+    def _shard_reports(self) -> Any:
+        if self._reports is None:
+            from rlfleet.trainer.rank_checkpoints import ShardReports
+
+            self._reports = ShardReports()
+        return self._reports
+
     def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                         stop_ids: Sequence[int] = ()) -> list[int]:
         return Trainer.greedy_generate(self, prompt_ids, max_new_tokens, stop_ids)  # type: ignore[arg-type]  # its logits are every rank's
@@ -153,17 +188,25 @@ class LeadingTrainer:
 
 def follow(trainer: Trainer) -> int:
     """Run rank 0's commands on this rank until it says stop; returns the steps trained."""
+    from rlfleet.trainer.rank_checkpoints import FollowerCheckpoints
+
     commands = _Commands()
+    checkpoints = FollowerCheckpoints(trainer)
     while True:
         command = commands.receive()
         kind = command[0]
-        if kind == "train":
+        if kind == "checkpoint":
+            checkpoints.checkpoint(command[1])
+        elif kind == "restore":
+            checkpoints.restore(*command[1:])
+        elif kind == "train":
             train_part(trainer, command[1])
         elif kind == "state":
             trainer.state_for_export()
         elif kind == "logits":
             trainer.logits(command[1])
         elif kind == "stop":
+            checkpoints.wait()
             return trainer.step
         else:
             raise RuntimeError(f"unknown trainer command {kind!r} from rank 0")

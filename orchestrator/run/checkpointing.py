@@ -8,12 +8,15 @@
     await checkpoints.close()                      # the write in flight finishes (the run's end)
 
 The trainer's part (shards, marker, validation, fallback) is trainer/checkpoint.py; this adds the run's
-state: the prompt iterator's position, the eval dispatcher's points, the summary so far.
+state: the prompt iterator's position, the eval dispatcher's points, the summary so far. A trainer of
+several ranks (rank 0's LeadingTrainer) has every rank copy its state and write its own shard
+(trainer/rank_checkpoints.py); rank 0 writes the marker once every rank reported its shard.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -27,6 +30,7 @@ from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import DatasetScore, EvalPoint
 from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
 from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.ranks import LeadingTrainer
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +150,11 @@ class RunCheckpoints:
             return None
         try:
             ckpt.check_identity(info, self.identity)
-            state = await asyncio.to_thread(ckpt.load_shard, info, 0)
-            await asyncio.to_thread(ckpt.restore_state, trainer, state)
+            if isinstance(trainer, LeadingTrainer):  # every rank its own shard
+                await asyncio.to_thread(trainer.restore_checkpoint, info)
+            else:
+                state = await asyncio.to_thread(ckpt.load_shard, info, 0)
+                await asyncio.to_thread(ckpt.restore_state, trainer, state)
             point = resume_point(info, await asyncio.to_thread(info.run_state))
         except ckpt.CheckpointMismatch as exc:
             raise CheckpointRefused(str(exc)) from None
@@ -162,23 +169,44 @@ class RunCheckpoints:
         the seconds the copy held the loop that returns it (so a checkpoint can record its own)."""
         started = time.monotonic()  # a previous write still going holds the loop too: counted
         await self.wait()
+        capture: Callable[[], dict[str, Any]] = functools.partial(ckpt.capture_state, trainer)
+        if isinstance(trainer, LeadingTrainer):  # every rank copies its state, then writes its shard
+            directory = ckpt.step_dir(self.root, step)
+            if directory.exists():  # a leftover of a killed writer: gone before any rank writes into it
+                await asyncio.to_thread(ckpt.prepare_step_dir, self.root, step)
+            capture = functools.partial(trainer.capture_checkpoint, directory)
         if self._state_bytes is not None and self._state_bytes <= INLINE_COPY_BYTES:
-            captured = ckpt.capture_state(trainer)  # a few ms: cheaper than the hop to a thread and back
+            captured = capture()  # a few ms: cheaper than the hop to a thread and back
         else:
-            captured = await asyncio.to_thread(ckpt.capture_state, trainer)
+            captured = await asyncio.to_thread(capture)
         held = time.monotonic() - started
         self._state_bytes = ckpt.state_bytes(captured)
         if callable(state):
             state = state(held)
         metrics.CHECKPOINT_LOOP_HELD.labels(run=self.run).observe(held)
-        self._write = asyncio.create_task(self._written(step, captured, state, held), name=f"checkpoint-{step}")
+        write = (functools.partial(self._write_ranks, trainer) if isinstance(trainer, LeadingTrainer)
+                 else self._write_one)
+        self._write = asyncio.create_task(self._written(step, captured, state, held, write),
+                                          name=f"checkpoint-{step}")
         return held
 
-    async def _written(self, step: int, captured: dict[str, Any], state: dict[str, Any], held: float) -> None:
+    def _write_one(self, step: int, captured: dict[str, Any], state: dict[str, Any]) -> ckpt.CheckpointInfo:
+        return ckpt.write_checkpoint(self.root, identity=self.identity, step=step, weight_version=str(step),
+                                     state=captured, run_state=state)
+
+    def _write_ranks(self, trainer: LeadingTrainer, step: int, captured: dict[str, Any],
+                     state: dict[str, Any]) -> ckpt.CheckpointInfo:
+        """Rank 0's shard, every rank's report, then (all written) meta, run state and the marker."""
+        directory = ckpt.step_dir(self.root, step)
+        reports = trainer.write_checkpoint_shard(directory, captured)
+        ckpt.check_shard_reports(step, reports, self.identity.world_size)
+        return ckpt.finalize(directory, identity=self.identity, step=step, weight_version=str(step), run_state=state)
+
+    async def _written(self, step: int, captured: dict[str, Any], state: dict[str, Any], held: float,
+                       write: Callable[[int, dict[str, Any], dict[str, Any]], ckpt.CheckpointInfo]) -> None:
         started = time.monotonic()
         try:
-            info = await asyncio.to_thread(ckpt.write_checkpoint, self.root, identity=self.identity, step=step,
-                                           weight_version=str(step), state=captured, run_state=state)
+            info = await asyncio.to_thread(write, step, captured, state)
             await asyncio.to_thread(ckpt.prune, self.root, self.spec.keep)
         except Exception as exc:  # a lost checkpoint is a warning; the previous one is still there
             log.exception("run %s: checkpoint of step %d failed", self.run, step)

@@ -543,8 +543,9 @@ class RunLoop:
 
     def _identity(self) -> ckpt.Identity:
         t = self.spec.trainer
-        return ckpt.Identity(run=self.name, model_path=self.spec.model_path, backend=t.backend, world_size=1,
-                             tensor_parallel=t.tensor_parallel_size, pipeline_parallel=t.pipeline_parallel_size)
+        return ckpt.Identity(run=self.name, model_path=self.spec.model_path, backend=t.backend,
+                             world_size=t.world_size, tensor_parallel=t.tensor_parallel_size,
+                             pipeline_parallel=t.pipeline_parallel_size)
 
     async def _open_checkpoints(self, trainer, stack: contextlib.AsyncExitStack) -> None:
         assert self.spec.checkpoint is not None

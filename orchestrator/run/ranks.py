@@ -8,8 +8,9 @@ the trainer and follows rank 0's steps (trainer/ranks.py). Output of rank 0 is s
 every rank logs to `<run dir>/trainer-ranks/rank-<r>.log`.
 
 Stopping: Ctrl-C / SIGTERM reach the launcher, which stops every rank (rank 0 stops its engines and
-router first, as a single-rank run does). A rank that dies stops the group: the run fails with
-`TrainerRankFailed`, naming the rank, its exit code and its last log lines.
+router first, as a single-rank run does). A launcher killed with SIGKILL takes its ranks with it (each
+rank gets SIGKILL when its parent dies), and rank 0 its engines and router. A rank that dies stops the
+group: the run fails with `TrainerRankFailed`, naming the rank, its exit code and its last log lines.
 
 In a trainer pod (`rlfleet run --kubernetes`) the same: the pod's process launches the ranks, rank 0
 runs `rlfleet run --kubernetes` (the fleets through the API server), and a rank's death that rank 0
@@ -17,6 +18,7 @@ did not report itself is written on the run by `on_failure` (its `status.orchest
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,7 +59,7 @@ def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path
     print(f"rlfleet run: starting {world} trainer ranks; rank logs in {run_dir / 'trainer-ranks'}",
           file=sys.stderr, flush=True)
     try:
-        launch_ranks(rank_main, (argv, str(model_dir), str(run_dir), run), world=world,
+        launch_ranks(rank_main, (argv, str(model_dir), str(run_dir), run, os.getpid()), world=world,
                      log_dir=run_dir / "trainer-ranks", run_id=run.metadata.name or "rlfleet", tee=True)
     except RankFailed as exc:
         if exc.rank == 0 and exc.exitcode > 0:
@@ -72,10 +74,14 @@ def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path
     return 0
 
 
-def rank_main(argv: list[str], model_dir: str, run_dir: str, run: TrainingRun) -> None:
+def rank_main(argv: list[str], model_dir: str, run_dir: str, run: TrainingRun, launcher: int | None = None) -> None:
     """Every rank's entry: rank 0 runs `rlfleet run` itself (same arguments), the others follow it
     (building their part of the trainer from `run`, the spec the launcher checked)."""
     from rlfleet.trainer.ranks import rank_env
+    from rlfleet.util.procs import die_with_parent
+
+    if launcher is not None:
+        die_with_parent(launcher)
 
     if rank_env()[0] == 0:
         from rlfleet.orchestrator.run.cli import main

@@ -28,6 +28,14 @@ def _die_with_parent() -> None:
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def die_with_parent(parent: int) -> None:
+    """In a process started by `parent` (a rank the launcher spawned): get SIGKILL when the parent dies,
+    and go at once if it is already gone (it died before the request was made)."""
+    _die_with_parent()
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # How long a stopped group's SIGKILLed children may take to go before we stop waiting for them.
 GROUP_EXIT_TIMEOUT_S = 10.0
 

@@ -91,3 +91,47 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
             lead.close()
     return {"losses": losses, "grad_norms": norms, "snapshot": str(snapshot),
             "seconds": time.perf_counter() - started}
+
+
+def replay_run(manifest: str, batch_files: list[str], checkpoint_dir: str, moved_since: int) -> dict[str, Any] | None:
+    """A trainer that never stopped: built as `rlfleet run MANIFEST` builds it (every rank, in its
+    layout), trained on a run's recorded batches in order (every rank reads them; each trains its
+    data-parallel part). Rank 0 returns each step's (loss, gradient norm), the largest difference of
+    any rank's weights after the last step from that rank's in the checkpoint `checkpoint_dir`, and
+    how far the weights moved after step `moved_since` (so the comparison can tell runs apart)."""
+    import json
+
+    import torch
+
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.loop import resolve_model_dir
+    from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer import grpo
+    from rlfleet.trainer.ranks import rank_env, train_part
+
+    spec = load_training_run(manifest).spec
+    trainer: Any = build_rank_trainer(spec, resolve_model_dir(spec.model_path))
+    model, _ = trainer.checkpoint_objects()
+    rank = rank_env()[0]
+    steps, before = [], None
+    for step, path in enumerate(batch_files, start=1):
+        samples = [grpo.Sample(**{**s, "prompt_ids": tuple(s["prompt_ids"]), "response_ids": tuple(s["response_ids"]),
+                                  "sampling_logprobs": tuple(s["sampling_logprobs"])})
+                   for s in json.loads(Path(path).read_text())["samples"]]
+        stats = train_part(trainer, samples)
+        steps.append((stats["loss"], stats["grad_norm"]))
+        if step == moved_since:
+            before = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert before is not None, f"fewer than {moved_since} batches"
+    info = ckpt.validate(checkpoint_dir)
+    saved = ckpt.load_shard(info, ckpt.source_rank(rank, ckpt.layout_of(info.meta)))["model"]
+    now = {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert set(saved) == set(now), sorted(set(saved) ^ set(now))[:5]
+    figures = torch.tensor([max(float((saved[k].float() - now[k].float()).abs().max()) for k in now),
+                            max(float((now[k] - before[k]).abs().max()) for k in now)])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(figures, op=torch.distributed.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    return {"steps": steps, "worst": float(figures[0]), "moved": float(figures[1])}

@@ -1,9 +1,11 @@
 """A run survives its trainer: `rlfleet run` SIGKILLed at step 7, then `rlfleet run --resume`.
 
-Real SGLang CPU engines, the real sglang-router, the real torch trainer. The killed run must leave no
-process behind; the resumed one starts from the step-6 checkpoint, its engines serve the checkpoint's
-weights, every step appears once, and its loss equals what a trainer that never stopped computes on
-the same batches (replayed here from the batches both runs recorded).
+Real SGLang CPU engines, the real sglang-router, the real trainer: torch on one rank, and megatron-core
+tensor parallel 2 in two real ranks (each writes its own shard). The killed run must leave no process
+behind (ranks included); the resumed one starts from the step-6 checkpoint, its engines serve the
+checkpoint's weights, every step appears once, and its loss equals what a trainer of the same layout
+that never stopped computes on the same batches (replayed here, trainer only, from the batches both
+runs recorded).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ LEAN = {  # a small, quick run: one engine, 8 groups of 8 a step
     "trainer": {"promptsPerStep": 8, "samplesPerPrompt": 8},
     "checkpoint": {"intervalSteps": 3, "keep": 2},
 }
+# The torch trainer on one rank; megatron-core tensor parallel 2 (two real ranks, gloo): each rank
+# writes its own shard, the launcher's SIGKILL takes the ranks with it.
+TRAINERS = {"torch": {}, "megatron-tp2": {"backend": "megatron", "tensorParallelSize": 2}}
 
 
 def alive(groups: set[int]) -> set[int]:
@@ -39,44 +44,55 @@ def alive(groups: set[int]) -> set[int]:
     return left
 
 
-def replay(manifest: Path, batches: list[Path]) -> tuple[list[tuple[float, float]], list[dict]]:
-    """A trainer built as the run builds it, trained on the recorded batches in order: each step's
-    (loss, gradient norm), and its weights after each step."""
-    from rlfleet.crds.loader import load_training_run
-    from rlfleet.orchestrator.run.loop import resolve_model_dir
-    from rlfleet.trainer import grpo
-    from rlfleet.trainer.base import build_trainer
-
-    t = load_training_run(manifest).spec.trainer
-    trainer = build_trainer(t.backend, resolve_model_dir(load_training_run(manifest).spec.model_path),
-                            t.learning_rate, seed=t.seed, device="cpu", max_grad_norm=t.grad_clip,
-                            micro_batch_size=t.micro_batch_size,
-                            loss=grpo.LossConfig(clip_low=t.eps_clip, clip_high=t.eps_clip,
-                                                 temperature=t.temperature or 1.0, kl_coef=t.kl_coef))
-    losses, weights = [], []
-    for path in batches:
-        samples = [grpo.Sample(**{**s, "prompt_ids": tuple(s["prompt_ids"]), "response_ids": tuple(s["response_ids"]),
-                                  "sampling_logprobs": tuple(s["sampling_logprobs"])})
-                   for s in json.loads(path.read_text())["samples"]]
-        stats = trainer.train_step(samples)
-        losses.append((stats["loss"], stats["grad_norm"]))
-        model, _ = trainer.checkpoint_objects()
-        weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return losses, weights
+def writers(run_dir: Path) -> dict[int, str]:
+    """pid -> command line of every live process whose output goes to a file under run_dir."""
+    prefix = str(run_dir.resolve()) + "/"
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/1").startswith(prefix):
+                found[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except OSError:
+            continue
+    return found
 
 
-def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path):
+def replay(manifest: Path, batches: list[Path], checkpoint_dir: Path, world: int) -> dict:
+    """A never-stopped trainer of the run's layout on the recorded batches (helpers/rank_steps.py):
+    in this process for one rank, in `world` real ranks (gloo) from the launcher for more."""
+    from helpers.rank_steps import replay_run
+
+    args = (str(manifest), [str(b) for b in batches], str(checkpoint_dir), 6)
+    if world == 1:
+        result = replay_run(*args)
+    else:
+        from rlfleet.trainer.launch import launch_ranks
+
+        result = launch_ranks(replay_run, args, world=world, log_dir=checkpoint_dir.parents[1] / "replay-ranks")[0]
+    assert result is not None
+    return result
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path, trainer: str):
     from rlfleet.util.procs import groups_writing_under
 
+    started = time.monotonic()
     volume = tmp_path / "volume"
-    manifest = write_manifest(tmp_path / "run.yaml", steps=STEPS, replicas=1,
-                              spec={**LEAN, "weightSync": {"snapshotVolume": {"localPath": str(volume)}}})
+    spec = {**LEAN, "trainer": {**LEAN["trainer"], **TRAINERS[trainer]},
+            "weightSync": {"snapshotVolume": {"localPath": str(volume)}}}
+    manifest = write_manifest(tmp_path / "run.yaml", steps=STEPS, replicas=1, spec=spec)
+    world = 2 if trainer == "megatron-tp2" else 1
     first, run_dir, out = start_cli_run(tmp_path, manifest=manifest, tag="first",
                                         args=("--record-batches", str(tmp_path / "batches-first")))
     try:
         wait_output(first, out, "checkpoint step 6 written")
-        groups = groups_writing_under(run_dir)
-        assert len(groups) >= 2, groups  # the engine and the router
+        # The engine's and the router's groups; the ranks run in the launcher's (this test's) group, so
+        # they are found by the files they write under the run directory.
+        groups = groups_writing_under(run_dir) - {os.getpgrp()}
+        assert len(groups) >= 2, groups
+        if world > 1:
+            assert len(writers(run_dir)) >= 2 + world, writers(run_dir)
         first.send_signal(signal.SIGKILL)
         assert first.wait(timeout=30) == -signal.SIGKILL
         killed_at = time.monotonic()
@@ -86,7 +102,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path)
     finally:
         if first.poll() is None:
             first.kill()
-    assert not left, f"process groups {left} outlived the SIGKILLed run by 10 s"
+    assert not left, f"process groups {left} outlived the SIGKILLed run by 10 s: {writers(run_dir)}"
     first_steps = sorted(int(p.stem.removeprefix("step_")) for p in (tmp_path / "batches-first").glob("step_*.json"))
     assert first_steps[:6] == [1, 2, 3, 4, 5, 6], first_steps
 
@@ -106,6 +122,8 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path)
     assert data["steps_completed"] == data["steps_planned"] == STEPS, data
     assert list(data["weight_versions_per_step"]) == [str(n) for n in range(1, STEPS + 1)], data
     assert data["resumed_from"] == [6]
+    from rlfleet.trainer import checkpoint as ckpt
+
     # The engines were brought to the checkpoint's weights before any rollout was used: step 7 trains
     # only on samples of version 6 (the checkpoint), never on the launch weights or anything newer.
     assert data["weight_versions_per_step"]["7"] == ["6"], data["weight_versions_per_step"]
@@ -115,29 +133,31 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path)
     resumed_steps = sorted(int(p.stem.removeprefix("step_")) for p in (tmp_path / "batches-resumed").glob("*.json"))
     assert resumed_steps == list(range(7, STEPS + 1)), resumed_steps
 
+    info = ckpt.validate(ckpt.step_dir(volume / "checkpoints", STEPS))
+    assert info.meta["shards"] == [ckpt.shard_name(r) for r in range(world)], info.meta
+
     # A trainer that never stopped, on both runs' recorded batches (1..6 first, 7..12 resumed): every
     # step's loss and gradient norm, and its weights after step 12 against the resumed run's step-12
-    # checkpoint. An on-policy step's clipped loss is ~0 whatever the weights, and a step whose groups
-    # all scored alike has no gradient at all, so the weights carry the check: Adam's restored moments
-    # keep moving them after step 6 even then (asserted, so the comparison can tell runs apart).
-    from rlfleet.trainer import checkpoint as ckpt
-
+    # checkpoint (every rank's shard). An on-policy step's clipped loss is ~0 whatever the weights, and
+    # a step whose groups all scored alike has no gradient at all, so the weights carry the check:
+    # Adam's restored moments keep moving them after step 6 even then (asserted, so the comparison
+    # can tell runs apart).
     batches = [tmp_path / "batches-first" / f"step_{n}.json" for n in range(1, 7)]
     batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in range(7, STEPS + 1)]
-    replayed, weights = replay(manifest, batches)
+    replay_started = time.monotonic()
+    replayed = replay(manifest, batches, info.directory, world)
+    replay_s = time.monotonic() - replay_started
     recorded = [(d["loss"], d["stats"]["grad_norm"]) for d in (json.loads(p.read_text()) for p in batches)]
-    for (loss, norm), (want_loss, want_norm) in zip(recorded, replayed, strict=True):
+    for (loss, norm), (want_loss, want_norm) in zip(recorded, replayed["steps"], strict=True):
         assert loss == pytest.approx(want_loss, abs=1e-5) and norm == pytest.approx(want_norm, rel=1e-4, abs=1e-5), (
-            recorded, replayed)
-    moved = max(float((weights[-1][k] - weights[5][k]).abs().max()) for k in weights[-1])
-    assert moved > 1e-5, "the resumed steps did not change the weights: nothing to compare"
-    info = ckpt.validate(ckpt.step_dir(volume / "checkpoints", STEPS))
-    resumed_weights = ckpt.load_shard(info)["model"]
-    assert set(resumed_weights) == set(weights[-1])
-    worst = max(float((resumed_weights[k].float() - weights[-1][k].float()).abs().max()) for k in resumed_weights)
+            recorded, replayed["steps"])
+    assert replayed["moved"] > 1e-5, "the resumed steps did not change the weights: nothing to compare"
+    worst = replayed["worst"]
     assert worst <= 1e-5, f"the resumed run's step-{STEPS} weights differ from a never-stopped trainer's by {worst}"
     assert [float(data["loss_per_step"][str(n)]) for n in range(7, STEPS + 1)] == pytest.approx(
         [r[0] for r in recorded[6:]], abs=1e-6)
-    print(f"\nfigures: resumed from step 6; step 7 loss {recorded[6][0]:.6f} grad norm {recorded[6][1]:.6f} "
-          f"(never stopped: {replayed[6][0]:.6f}, {replayed[6][1]:.6f}); step-{STEPS} weights within {worst:.2e} "
-          f"of a never-stopped trainer's (moved {moved:.2e} since step 6); checkpoints {data['checkpoints']}")
+    print(f"\nfigures ({trainer}, {world} rank(s)): resumed from step 6; step 7 loss {recorded[6][0]:.6f} grad norm "
+          f"{recorded[6][1]:.6f} (never stopped: {replayed['steps'][6][0]:.6f}, {replayed['steps'][6][1]:.6f}); "
+          f"step-{STEPS} weights within {worst:.2e} of a never-stopped trainer's (moved {replayed['moved']:.2e} "
+          f"since step 6); checkpoints {data['checkpoints']}; test {time.monotonic() - started:.0f} s "
+          f"(replay {replay_s:.0f} s)")

@@ -66,13 +66,15 @@ async def test_keep_removes_older_checkpoints_once_a_newer_one_is_complete(tmp_p
     assert [p.name for p in ckpt.step_dirs(tmp_path)] == ["step_00000003", "step_00000002"]
 
 
-async def test_a_checkpoint_of_another_run_or_model_is_refused(tmp_path, tiny_model):
+async def test_a_checkpoint_of_another_run_model_or_layout_is_refused(tmp_path, tiny_model):
     trainer = build_trainer("torch", tiny_model, lr=1e-2)
     spec = CheckpointSpec(interval_steps=3)
     checkpoints = RunCheckpoints("quickstart", spec, tmp_path, identity())
     await checkpoints.save(trainer, 3, state_of_step(3))
     await checkpoints.close()
-    for changes, named in (({"run": "other"}, "run"), ({"model_path": "tiny://qwen2"}, "model_path")):
+    for changes, named in (({"run": "other"}, "run"), ({"model_path": "tiny://qwen2"}, "model_path"),
+                           ({"world_size": 2}, r"written by a trainer of tensor 1 x pipeline 1 x data 1 \(1 ranks\), "
+                            r"this run's trainer is tensor 1 x pipeline 1 x data 2 \(2 ranks\)")):
         with pytest.raises(CheckpointRefused, match=named) as refused:
             await RunCheckpoints("quickstart", spec, tmp_path, identity(**changes)).resume(trainer)
         assert refused.value.reason == "CheckpointMismatch"

@@ -136,3 +136,86 @@ def test_finalize_waits_for_every_rank(tmp_path):
     info = ckpt.finalize(directory, identity=two, step=3, weight_version="3", run_state={})
     assert ckpt.validate(directory).meta["shards"] == ["rank_00000.pt", "rank_00001.pt"]
     assert json.loads((directory / ckpt.MARKER).read_text())["step"] == 3 and info.step == 3
+
+
+def test_a_checkpoint_of_another_layout_is_refused_naming_both_layouts(tmp_path):
+    two = identity("megatron", world_size=2, tensor_parallel=2)
+    directory = ckpt.step_dir(tmp_path, 3)
+    for rank in (0, 1):
+        ckpt.write_shard(directory, rank, {"model": {}})
+    info = ckpt.finalize(directory, identity=two, step=3, weight_version="3", run_state={})
+    ckpt.check_identity(info, two)
+    for other, layout in ((identity("megatron"), "tensor 1 x pipeline 1 x data 1 (1 ranks)"),
+                          (identity("megatron", world_size=2), "tensor 1 x pipeline 1 x data 2 (2 ranks)"),
+                          (identity("megatron", world_size=4, tensor_parallel=2),
+                           "tensor 2 x pipeline 1 x data 2 (4 ranks)")):
+        with pytest.raises(ckpt.CheckpointMismatch) as refused:
+            ckpt.check_identity(info, other)
+        message = str(refused.value)
+        assert "written by a trainer of tensor 2 x pipeline 1 x data 1 (2 ranks)" in message, message
+        assert f"this run's trainer is {layout}" in message and "no resharding" in message, message
+    with pytest.raises(ckpt.CheckpointMismatch) as refused:  # not a layout difference: no layout text
+        ckpt.check_identity(info, identity("megatron", run="other", world_size=2, tensor_parallel=2))
+    assert "run: checkpoint 'r' != this run 'other'" in str(refused.value)
+    assert "resharding" not in str(refused.value)
+
+
+def test_the_checkpoint_is_complete_only_when_every_rank_reported_its_shard():
+    written = {"size": 10, "sha256": "ab"}
+    ckpt.check_shard_reports(6, [written, written], world=2)
+    with pytest.raises(ckpt.CheckpointInvalid, match="1 of 2 ranks reported"):
+        ckpt.check_shard_reports(6, [written], world=2)
+    with pytest.raises(ckpt.CheckpointInvalid, match=r"rank 1: OSError: \[Errno 28\] No space left"):
+        ckpt.check_shard_reports(6, [written, {"error": "OSError: [Errno 28] No space left on device"}], world=2)
+    with pytest.raises(ckpt.CheckpointInvalid, match="rank 0: no report"):
+        ckpt.check_shard_reports(6, [None, written], world=2)
+
+
+@pytest.mark.parametrize("layout, writers, sources", [
+    ((1, 1, 1), [True], [0]),
+    ((2, 1, 1), [True, True], [0, 1]),
+    ((1, 1, 2), [True, False], [0, 0]),
+    ((2, 1, 2), [True, True, False, False], [0, 1, 0, 1]),  # tensor rank fastest, then the replica
+])
+def test_only_the_first_data_parallel_replica_writes_weights(layout, writers, sources):
+    from rlfleet.trainer.parallel import ParallelLayout
+
+    parallel = ParallelLayout(*layout)
+    assert [ckpt.writes_weights(r, parallel) for r in range(parallel.world)] == writers
+    assert [ckpt.source_rank(r, parallel) for r in range(parallel.world)] == sources
+
+
+def test_a_replica_resumes_the_weights_of_its_source_rank_and_its_own_rng(tiny_model, tmp_path):
+    """Data parallel 2: rank 1's shard holds its RNG and step only; it restores rank 0's weights."""
+    trainer = build_trainer("torch", tiny_model, lr=1e-2)
+    trainer.train_step(batches(trainer, 1)[0])
+    two = identity("torch", world_size=2)
+    directory = ckpt.step_dir(tmp_path, 1)
+    ckpt.write_shard(directory, 0, ckpt.capture_state(trainer))
+    torch.manual_seed(1234)
+    replica = ckpt.capture_state(trainer, weights=False)
+    after_replica_capture = torch.rand(3)
+    assert "model" not in replica and "optimizer" not in replica
+    ckpt.write_shard(directory, 1, replica)
+    info = ckpt.finalize(directory, identity=two, step=1, weight_version="1", run_state={})
+    assert ckpt.validate(directory).meta["shards"] == ["rank_00000.pt", "rank_00001.pt"]
+
+    fresh = build_trainer("torch", tiny_model, lr=1e-2)
+    with pytest.raises(ckpt.CheckpointMismatch, match="holds no weights"):
+        ckpt.restore_state(fresh, ckpt.load_shard(info, 1))
+    ckpt.restore_rank(fresh, info, 1)
+    assert fresh.step == 1 and torch.equal(torch.rand(3), after_replica_capture)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(fresh.hf_state_dict()[name], trainer.hf_state_dict()[name])
+    assert fresh.optimizer.state_dict()["state"].keys() == trainer.optimizer.state_dict()["state"].keys()
+
+
+def test_a_leftover_directory_is_removed_before_ranks_write_into_it(tmp_path):
+    leftover = ckpt.step_dir(tmp_path, 6)
+    leftover.mkdir()
+    (leftover / "rank_00001.done").write_text("{}")  # of a killed run: must not count for this one
+    assert ckpt.prepare_step_dir(tmp_path, 6) == leftover and not leftover.exists()
+    broken = small_checkpoint(tmp_path, 9)  # a resume skipped it (corrupt): rewritten from scratch
+    broken.shard(0).write_bytes(b"x")
+    assert ckpt.prepare_step_dir(tmp_path, 9) == broken.directory and not broken.directory.exists()
+    assert ckpt.prepare_step_dir(tmp_path, 12) == ckpt.step_dir(tmp_path, 12)  # nothing there: nothing to do
