@@ -199,8 +199,13 @@ class RolloutClient:
             async def stream(payload: Mapping, timeout_s: float, on_chunk: ChunkSink) -> dict:
                 return await stream_generate(stream_http, stream_url, payload, timeout_s, on_chunk,
                                              connect_timeout_s=CONNECT_TIMEOUT_S)
+        if transport is None and session is None and stream is not None:
+            streamed = stream
+
+            async def transport(payload: Mapping, timeout_s: float) -> dict:  # one stream, its final chunk
+                return await streamed(payload, timeout_s, lambda chunk: None)
         if transport is None and session is None:
-            raise ValueError("RolloutClient needs an HTTP session or a transport")
+            raise ValueError("RolloutClient needs an HTTP session, a transport or a stream")
         if transport is None:
             assert session is not None
             url, http = self.generate_url, session
