@@ -1,0 +1,145 @@
+"""Rollout continuation through a real sglang-router and real SGLang engines: a generation whose engine
+dies, or whose weights change under it, goes on from the tokens it had instead of starting again."""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import aiohttp
+import pytest
+from integration.test_rollout_path import add_workers, remove_worker
+from prometheus_client import REGISTRY
+
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.trainer.grpo import StalenessPolicy, sample_from_generate
+
+pytestmark = pytest.mark.engines
+
+TIMEOUT = aiohttp.ClientTimeout(total=10)
+NEW_TOKENS = 200
+REQUESTS = 32
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 300) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
+
+
+def greedy(prompt: list[int], new_tokens: int = NEW_TOKENS) -> dict:
+    return {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def running_requests(session: aiohttp.ClientSession, engine_url: str) -> float:
+    async with session.get(engine_url + "/metrics", timeout=TIMEOUT) as resp:
+        text = await resp.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_running_reqs"))
+
+
+async def wait_progress(client: RolloutClient, ids: list[str], tokens: int, timeout_s: float = 120) -> None:
+    """Until the samples in flight have, on average, `tokens` tokens."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = [client.progress[i].generated for i in ids if i in client.progress]
+        if held and sum(held) / len(ids) >= tokens:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the samples never reached {tokens} tokens on average")
+
+
+async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(sglang_engines, sglang_router):
+    """Two engines, 32 greedy requests of 200 tokens; the engine holding most is SIGKILLed half-way.
+
+    Every request completes once, equal to an unbroken run token for token, and each continued one made
+    its new engine generate only the tokens it still lacked."""
+    router = await sglang_router.start()
+    engines = await sglang_engines.start_many(2)
+    batch = prompts(REQUESTS)
+    fleet = "it-continuation"
+    async with aiohttp.ClientSession() as session:
+        await add_workers(session, router.url, [e.url for e in engines])
+        client = RolloutClient(router.url, session, fleet=fleet, rng=random.Random(0), continuation=True,
+                               policy=RetryPolicy(max_attempts=8, backoff_base_s=0.2, backoff_max_s=2, deadline_s=300))
+        unbroken = await generate_all(client, {f"u{i}": greedy(p) for i, p in enumerate(batch)}, concurrency=REQUESTS)
+        assert unbroken.failed == {}
+
+        continued_before = counter("rlfleet_rollout_continuations_total", fleet=fleet)
+        saved_before = counter("rlfleet_rollout_continuation_tokens_saved_total", fleet=fleet)
+        ids = [f"k{i}" for i in range(REQUESTS)]
+        rollout = asyncio.create_task(generate_all(client, {k: greedy(p) for k, p in zip(ids, batch, strict=True)},
+                                                   concurrency=REQUESTS))
+        await wait_progress(client, ids, NEW_TOKENS // 2)
+        held = [await running_requests(session, e.url) for e in engines]
+        doomed = engines[held.index(max(held))]
+        doomed.process.signal_group(signal.SIGKILL)
+        await remove_worker(session, router.url, doomed.url)  # what the fleet monitor does on a death
+        ledger = await asyncio.wait_for(rollout, 300)
+
+    assert ledger.failed == {}
+    assert sorted(ledger.delivered) == sorted(ids)
+    continued = 0
+    for i, sample_id in enumerate(ids):
+        answer = ledger.delivered[sample_id]
+        assert answer["output_ids"] == unbroken.delivered[f"u{i}"]["output_ids"], f"{sample_id} differs"
+        assert len(answer["meta_info"]["output_token_logprobs"]) == NEW_TOKENS
+        mark = answer["meta_info"].get("continuation")
+        if mark is None:
+            continue
+        continued += 1
+        segments = mark["segments"]
+        assert segments[0]["start"] == 0 and segments[-1]["end"] == NEW_TOKENS
+        assert all(s["start"] > 0 for s in segments[1:]), "a continuation restarted from zero"
+        # Each attempt's engine generated exactly its own segment: the prefix was never generated again.
+        assert [s["completion_tokens"] for s in segments] == [s["end"] - s["start"] for s in segments]
+        assert sum(s["completion_tokens"] for s in segments) == NEW_TOKENS
+    held_most = max(held)
+    print(f"\nfigures: engines held {held} at the kill; {continued} of {REQUESTS} requests continued, "
+          f"{client.continued.tokens_saved} tokens kept")
+    assert continued >= held_most // 2 > 0, f"only {continued} continued; the killed engine held {held_most}"
+    assert counter("rlfleet_rollout_continuations_total", fleet=fleet) - continued_before == \
+        client.continued.continuations >= continued
+    assert counter("rlfleet_rollout_continuation_tokens_saved_total", fleet=fleet) - saved_before == \
+        client.continued.tokens_saved > 0
+
+
+async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions(shared_engine, sglang_router):
+    """A weight sync that aborts in-flight requests (version 0 -> 1): each continues under the new
+    version; its tokens carry both, and staleness is judged by the oldest or the newest as configured."""
+    router = await sglang_router.start()
+    engine = EngineClient(aiohttp.ClientSession(), shared_engine.url)
+    batch = prompts(4, seed=1)
+    ids = [f"w{i}" for i in range(len(batch))]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await add_workers(session, router.url, [shared_engine.url])
+            client = RolloutClient(router.url, session, fleet="it-continuation-sync", rng=random.Random(0),
+                                   continuation=True,
+                                   policy=RetryPolicy(max_attempts=8, backoff_base_s=0.1, backoff_max_s=1,
+                                                      deadline_s=120))
+            rollout = asyncio.create_task(generate_all(client, {k: greedy(p, 120) for k, p in zip(ids, batch,
+                                                                                                 strict=True)}))
+            await wait_progress(client, ids, 40)
+            result = await engine.update_weights_from_disk(shared_engine.model_path, "1", abort_all_requests=True)
+            assert result.success, result.message
+            ledger = await asyncio.wait_for(rollout, 120)
+    finally:
+        await engine.update_weights_from_disk(shared_engine.model_path, "0")
+        await engine.session.close()
+    assert ledger.failed == {}
+    for sample_id, prompt in zip(ids, batch, strict=True):
+        sample = sample_from_generate(prompt, ledger.delivered[sample_id])
+        assert len(sample.response_ids) == 120
+        assert sample.versions() == ("0", "1"), sample.token_versions
+        cut = sample.token_versions.index("1")
+        assert set(sample.token_versions[:cut]) == {"0"} and set(sample.token_versions[cut:]) == {"1"}
+        assert sample.continued_at == (cut,)
+        assert sample.weight_version == "0"  # the oldest
+        assert not StalenessPolicy(0, by="oldest").is_fresh(sample, current_step=1)
+        assert StalenessPolicy(0, by="newest").is_fresh(sample, current_step=1)
