@@ -3,17 +3,24 @@ dies, or whose weights change under it, goes on from the tokens it had instead o
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import random
 import signal
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
-from integration.test_rollout_path import add_workers, remove_worker
 from prometheus_client import REGISTRY
 
+from rlfleet.crds.loader import load_training_run
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.sglang.engine import EngineClient
+from rlfleet.trainer import grpo
+from rlfleet.trainer.base import build_trainer
 from rlfleet.trainer.grpo import StalenessPolicy, sample_from_generate
 
 pytestmark = pytest.mark.engines
@@ -31,6 +38,43 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 def greedy(prompt: list[int], new_tokens: int = NEW_TOKENS) -> dict:
     return {"input_ids": prompt, "return_logprob": True,
             "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+LOGPROB_TOLERANCE = 1e-3  # SGLang's float32 CPU path vs the trainer, per token (as for an unbroken sample)
+
+
+async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str], timeout_s: float = 60) -> None:
+    for url in urls:
+        async with session.post(router_url + "/workers", json={"url": url}, timeout=TIMEOUT) as resp:
+            assert resp.status == 202, await resp.text()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
+            workers = (await resp.json())["workers"]
+        if {w["url"] for w in workers if w["is_healthy"]} >= set(urls):
+            return
+        assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
+        await asyncio.sleep(0.2)
+
+
+async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:
+    async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
+        ids = [w["id"] for w in (await resp.json())["workers"] if w["url"].rstrip("/") == url]
+    for worker_id in ids:
+        async with session.delete(f"{router_url}/workers/{worker_id}", timeout=TIMEOUT) as resp:
+            assert resp.status == 202, await resp.text()
+
+
+def logprob_error(trainer, prompt, response, reported) -> float:
+    """The largest per-token gap between the engine-reported logprobs and the trainer's recomputation."""
+    import torch
+
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        ours = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(prompt) - 1:].tolist()
+    assert len(ours) == len(reported)
+    return max(abs(a - b) for a, b in zip(ours, reported, strict=True))
 
 
 def counter(name: str, **labels: str) -> float:
@@ -54,7 +98,8 @@ async def wait_progress(client: RolloutClient, ids: list[str], tokens: int, time
     raise AssertionError(f"the samples never reached {tokens} tokens on average")
 
 
-async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(sglang_engines, sglang_router):
+async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(sglang_engines, sglang_router,
+                                                                                tiny_model):
     """Two engines, 32 greedy requests of 200 tokens; the engine holding most is SIGKILLed half-way.
 
     Every request completes once, equal to an unbroken run token for token, and each continued one made
@@ -99,6 +144,15 @@ async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(
         # Each attempt's engine generated exactly its own segment: the prefix was never generated again.
         assert [s["completion_tokens"] for s in segments] == [s["end"] - s["start"] for s in segments]
         assert sum(s["completion_tokens"] for s in segments) == NEW_TOKENS
+    # The stitched samples' behaviour logprobs are the trainer's, token by token, like unbroken ones.
+    trainer = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
+    stitched = [i for i, k in enumerate(ids) if "continuation" in ledger.delivered[k]["meta_info"]]
+    errors = {kind: max(logprob_error(trainer, batch[i], answer["output_ids"],
+                                      [p[0] for p in answer["meta_info"]["output_token_logprobs"]])
+                        for i, answer in picked)
+              for kind, picked in (("stitched", [(i, ledger.delivered[ids[i]]) for i in stitched]),
+                                   ("unbroken", [(i, unbroken.delivered[f"u{i}"]) for i in stitched]))}
+    assert errors["stitched"] < LOGPROB_TOLERANCE and errors["unbroken"] < LOGPROB_TOLERANCE, errors
     held_most = max(held)
     print(f"\nfigures: engines held {held} at the kill; {continued} of {REQUESTS} requests continued, "
           f"{client.continued.tokens_saved} tokens kept")
@@ -143,3 +197,43 @@ async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions
         assert sample.weight_version == "0"  # the oldest
         assert not StalenessPolicy(0, by="oldest").is_fresh(sample, current_step=1)
         assert StalenessPolicy(0, by="newest").is_fresh(sample, current_step=1)
+
+
+async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_path, tiny_model):
+    """`rlfleet run` (temperature 1) with one of two engines SIGKILLed while the first step rolls out: the
+    run completes, its continuations are in the summary and the metrics, and every stitched sample's
+    per-token logprobs are the trainer's recomputation within tolerance."""
+    run = load_training_run(EXAMPLES / "quickstart.yaml")
+    run.spec.eval = None
+    t = run.spec.trainer
+    t.steps, t.max_new_tokens, t.temperature, t.prompts_per_step, t.samples_per_prompt = 2, 96, 1.0, 4, 4
+    log = io.StringIO()
+    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
+                                     metrics_port=0, progress=ProgressReporter(log, tty=False),
+                                     record_batches=tmp_path / "batches"))
+    before = counter("rlfleet_rollout_continuations_total", fleet="rollout")
+    task = asyncio.create_task(local.execute())
+    async with asyncio.timeout(600):  # the first step's rollouts are streaming, ~30 tokens each
+        while local._client is None or sum(p.generated for p in local._client.progress.values()) < 16 * 30:
+            assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
+            await asyncio.sleep(0.05)
+    assert not local.summary.steps
+    local.backend.process(local.backend.engines()[0].slot).signal_group(signal.SIGKILL)
+    summary = await asyncio.wait_for(task, 900)
+
+    assert summary.failure is None and len(summary.steps) == 2, log.getvalue()
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["rollout_continuations"]["continuations"] >= 1, data["rollout_continuations"]
+    assert counter("rlfleet_rollout_continuations_total", fleet="rollout") - before == \
+        data["rollout_continuations"]["continuations"]
+    samples = [grpo.Sample(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+               for step in (1, 2)
+               for raw in json.loads((tmp_path / "batches" / f"step_{step}.json").read_text())["samples"]]
+    # Samples of one version (0: no sync happened before the kill) are scored against the initial model.
+    stitched = [s for s in samples if s.continued_at and s.versions() == ("0",)]
+    assert stitched, "no sample of the trained batches was continued"
+    trainer = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
+    worst = max(logprob_error(trainer, s.prompt_ids, s.response_ids, s.sampling_logprobs) for s in stitched)
+    print(f"\nfigures: {len(stitched)} stitched samples trained, worst logprob gap {worst:.2e}; "
+          f"{data['rollout_continuations']}")
+    assert worst < LOGPROB_TOLERANCE
