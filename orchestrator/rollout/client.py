@@ -308,14 +308,14 @@ class RolloutClient:
                         raise
                     self._note(None, loop.time())
                 except CallError as error:
+                    if progress is not None and (finish := progress.finished_without_engine()) is not None:
+                        answer = stitched_answer(None, progress, finish=finish)  # broke after its last token
+                        break
                     label = attempt_label(error)
                     self.attempts[label] += 1
                     metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=label).inc()
                     if self.on_failure is not None:
                         self.on_failure(loop.time())
-                    if progress is not None and (finish := progress.finished_without_engine()) is not None:
-                        answer = stitched_answer(None, progress, finish=finish)  # broke after its last token
-                        break
                     if made:  # it generated tokens: continuing them is progress, not another try
                         attempt = 0
                     step = next_step(self.policy, max(attempt, 1), error, loop.time() - started, self.rng)
