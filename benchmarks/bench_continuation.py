@@ -104,7 +104,8 @@ async def one_mode(mode: str, session: aiohttp.ClientSession, router_url: str, e
     needed = sum(p["sampling_params"]["max_new_tokens"] for p in batch.values())
     return {"mode": mode, "delivered": len(ledger.delivered), "failed": len(ledger.failed),
             "tokens_generated": int(total), "tokens_needed": needed, "tokens_regenerated": int(total - needed),
-            "wall_s": round(wall, 2), "continued": client.continued.as_dict(), "killed": killed is not None}
+            "wall_s": round(wall, 2), "continued": client.continued.as_dict(),
+            "killed": None if killed is None else killed.name}
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -122,11 +123,10 @@ async def main(args: argparse.Namespace) -> int:
                 result = await one_mode(mode, session, router.url, engines, batch, unbroken["wall_s"] / 2)
                 print(json.dumps(result))
                 results.append(result)
-                survivor = [e for e in engines if e.process.returncode is None]
-                dead = [e for e in engines if e.process.returncode is not None]
+                dead = [e for e in engines if e.name == result["killed"]]
                 for engine in dead:
                     await engine.stop()
-                engines = survivor + [await processes.engine(model)]
+                engines = [e for e in engines if e not in dead] + [await processes.engine(model)]
                 await set_workers(session, router.url, [e.url for e in engines])
     restart, continued = results
     ratio = continued["tokens_regenerated"] / max(restart["tokens_regenerated"], 1)
