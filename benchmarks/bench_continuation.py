@@ -2,9 +2,9 @@
 
 Setup: two real SGLang CPU engines behind a real sglang-router, `--requests` greedy requests of
 `--tokens` new tokens each (ignore_eos, so every one needs exactly that many). First an unbroken batch
-gives the wall time T. Then, in one run, for each mode: the batch again, and at T/2 the engine that
-holds the most requests is SIGKILLed and leaves the router (as the fleet monitor does on a death); a
-fresh engine replaces it before the next mode starts.
+(which also warms the engines up). Then, in one run, for each mode: the batch again, and once the
+engines have generated half its tokens the engine that holds the most requests is SIGKILLed and leaves
+the router (as the fleet monitor does on a death); a fresh engine replaces it before the next mode.
 - restart: the rollout client with continuation off (today's path: a broken request starts again
   from its prompt, on the surviving engine);
 - continuation: the client streams and continues each broken request from the tokens it had.
@@ -46,6 +46,11 @@ async def scrape(session: aiohttp.ClientSession, url: str, metric: str) -> float
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(metric))
 
 
+async def generated_since(session: aiohttp.ClientSession, engines: list[EngineProcess],
+                          before: dict[str, float]) -> float:
+    return sum([await scrape(session, e.url, "sglang:generation_tokens_total") - before[e.url] for e in engines])
+
+
 async def set_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str]) -> None:
     """Make the router's workers exactly `urls`, all healthy."""
     async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
@@ -78,7 +83,7 @@ def requests(count: int, tokens: int) -> dict[str, dict]:
 
 
 async def one_mode(mode: str, session: aiohttp.ClientSession, router_url: str, engines: list[EngineProcess],
-                   batch: dict[str, dict], kill_after_s: float | None) -> dict:
+                   batch: dict[str, dict], kill_half_way: bool) -> dict:
     client = RolloutClient(router_url, session, fleet=f"bench-{mode}", continuation=mode == "continuation",
                            rng=random.Random(0),
                            policy=RetryPolicy(max_attempts=8, backoff_base_s=0.2, backoff_max_s=2, deadline_s=900))
@@ -88,8 +93,10 @@ async def one_mode(mode: str, session: aiohttp.ClientSession, router_url: str, e
                                                concurrency=len(batch)))
     killed: EngineProcess | None = None
     at_kill = 0.0
-    if kill_after_s is not None:
-        await asyncio.sleep(kill_after_s)
+    if kill_half_way:  # half the batch's tokens generated (the engines' own count, either mode)
+        needed = sum(p["sampling_params"]["max_new_tokens"] for p in batch.values())
+        while await generated_since(session, engines, before) < needed / 2:  # noqa: ASYNC110 - polls HTTP
+            await asyncio.sleep(0.05)
         held = [await scrape(session, e.url, "sglang:num_running_reqs") for e in engines]
         killed = engines[held.index(max(held))]
         at_kill = await scrape(session, killed.url, "sglang:generation_tokens_total") - before[killed.url]
@@ -116,11 +123,11 @@ async def main(args: argparse.Namespace) -> int:
             router = await processes.router()
             engines = await processes.engines_many(model, 2)
             await set_workers(session, router.url, [e.url for e in engines])
-            unbroken = await one_mode("unbroken", session, router.url, engines, batch, None)
+            unbroken = await one_mode("unbroken", session, router.url, engines, batch, False)
             print(json.dumps(unbroken))
             results = []
             for mode in ("restart", "continuation"):
-                result = await one_mode(mode, session, router.url, engines, batch, unbroken["wall_s"] / 2)
+                result = await one_mode(mode, session, router.url, engines, batch, True)
                 print(json.dumps(result))
                 results.append(result)
                 dead = [e for e in engines if e.name == result["killed"]]
