@@ -105,6 +105,12 @@ class RolloutTemplateSpec(ApiModel):
     concurrency_per_engine: int = Field(
         64, ge=1, le=4096, description="Rollout requests in flight per ready engine."
     )
+    continuation: bool = Field(
+        True,
+        description="A generation whose engine died, left the router or aborted it continues on another "
+        "engine from the tokens it had (streamed; prompt + prefix, the remaining budget, the same sampling "
+        "settings); false: it starts again from scratch.",
+    )
 
     cel_rules = (MIN_READY_RULE,)
 

@@ -91,6 +91,11 @@ class TrainerSpec(ApiModel):
         1, ge=0, le=1000,
         description="A step trains only on samples generated at most this many weight versions ago (0: on-policy).",
     )
+    staleness_by: Literal["oldest", "newest"] = Field(
+        "oldest",
+        description="Which token's weight version judges the staleness of a sample generated under several "
+        "(continued after a weight sync): the oldest or the newest.",
+    )
     task: str = Field(
         "reverse", max_length=256, pattern=TASK_PATTERN,
         description="Prompt source: a built-in task name (e.g. reverse) or an import path module:object.",

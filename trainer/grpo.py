@@ -26,6 +26,10 @@ class Sample:
     reward: float = 0.0
     advantage: float = 0.0
     group_id: str = ""
+    # One weight version per response token when they are known (a stitched or mid-request-updated
+    # sample may hold several); empty: every token is `weight_version`'s.
+    token_versions: tuple[str, ...] = ()
+    continued_at: tuple[int, ...] = ()  # response offsets where the rollout continued on another attempt
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.sampling_logprobs):
@@ -35,6 +39,26 @@ class Sample:
             )
         if not self.prompt_ids:
             raise ValueError("sample has an empty prompt")
+        if self.token_versions and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"sample has {len(self.response_ids)} response tokens but {len(self.token_versions)} token versions"
+            )
+
+    def versions(self) -> tuple[str, ...]:
+        """The distinct weight versions of its tokens, oldest first."""
+        return tuple(sorted(set(self.token_versions) or {self.weight_version}, key=version_order))
+
+
+CONTINUATION_KEY = "continuation"  # meta_info key of a stitched (continued) answer
+TOKEN_VERSIONS_KEY = "token_weight_versions"  # meta_info key: one weight version per output token
+
+
+def version_order(version: str) -> tuple[int, int | str]:
+    """Step-number versions in numeric order, anything else after them."""
+    try:
+        return (0, int(version))
+    except ValueError:
+        return (1, version)
 
 
 def parse_weight_version(version: str) -> int:
@@ -69,6 +93,9 @@ def sample_from_generate(
     version = meta.get("weight_version")
     if version is None:
         raise ValueError("generate answer has no meta_info.weight_version")
+    token_versions = tuple(str(v) for v in meta.get(TOKEN_VERSIONS_KEY) or ())
+    continuation = meta.get(CONTINUATION_KEY) or {}
+    continued_at = tuple(int(s["start"]) for s in continuation.get("segments", ()) if int(s["start"]) > 0)
     return Sample(
         prompt_ids=tuple(int(t) for t in prompt_ids),
         response_ids=token_ids,
@@ -76,6 +103,8 @@ def sample_from_generate(
         weight_version=str(version),
         reward=float(reward),
         group_id=group_id,
+        token_versions=token_versions,
+        continued_at=continued_at,
     )
 
 
@@ -96,18 +125,32 @@ def group_advantages(rewards: Sequence[float], *, scale_by_std: bool = True, eps
     return [c / (std + eps) for c in centred]
 
 
+STALENESS_BY = ("oldest", "newest")
+
+
 @dataclass(frozen=True)
 class StalenessPolicy:
-    """Reject groups older than `max_staleness` versions behind the trainer (0 = strictly on-policy)."""
+    """Reject groups older than `max_staleness` versions behind the trainer (0 = strictly on-policy).
+
+    A sample whose tokens came from several weight versions (continued after a weight sync) is judged
+    by its oldest token's version (`by="oldest"`) or its newest (`by="newest"`).
+    """
 
     max_staleness: int
+    by: str = "oldest"
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.by not in STALENESS_BY:
+            raise ValueError(f"staleness is judged by one of {STALENESS_BY}, got {self.by!r}")
+
+    def judged_version(self, sample: Sample) -> int:
+        versions = [parse_weight_version(v) for v in (sample.token_versions or (sample.weight_version,))]
+        return min(versions) if self.by == "oldest" else max(versions)
 
     def staleness(self, sample: Sample, current_step: int) -> int:
-        version = parse_weight_version(sample.weight_version)
+        version = self.judged_version(sample)
         if version > current_step:
             raise ValueError(
                 f"sample weight version {version} is ahead of the trainer at step {current_step}"

@@ -13,7 +13,13 @@ Miles retries any error 60 times at a fixed 1 s, which turns a dead fleet into a
 - the sample's id is its rid on every attempt, so one engine never runs the same sample twice at once,
   and `generate()` returns at most one answer per sample: an attempt is cancelled (connection closed,
   which makes SGLang abort it) before the next one starts. `RolloutLedger` enforces exactly-once
-  delivery across a batch.
+  delivery across a batch;
+- with `continuation` on, a request that gives its prompt as `input_ids` is streamed, so the client
+  holds the tokens, behaviour logprobs and weight versions generated so far; when an attempt breaks
+  (engine died or left the router, abort) the next attempt continues from them (prompt + prefix as
+  `input_ids`, the remaining budget, the same sampling settings) and the answer is stitched
+  (rlfleet.orchestrator.rollout.continuation). An attempt that generated tokens does not use up one of
+  `max_attempts`: a continuation that breaks again is continued again while the deadline allows.
 """
 from __future__ import annotations
 
@@ -27,6 +33,13 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rlfleet.observability import metrics
+from rlfleet.orchestrator.rollout.continuation import (
+    Progress,
+    continuation_request,
+    prompt_ids_of,
+    stitched_answer,
+)
+from rlfleet.orchestrator.rollout.stream import ChunkSink, stream_generate
 from rlfleet.policy.circuit import Admission, CircuitBreaker, CircuitState
 from rlfleet.sglang.engine import raise_if_aborted
 from rlfleet.sglang.errors import CallError, FailureKind
@@ -145,6 +158,21 @@ FailureSink = Callable[[float], None]  # e.g. WatchdogTask.record_failure
 Transport = Callable[[Mapping, float], Awaitable[dict]]
 # Probes an open circuit's path: (timeout_s) -> does the router answer? The default: GET {router}/health.
 PathProbe = Callable[[float], Awaitable[bool]]
+# Streams one attempt: (payload, timeout_s, on_chunk) -> the final chunk, raising CallError. The default
+# streams from the router.
+StreamTransport = Callable[[Mapping, float, ChunkSink], Awaitable[dict]]
+
+
+@dataclass
+class ContinuationStats:
+    """What continuation saved, this client: requests continued, continuations, prefix tokens kept."""
+
+    requests: int = 0
+    continuations: int = 0
+    tokens_saved: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"requests": self.requests, "continuations": self.continuations, "tokens_saved": self.tokens_saved}
 
 
 async def probe_health(session: aiohttp.ClientSession, url: str, timeout_s: float) -> bool:
@@ -162,10 +190,22 @@ class RolloutClient:
     def __init__(self, router_url: str, session: aiohttp.ClientSession | None, *,
                  policy: RetryPolicy | None = None, on_failure: FailureSink | None = None,
                  fleet: str = "rollout", rng: random.Random | None = None, transport: Transport | None = None,
-                 circuit: CircuitBreaker | None = None, probe: PathProbe | None = None):
+                 circuit: CircuitBreaker | None = None, probe: PathProbe | None = None,
+                 continuation: bool = False, stream: StreamTransport | None = None):
         self.generate_url = router_url.rstrip("/") + "/generate"
+        if stream is None and session is not None:
+            stream_url, stream_http = self.generate_url, session
+
+            async def stream(payload: Mapping, timeout_s: float, on_chunk: ChunkSink) -> dict:
+                return await stream_generate(stream_http, stream_url, payload, timeout_s, on_chunk,
+                                             connect_timeout_s=CONNECT_TIMEOUT_S)
+        if transport is None and session is None and stream is not None:
+            streamed = stream
+
+            async def transport(payload: Mapping, timeout_s: float) -> dict:  # one stream, its final chunk
+                return await streamed(payload, timeout_s, lambda chunk: None)
         if transport is None and session is None:
-            raise ValueError("RolloutClient needs an HTTP session or a transport")
+            raise ValueError("RolloutClient needs an HTTP session, a transport or a stream")
         if transport is None:
             assert session is not None
             url, http = self.generate_url, session
@@ -182,7 +222,11 @@ class RolloutClient:
             async def probe(timeout_s: float) -> bool:
                 return True
         self._send = transport
+        self._stream = stream
         self._probe = probe
+        self.continuation = continuation and stream is not None
+        self.continued = ContinuationStats()
+        self.progress: dict[str, Progress] = {}  # sample id -> its output so far, while it is streamed
         self.policy = policy or RetryPolicy()
         self.on_failure = on_failure
         self.fleet = fleet
@@ -232,40 +276,88 @@ class RolloutClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         request = {**payload, "rid": sample_id}
+        prompt_ids = prompt_ids_of(payload) if self.continuation else None
+        progress = None if prompt_ids is None else Progress.for_request(payload)
+        if progress is not None:
+            self.progress[sample_id] = progress
         attempt = 0
-        while True:
-            attempt += 1
-            elapsed = loop.time() - started
-            budget = self.policy.deadline_s - elapsed
-            timeout = budget if self.policy.attempt_timeout_s is None else min(budget, self.policy.attempt_timeout_s)
-            try:
-                refused = await self._admit(loop.time())
-                if refused is not None:
-                    raise refused
+        try:
+            while True:
+                attempt += 1
+                elapsed = loop.time() - started
+                budget = self.policy.deadline_s - elapsed
+                timeout = budget if self.policy.attempt_timeout_s is None else min(budget,
+                                                                                  self.policy.attempt_timeout_s)
+                made = 0
                 try:
-                    answer = await self._send(request, timeout)
-                except CallError as sent_error:
-                    self._note(sent_error, loop.time())
-                    raise
-                self._note(None, loop.time())
-            except CallError as error:
-                label = attempt_label(error)
-                self.attempts[label] += 1
-                metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=label).inc()
-                if self.on_failure is not None:
-                    self.on_failure(loop.time())
-                step = next_step(self.policy, attempt, error, loop.time() - started, self.rng)
-                if isinstance(step, GiveUp):
-                    self._settle(step.outcome, started)
-                    raise RolloutRequestFailed(sample_id, step.outcome, step.why, error) from error
-                log.debug("sample %s attempt %d failed (%s); retrying in %.2f s", sample_id, attempt, error,
-                          step.delay_s)
-                await asyncio.sleep(step.delay_s)
-                continue
-            self.attempts[OK] += 1
-            metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=OK).inc()
-            self._settle(OK, started)
-            return answer
+                    refused = await self._admit(loop.time())
+                    if refused is not None:
+                        raise refused
+                    try:
+                        if progress is None:
+                            answer = await self._send(request, timeout)
+                        else:
+                            assert prompt_ids is not None
+                            before = progress.generated
+                            try:
+                                answer = await self._send_continuing(request, prompt_ids, progress, timeout)
+                            finally:
+                                made = progress.generated - before
+                    except CallError as sent_error:
+                        self._note(sent_error, loop.time())
+                        raise
+                    self._note(None, loop.time())
+                except CallError as error:
+                    if progress is not None and (finish := progress.finished_without_engine()) is not None:
+                        answer = stitched_answer(None, progress, finish=finish)  # broke after its last token
+                        break
+                    label = attempt_label(error)
+                    self.attempts[label] += 1
+                    metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=label).inc()
+                    if self.on_failure is not None:
+                        self.on_failure(loop.time())
+                    if made:  # it generated tokens: continuing them is progress, not another try
+                        attempt = 0
+                    step = next_step(self.policy, max(attempt, 1), error, loop.time() - started, self.rng)
+                    if isinstance(step, GiveUp):
+                        self._settle(step.outcome, started)
+                        raise RolloutRequestFailed(sample_id, step.outcome, step.why, error) from error
+                    log.debug("sample %s attempt %d failed (%s); retrying in %.2f s", sample_id, attempt, error,
+                              step.delay_s)
+                    await asyncio.sleep(step.delay_s)
+                    continue
+                break
+        finally:
+            self.progress.pop(sample_id, None)
+        self.attempts[OK] += 1
+        metrics.ROLLOUT_ATTEMPTS.labels(fleet=self.fleet, result=OK).inc()
+        if progress is not None:
+            self._count_continuations(progress)
+        self._settle(OK, started)
+        return answer
+
+    async def _send_continuing(self, request: Mapping, prompt_ids: list[int], progress: Progress,
+                               timeout_s: float) -> dict:
+        """One streamed attempt, continuing whatever the earlier ones generated; the stitched answer."""
+        assert self._stream is not None
+        if progress.generated:
+            request = continuation_request(request, prompt_ids, progress)
+        try:
+            last = await self._stream(request, timeout_s, progress.apply_chunk)
+        finally:
+            progress.end_attempt()
+        return stitched_answer(last, progress)
+
+    def _count_continuations(self, progress: Progress) -> None:
+        continued = [s for s in progress.segments if s.start > 0]
+        if not continued:
+            return
+        saved = sum(s.start for s in continued)
+        self.continued.requests += 1
+        self.continued.continuations += len(continued)
+        self.continued.tokens_saved += saved
+        metrics.ROLLOUT_CONTINUATIONS.labels(fleet=self.fleet).inc(len(continued))
+        metrics.ROLLOUT_CONTINUATION_TOKENS_SAVED.labels(fleet=self.fleet).inc(saved)
 
     def _settle(self, outcome: str, started: float) -> None:
         metrics.ROLLOUT_REQUESTS.labels(fleet=self.fleet, outcome=outcome).inc()

@@ -127,8 +127,11 @@ class RolloutProducer:
                                                         LOST_GROUP_BACKOFF_MAX_S))
 
     async def _generate_group(self, group_id: str, prompt: str, answer: str) -> list[Sample] | None:
+        prompt_ids = self.encode(prompt)
         payload = {
-            "text": prompt,
+            # The prompt as the trainer scores it: what the engines see is what the trainer recomputes,
+            # and a broken generation can continue from prompt + prefix (rlfleet.orchestrator.rollout.client).
+            "input_ids": list(prompt_ids),
             "sampling_params": {
                 "max_new_tokens": self.sampling.max_new_tokens,
                 "temperature": self.sampling.temperature,
@@ -136,7 +139,6 @@ class RolloutProducer:
             },
             "return_logprob": True,
         }
-        prompt_ids = self.encode(prompt)
         lost: BaseExceptionGroup | None = None
         try:
             async with asyncio.TaskGroup() as tg:

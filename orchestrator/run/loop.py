@@ -39,8 +39,15 @@ from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.weight_sync import WeightSyncResult
 from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
 from rlfleet.orchestrator.guards.watchdog import WatchdogTask
-from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, post_generate, probe_health
+from rlfleet.orchestrator.rollout.client import (
+    CONNECT_TIMEOUT_S,
+    RetryPolicy,
+    RolloutClient,
+    post_generate,
+    probe_health,
+)
 from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
+from rlfleet.orchestrator.rollout.stream import stream_generate
 from rlfleet.orchestrator.run.checkpointing import (
     ResumePoint,
     RunCheckpoints,
@@ -201,6 +208,7 @@ class RunLoop:
             self._count_recoveries()
             if self._client is not None:
                 self.summary.rollout_attempts = dict(self._client.attempts)
+                self.summary.rollout_continuations = self._client.continued.as_dict()
             if self.options.summary_path is not None:
                 await asyncio.to_thread(self.summary.write, self.options.summary_path)
             self.progress.close()
@@ -263,11 +271,16 @@ class RunLoop:
             async def router_answers(timeout_s: float) -> bool:  # the open circuit's probe, same router
                 return await probe_health(session, fleet.router_url.rstrip("/") + "/health", timeout_s)
 
+            async def stream_from_router(payload, timeout_s: float, on_chunk) -> dict:  # continuation's path
+                return await stream_generate(session, fleet.router_url.rstrip("/") + "/generate", payload,
+                                             timeout_s, on_chunk, connect_timeout_s=CONNECT_TIMEOUT_S)
+
             client = RolloutClient(
                 router_url, session, on_failure=watchdog.record_failure, transport=to_router, probe=router_answers,
                 policy=RetryPolicy(max_attempts=spec.rollout.max_retries + 1,
                                    deadline_s=spec.rollout.request_timeout_seconds),
                 rng=random.Random(spec.trainer.seed),
+                continuation=spec.rollout.continuation, stream=stream_from_router,
             )
             self._client = client
             producer = await self._producer(client, trainer)
@@ -335,7 +348,7 @@ class RunLoop:
 
     async def _train(self, trainer, producer: RolloutProducer) -> None:
         t = self.spec.trainer
-        policy = grpo.StalenessPolicy(t.max_staleness)
+        policy = grpo.StalenessPolicy(t.max_staleness, by=t.staleness_by)
         if self.evaluation is not None and self.start_step == 0:  # eval: the initial model (evalBeforeTrain)
             await self.evaluation.after_step(0)
         for step in range(self.start_step + 1, t.steps + 1):

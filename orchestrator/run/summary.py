@@ -38,6 +38,8 @@ class RunSummary:
     router_restarts: dict[str, int] = field(default_factory=dict)  # fleet -> router restarts
     router_events: list[str] = field(default_factory=list)  # "<fleet>: <what happened>", in order
     rollout_attempts: dict[str, int] = field(default_factory=dict)  # attempt result -> count (ok, circuit_open, ...)
+    # continued rollouts: requests, continuations, tokens_saved (spec.rollout.continuation)
+    rollout_continuations: dict[str, int] = field(default_factory=dict)
     resumed_from: list[int] = field(default_factory=list)  # checkpoint steps the run resumed from, in order
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # step, loop_held_seconds, write_seconds
 
@@ -65,6 +67,7 @@ class RunSummary:
             "router_restarts": dict(self.router_restarts),
             "router_events": list(self.router_events),
             "rollout_attempts": dict(self.rollout_attempts),
+            "rollout_continuations": dict(self.rollout_continuations),
             "loss_per_step": {str(s.step): None if s.loss is None else round(s.loss, 8) for s in self.steps},
             "resumed_from": list(self.resumed_from),
             "checkpoints": list(self.checkpoints),

@@ -142,6 +142,17 @@ ROLLOUT_REQUEST_DURATION = Histogram(
 
 # The rollout client's circuit on the router path: open while the router refuses connections (no
 # request is sent then; the attempts it would have made fail fast and still count for the watchdog).
+# Continuation (spec.rollout.continuation): one per resubmission of a prefix, counted when the request is delivered.
+ROLLOUT_CONTINUATIONS = Counter(
+    "rlfleet_rollout_continuations",
+    "Rollout requests resubmitted with the tokens generated so far after their attempt broke (engine died, "
+    "left the router, aborted).", ["fleet"], registry=REGISTRY,
+)
+ROLLOUT_CONTINUATION_TOKENS_SAVED = Counter(
+    "rlfleet_rollout_continuation_tokens_saved",
+    "Generated tokens kept by continuations that a restart from scratch would have generated again.", ["fleet"],
+    registry=REGISTRY,
+)
 ROLLOUT_CIRCUIT_OPEN = Gauge(
     "rlfleet_rollout_circuit_open", "1 while the rollout circuit to the router is open (or half-open).", ["fleet"],
     registry=REGISTRY,

@@ -1,0 +1,240 @@
+"""Rollout continuation through a real sglang-router and real SGLang engines: a generation whose engine
+dies, or whose weights change under it, goes on from the tokens it had instead of starting again."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import random
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import REGISTRY
+
+from rlfleet.crds.loader import load_training_run
+from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
+from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+from rlfleet.orchestrator.run.progress import ProgressReporter
+from rlfleet.sglang.engine import EngineClient
+from rlfleet.trainer import grpo
+from rlfleet.trainer.base import build_trainer
+from rlfleet.trainer.grpo import StalenessPolicy, sample_from_generate
+
+pytestmark = pytest.mark.engines
+
+TIMEOUT = aiohttp.ClientTimeout(total=10)
+NEW_TOKENS = 200
+REQUESTS = 32
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 300) for _ in range(rng.randrange(4, 12))] for _ in range(count)]
+
+
+def greedy(prompt: list[int], new_tokens: int = NEW_TOKENS) -> dict:
+    return {"input_ids": prompt, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+LOGPROB_TOLERANCE = 1e-3  # SGLang's float32 CPU path vs the trainer, per token (as for an unbroken sample)
+
+
+async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str], timeout_s: float = 60) -> None:
+    for url in urls:
+        async with session.post(router_url + "/workers", json={"url": url}, timeout=TIMEOUT) as resp:
+            assert resp.status == 202, await resp.text()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
+            workers = (await resp.json())["workers"]
+        if {w["url"] for w in workers if w["is_healthy"]} >= set(urls):
+            return
+        assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
+        await asyncio.sleep(0.2)
+
+
+async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:
+    async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
+        ids = [w["id"] for w in (await resp.json())["workers"] if w["url"].rstrip("/") == url]
+    for worker_id in ids:
+        async with session.delete(f"{router_url}/workers/{worker_id}", timeout=TIMEOUT) as resp:
+            assert resp.status == 202, await resp.text()
+
+
+def logprob_error(trainer, prompt, response, reported) -> float:
+    """The largest per-token gap between the engine-reported logprobs and the trainer's recomputation."""
+    import torch
+
+    ids = torch.tensor([list(prompt) + list(response)])
+    with torch.no_grad():
+        ours = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(prompt) - 1:].tolist()
+    assert len(ours) == len(reported)
+    return max(abs(a - b) for a, b in zip(ours, reported, strict=True))
+
+
+def counter(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def running_requests(session: aiohttp.ClientSession, engine_url: str) -> float:
+    async with session.get(engine_url + "/metrics", timeout=TIMEOUT) as resp:
+        text = await resp.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_running_reqs"))
+
+
+async def wait_progress(client: RolloutClient, ids: list[str], tokens: int, timeout_s: float = 120) -> None:
+    """Until the samples in flight have, on average, `tokens` tokens."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = [client.progress[i].generated for i in ids if i in client.progress]
+        if held and sum(held) / len(ids) >= tokens:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the samples never reached {tokens} tokens on average")
+
+
+async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(sglang_engines, sglang_router,
+                                                                                tiny_model):
+    """Two engines, 32 greedy requests of 200 tokens; the engine holding most is SIGKILLed half-way.
+
+    Every request completes once, equal to an unbroken run token for token, and each continued one made
+    its new engine generate only the tokens it still lacked."""
+    router = await sglang_router.start()
+    engines = await sglang_engines.start_many(2)
+    batch = prompts(REQUESTS)
+    fleet = "it-continuation"
+    async with aiohttp.ClientSession() as session:
+        await add_workers(session, router.url, [e.url for e in engines])
+        client = RolloutClient(router.url, session, fleet=fleet, rng=random.Random(0), continuation=True,
+                               policy=RetryPolicy(max_attempts=8, backoff_base_s=0.2, backoff_max_s=2, deadline_s=300))
+        unbroken = await generate_all(client, {f"u{i}": greedy(p) for i, p in enumerate(batch)}, concurrency=REQUESTS)
+        assert unbroken.failed == {}
+
+        continued_before = counter("rlfleet_rollout_continuations_total", fleet=fleet)
+        saved_before = counter("rlfleet_rollout_continuation_tokens_saved_total", fleet=fleet)
+        ids = [f"k{i}" for i in range(REQUESTS)]
+        rollout = asyncio.create_task(generate_all(client, {k: greedy(p) for k, p in zip(ids, batch, strict=True)},
+                                                   concurrency=REQUESTS))
+        await wait_progress(client, ids, NEW_TOKENS // 2)
+        held = [await running_requests(session, e.url) for e in engines]
+        doomed = engines[held.index(max(held))]
+        doomed.process.signal_group(signal.SIGKILL)
+        await remove_worker(session, router.url, doomed.url)  # what the fleet monitor does on a death
+        ledger = await asyncio.wait_for(rollout, 300)
+
+    assert ledger.failed == {}
+    assert sorted(ledger.delivered) == sorted(ids)
+    continued = 0
+    for i, sample_id in enumerate(ids):
+        answer = ledger.delivered[sample_id]
+        assert answer["output_ids"] == unbroken.delivered[f"u{i}"]["output_ids"], f"{sample_id} differs"
+        assert len(answer["meta_info"]["output_token_logprobs"]) == NEW_TOKENS
+        mark = answer["meta_info"].get("continuation")
+        if mark is None:
+            continue
+        continued += 1
+        segments = mark["segments"]
+        assert segments[0]["start"] == 0 and segments[-1]["end"] == NEW_TOKENS
+        assert all(s["start"] > 0 for s in segments[1:]), "a continuation restarted from zero"
+        # Each attempt's engine generated exactly its own segment: the prefix was never generated again.
+        assert [s["completion_tokens"] for s in segments] == [s["end"] - s["start"] for s in segments]
+        assert sum(s["completion_tokens"] for s in segments) == NEW_TOKENS
+    # The stitched samples' behaviour logprobs are the trainer's, token by token, like unbroken ones.
+    trainer = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
+    stitched = [i for i, k in enumerate(ids) if "continuation" in ledger.delivered[k]["meta_info"]]
+    errors = {kind: max(logprob_error(trainer, batch[i], answer["output_ids"],
+                                      [p[0] for p in answer["meta_info"]["output_token_logprobs"]])
+                        for i, answer in picked)
+              for kind, picked in (("stitched", [(i, ledger.delivered[ids[i]]) for i in stitched]),
+                                   ("unbroken", [(i, unbroken.delivered[f"u{i}"]) for i in stitched]))}
+    assert errors["stitched"] < LOGPROB_TOLERANCE and errors["unbroken"] < LOGPROB_TOLERANCE, errors
+    held_most = max(held)
+    print(f"\nfigures: engines held {held} at the kill; {continued} of {REQUESTS} requests continued, "
+          f"{client.continued.tokens_saved} tokens kept")
+    assert continued >= held_most // 2 > 0, f"only {continued} continued; the killed engine held {held_most}"
+    assert counter("rlfleet_rollout_continuations_total", fleet=fleet) - continued_before == \
+        client.continued.continuations >= continued
+    assert counter("rlfleet_rollout_continuation_tokens_saved_total", fleet=fleet) - saved_before == \
+        client.continued.tokens_saved > 0
+
+
+async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions(shared_engine, sglang_router):
+    """A weight sync that aborts in-flight requests (version 0 -> 1): each continues under the new
+    version; its tokens carry both, and staleness is judged by the oldest or the newest as configured."""
+    router = await sglang_router.start()
+    engine = EngineClient(aiohttp.ClientSession(), shared_engine.url)
+    batch = prompts(4, seed=1)
+    ids = [f"w{i}" for i in range(len(batch))]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await add_workers(session, router.url, [shared_engine.url])
+            client = RolloutClient(router.url, session, fleet="it-continuation-sync", rng=random.Random(0),
+                                   continuation=True,
+                                   policy=RetryPolicy(max_attempts=8, backoff_base_s=0.1, backoff_max_s=1,
+                                                      deadline_s=120))
+            rollout = asyncio.create_task(generate_all(client, {k: greedy(p, 120) for k, p in zip(ids, batch,
+                                                                                                 strict=True)}))
+            await wait_progress(client, ids, 40)
+            result = await engine.update_weights_from_disk(shared_engine.model_path, "1", abort_all_requests=True)
+            assert result.success, result.message
+            ledger = await asyncio.wait_for(rollout, 120)
+    finally:
+        await engine.update_weights_from_disk(shared_engine.model_path, "0")
+        await engine.session.close()
+    assert ledger.failed == {}
+    for sample_id, prompt in zip(ids, batch, strict=True):
+        sample = sample_from_generate(prompt, ledger.delivered[sample_id])
+        assert len(sample.response_ids) == 120
+        assert sample.versions() == ("0", "1"), sample.token_versions
+        cut = sample.token_versions.index("1")
+        assert set(sample.token_versions[:cut]) == {"0"} and set(sample.token_versions[cut:]) == {"1"}
+        # Continued where the version changed (and again if an abort of the sync caught it once more).
+        assert sample.continued_at[0] == cut and min(sample.continued_at) == cut
+        assert sample.weight_version == "0"  # the oldest
+        assert not StalenessPolicy(0, by="oldest").is_fresh(sample, current_step=1)
+        assert StalenessPolicy(0, by="newest").is_fresh(sample, current_step=1)
+
+
+async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_path, tiny_model):
+    """`rlfleet run` (temperature 1) with one of two engines SIGKILLed while the first step rolls out: the
+    run completes, its continuations are in the summary and the metrics, and every stitched sample's
+    per-token logprobs are the trainer's recomputation within tolerance."""
+    run = load_training_run(EXAMPLES / "quickstart.yaml")
+    run.spec.eval = None
+    t = run.spec.trainer
+    t.steps, t.max_new_tokens, t.temperature, t.prompts_per_step, t.samples_per_prompt = 2, 96, 1.0, 4, 4
+    log = io.StringIO()
+    local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
+                                     metrics_port=0, progress=ProgressReporter(log, tty=False),
+                                     record_batches=tmp_path / "batches"))
+    before = counter("rlfleet_rollout_continuations_total", fleet="rollout")
+    task = asyncio.create_task(local.execute())
+    async with asyncio.timeout(600):  # the first step's rollouts are streaming, ~30 tokens each
+        while local._client is None or sum(p.generated for p in local._client.progress.values()) < 16 * 30:
+            assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
+            await asyncio.sleep(0.05)
+    assert not local.summary.steps
+    local.backend.process(local.backend.engines()[0].slot).signal_group(signal.SIGKILL)
+    summary = await asyncio.wait_for(task, 900)
+
+    assert summary.failure is None and len(summary.steps) == 2, log.getvalue()
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["rollout_continuations"]["continuations"] >= 1, data["rollout_continuations"]
+    assert counter("rlfleet_rollout_continuations_total", fleet="rollout") - before == \
+        data["rollout_continuations"]["continuations"]
+    samples = [grpo.Sample(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+               for step in (1, 2)
+               for raw in json.loads((tmp_path / "batches" / f"step_{step}.json").read_text())["samples"]]
+    # Samples of one version (0: no sync happened before the kill) are scored against the initial model.
+    stitched = [s for s in samples if s.continued_at and s.versions() == ("0",)]
+    assert stitched, "no sample of the trained batches was continued"
+    trainer = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
+    worst = max(logprob_error(trainer, s.prompt_ids, s.response_ids, s.sampling_logprobs) for s in stitched)
+    print(f"\nfigures: {len(stitched)} stitched samples trained, worst logprob gap {worst:.2e}; "
+          f"{data['rollout_continuations']}")
+    assert worst < LOGPROB_TOLERANCE
