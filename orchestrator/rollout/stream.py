@@ -23,11 +23,10 @@ from rlfleet.sglang.errors import (
     ConnectionClosed,
     FailureKind,
     RequestAborted,
-    classify_exception,
     classify_status,
     error_for,
 )
-from rlfleet.sglang.http import BODY_EXCERPT_CHARS
+from rlfleet.sglang.http import BODY_EXCERPT_CHARS, transport_error
 
 ChunkSink = Callable[[dict[str, Any]], object]
 EVENT_END = b"\n\n"
@@ -104,14 +103,9 @@ async def stream_generate(session: aiohttp.ClientSession, url: str, payload: Map
     except CallError:
         raise
     except Exception as exc:
-        kind = classify_exception(exc)
-        if kind is None:
+        if (error := transport_error(exc, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                     elapsed_s=time.monotonic() - started, **context)) is None:
             raise
-        detail = str(exc) or type(exc).__name__
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            detail = f"no connection within {connect_timeout_s:g} s"
-        elif kind is FailureKind.TIMEOUT:
-            detail = f"no complete answer within {timeout_s:g} s"
-        raise error_for(kind, detail, elapsed_s=time.monotonic() - started, **context) from exc
+        raise error from exc
     raise ConnectionClosed("stream ended before the generation finished", elapsed_s=time.monotonic() - started,
                            **context)

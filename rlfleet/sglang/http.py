@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from rlfleet.sglang.errors import BadResponse, FailureKind, classify_exception, classify_status, error_for
+from rlfleet.sglang.errors import BadResponse, CallError, FailureKind, classify_exception, classify_status, error_for
 
 BODY_EXCERPT_CHARS = 500
 
@@ -58,6 +58,21 @@ class Reply:
                               url=self.url, status=self.status, body=self.text) from exc
 
 
+def transport_error(exc: BaseException, *, timeout_s: float, connect_timeout_s: float | None, elapsed_s: float,
+                    **context: Any) -> CallError | None:
+    """The classified CallError for an exception of the transport (refused, reset, timed out), or None
+    for one that is not (a bug, a cancellation: the caller re-raises it)."""
+    kind = classify_exception(exc)
+    if kind is None:
+        return None
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        detail = f"no connection within {connect_timeout_s:g} s"
+    elif kind is FailureKind.TIMEOUT:
+        detail = f"no complete answer within {timeout_s:g} s"
+    return error_for(kind, detail, elapsed_s=elapsed_s, **context)
+
+
 async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout_s: float,
                json_body: Any = None, params: dict[str, str] | None = None,
                accept: Collection[int] = (), connect_timeout_s: float | None = None) -> Reply:
@@ -81,15 +96,10 @@ async def call(session: aiohttp.ClientSession, method: str, url: str, *, timeout
             reply = Reply(status=response.status, text=text, elapsed_s=time.monotonic() - started,
                           headers=dict(response.headers), method=method, url=url)
     except Exception as exc:
-        kind = classify_exception(exc)
-        if kind is None:
+        if (error := transport_error(exc, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                     elapsed_s=time.monotonic() - started, **context)) is None:
             raise
-        detail = str(exc) or type(exc).__name__
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
-            detail = f"no connection within {connect_timeout_s:g} s"
-        elif kind is FailureKind.TIMEOUT:
-            detail = f"no complete answer within {timeout_s:g} s"
-        raise error_for(kind, detail, elapsed_s=time.monotonic() - started, **context) from exc
+        raise error from exc
     failure = classify_status(reply.status)
     if failure is not None and reply.status not in accept:
         raise error_for(failure, reply.text[:BODY_EXCERPT_CHARS] or "(empty body)", status=reply.status,

@@ -285,3 +285,19 @@ def on_policy_batch(trainer, prompt: list[int], rewarded: list[tuple[list[int], 
         lps = grpo.token_logprobs(trainer.logits(ids), ids)[0, len(prompt) - 1:].tolist()
         group.append(grpo.Sample(tuple(prompt), tuple(response), tuple(lps), str(trainer.step), reward=reward))
     return list(grpo.assemble_batch([group], current_step=trainer.step, policy=grpo.StalenessPolicy(0)).samples)
+
+
+async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str], timeout_s: float = 60) -> None:
+    """Add engines to a router by URL and wait until it lists them all as healthy."""
+    timeout = aiohttp.ClientTimeout(total=10)
+    for url in urls:
+        async with session.post(router_url + "/workers", json={"url": url}, timeout=timeout) as resp:
+            assert resp.status == 202, await resp.text()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with session.get(router_url + "/workers", timeout=timeout) as resp:
+            workers = (await resp.json())["workers"]
+        if {w["url"] for w in workers if w["is_healthy"]} >= set(urls):
+            return
+        assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
+        await asyncio.sleep(0.2)

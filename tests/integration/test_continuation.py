@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
+from helpers.engines import add_workers
 from rlfleet.crds.loader import load_training_run
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
@@ -42,20 +43,6 @@ def greedy(prompt: list[int], new_tokens: int = NEW_TOKENS) -> dict:
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOGPROB_TOLERANCE = 1e-3  # SGLang's float32 CPU path vs the trainer, per token (as for an unbroken sample)
-
-
-async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str], timeout_s: float = 60) -> None:
-    for url in urls:
-        async with session.post(router_url + "/workers", json={"url": url}, timeout=TIMEOUT) as resp:
-            assert resp.status == 202, await resp.text()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
-            workers = (await resp.json())["workers"]
-        if {w["url"] for w in workers if w["is_healthy"]} >= set(urls):
-            return
-        assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
-        await asyncio.sleep(0.2)
 
 
 async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:

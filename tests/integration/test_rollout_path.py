@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
-from helpers.engines import StartupFailed, start_engine
+from helpers.engines import StartupFailed, add_workers, start_engine
 from rlfleet.crds.specs import WatchdogSpec
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
@@ -21,20 +21,6 @@ from rlfleet.util.procs import tail_file
 pytestmark = pytest.mark.engines
 
 TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-
-async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: list[str], timeout_s: float = 60) -> None:
-    for url in urls:
-        async with session.post(router_url + "/workers", json={"url": url}, timeout=TIMEOUT) as resp:
-            assert resp.status == 202, await resp.text()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
-            workers = (await resp.json())["workers"]
-        if {w["url"] for w in workers if w["is_healthy"]} >= set(urls):
-            return
-        assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
-        await asyncio.sleep(0.2)
 
 
 FAILED_RESULTS = ("connection_refused", "connection_closed", "server_error", "unavailable", "timeout", "aborted")
