@@ -50,7 +50,14 @@ from rlfleet.orchestrator.run.checkpointing import (
 )
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
 from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
-from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.orchestrator.run.summary import (
+    RunEvent,
+    RunSummary,
+    StepRecord,
+    format_phases,
+    reward_std,
+    staleness_of,
+)
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session
@@ -176,11 +183,13 @@ class RunLoop:
         self.prompts_drawn = 0
         self._recreated_before = 0
         self._checkpoints_before: list[dict] = []
+        self._started = time.monotonic()
+        self._step_in_progress = 0  # what events are recorded at
 
     # --- the run -----------------------------------------------------------------------------
 
     async def execute(self) -> RunSummary:
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         try:
             await self._execute()
         except* RunFailed as group:
@@ -254,7 +263,7 @@ class RunLoop:
             session = await stack.enter_async_context(client_session(self.api_key,
                                                                      connector=aiohttp.TCPConnector(limit=0)))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
-                                    engine_logs=self._engine_logs)
+                                    engine_logs=self._engine_logs, on_strike=self._on_watchdog_strike)
             fleet = self.fleet
 
             async def to_router(payload, timeout_s: float) -> dict:  # follows the router if it moves
@@ -339,38 +348,69 @@ class RunLoop:
         if self.evaluation is not None and self.start_step == 0:  # eval: the initial model (evalBeforeTrain)
             await self.evaluation.after_step(0)
         for step in range(self.start_step + 1, t.steps + 1):
-            self._phase("rollout")
+            self._step_in_progress = step
+            phases: dict[str, float] = {}
+            clock = asyncio.get_running_loop().time
             step_started = time.monotonic()
-            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
+            loop_started = clock()  # the heat guard's clock
+            self._phase("rollout")
             groups, stale = await self._collect_groups(producer, trainer.step, policy)
             batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
+            staleness = staleness_of([s.weight_version for s in batch.samples], trainer.step)
+            phases["rollout_wait"] = clock() - loop_started
             self._phase("train")
+            began = clock()
             stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
             if self.options.record_batches is not None:
                 await asyncio.to_thread(record_batch, self.options.record_batches, step, batch.samples, stats)
+            phases["train"] = clock() - began
             self._phase("export")
+            began = clock()
             ws = self.spec.weight_sync
             path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
                                                     ws.mode == "broadcast" or ws.verify_every > 0)
+            phases["export"] = clock() - began
             self._phase("weight sync")
+            began = clock()
             assert self.fleet is not None, "the rollout fleet starts before training"
             result = await self.fleet.sync_weights(path, step, tensors=tensors)
             del tensors
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
             await self._retire_snapshot(previous)
+            phases["weight_sync"] = clock() - began
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
+                began = clock()
                 await self.evaluation.after_step(step)
+                phases["eval_held"] = clock() - began
             seconds = time.monotonic() - step_started
             heat_paused = (self.heat is not None and self.heat.mark_step(
-                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
+                step, loop_started, clock()).overlapped_pause)
             versions = [s.weight_version for s in batch.samples]
-            self.summary.steps.append(StepRecord(
+            for slot in result.recovered_slots:
+                self._event("engine_recreated", slot=str(slot), detail="recreated before the weight sync")
+            record = StepRecord(
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
                 recovered_slots=list(result.recovered_slots), heat_paused=heat_paused, sync=sync_record(result),
-                loss=stats["loss"],
-            ))
+                loss=stats["loss"], reward_std=reward_std([s.reward for s in batch.samples]),
+                kl_ref=stats.get("kl_ref"), clip_fraction=stats.get("clip_fraction"),
+                grad_norm=stats.get("grad_norm"),
+                response_length_mean=sum(len(s.response_ids) for s in batch.samples) / max(1, len(batch.samples)),
+                tokens=int(stats.get("tokens", 0)), staleness=staleness, stale_groups_dropped=stale,
+                samples_per_s=len(batch.samples) / max(seconds, 1e-9),
+                tokens_per_s=float(stats.get("tokens", 0)) / max(seconds, 1e-9), phases=phases,
+            )
+            if self.checkpoints is not None and self.checkpoints.is_checkpoint_step(step):
+                self._phase("checkpoint")
+                began = clock()
+                record.phases["checkpoint"] = 0.0  # the checkpoint carries the record: its own time comes after
+                self.summary.steps.append(record)
+                await self._checkpoint(trainer, step)
+                record.phases["checkpoint"] = clock() - began
+            else:
+                self.summary.steps.append(record)
+            record.ended_at = time.monotonic() - self._started
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
             self.state.step = step
@@ -382,14 +422,13 @@ class RunLoop:
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 + (f"kl_ref {stats['kl_ref']:.4f} " if "kl_ref" in stats else "") +
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {result.mode} {result.total_s:.2f} s step {seconds:.1f} s"
+                f"sync {result.outcome} {result.mode} {result.total_s:.2f} s step {seconds:.1f} s "
+                f"({format_phases(record.phases)})"
                 + (" (fell back to disk)" if result.fallback_reason else "")
                 + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
-            if self.checkpoints is not None and self.checkpoints.is_checkpoint_step(step):
-                self._phase("checkpoint")
-                await self._checkpoint(trainer, step)
+            self._track_step(record)
         if self.checkpoints is not None:
             await self.checkpoints.wait()
         if self.evaluation is not None:  # eval: every point settles before the run ends
@@ -438,6 +477,7 @@ class RunLoop:
     def _on_router_event(self, fleet: str, message: str) -> None:
         """A fleet's router exited or was restarted."""
         self.summary.router_events.append(f"{fleet}: {message}")
+        self._event("router_event", slot=fleet, detail=message)
         self.progress.event(f"fleet {fleet}: {message}", self.state)
 
     def _router_logs(self) -> dict[str, list[str]]:
@@ -476,14 +516,27 @@ class RunLoop:
 
     def _on_heat_event(self, event: HeatEvent) -> None:
         temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
+        self._event(f"heat_{event.action.value}", slot=event.slot, detail=f"{event.reason}{temp}")
         self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
 
     def _on_death(self, event: DeathEvent) -> None:
         self.summary.engines_marked_dead += 1
+        self._event("engine_dead", slot=str(event.slot), detail=f"{event.cause}: {event.reason[:200]}")
         self._engines_changed()
         self.progress.event(f"engine slot {event.slot} marked dead ({event.cause}): {event.reason[:200]}", self.state)
 
     # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _event(self, kind: str, *, slot: str | None = None, detail: str = "") -> None:
+        """One entry of the summary's event log, at the step in progress."""
+        self.summary.events.append(RunEvent(kind=kind, step=self._step_in_progress, slot=slot, detail=detail,
+                                            at=round(time.monotonic() - self._started, 3)))
+
+    def _on_watchdog_strike(self, strikes_in_a_row: int, failures: int) -> None:
+        self._event("watchdog_strike", detail=f"{strikes_in_a_row} in a row, {failures} failed requests in the window")
+
+    def _track_step(self, record: StepRecord) -> None:
+        """Hand the step's record to the trackers (spec.tracking); they never hold the loop."""
 
     def _ready_engines(self) -> int:
         if self.backend is None:
