@@ -55,9 +55,11 @@ from rlfleet.orchestrator.run.summary import (
     RunSummary,
     StepRecord,
     format_phases,
+    record_to_dict,
     reward_std,
     staleness_of,
 )
+from rlfleet.orchestrator.run.tracking import RunTrackers, TrackerUnavailable, build_sinks
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session
@@ -185,6 +187,7 @@ class RunLoop:
         self._checkpoints_before: list[dict] = []
         self._started = time.monotonic()
         self._step_in_progress = 0  # what events are recorded at
+        self.trackers: RunTrackers | None = None  # spec.tracking
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -226,6 +229,7 @@ class RunLoop:
             url = await server.start()
             stack.push_async_callback(server.stop)
             self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
+            await self._open_trackers(stack)
 
             self._phase("loading the trainer")
             model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
@@ -537,6 +541,32 @@ class RunLoop:
 
     def _track_step(self, record: StepRecord) -> None:
         """Hand the step's record to the trackers (spec.tracking); they never hold the loop."""
+        if self.trackers is not None:
+            self.trackers.step(record_to_dict(record), self.summary.events)
+
+    def _tensorboard_dir(self, log_dir: str) -> Path:
+        """Where spec.tracking.tensorboard's event files go: `<logDir>/<run>` on the snapshot volume."""
+        return self.snapshots / log_dir / self.name
+
+    async def _open_trackers(self, stack: contextlib.AsyncExitStack) -> None:
+        try:
+            sinks = build_sinks(self.run, tensorboard_dir=self._tensorboard_dir,
+                                on_warning=lambda text: self.progress.event(text, self.state))
+        except TrackerUnavailable as exc:
+            raise RunFailed("TrackerUnavailable", str(exc)) from None
+        if not sinks:
+            return
+        self.trackers = RunTrackers(sinks)
+        self.trackers.start()
+        names = ", ".join(sink.tracker.name for sink in sinks)
+        self.progress.event(f"tracking to {names}")
+
+        async def close(exc_type, exc, tb) -> None:
+            assert self.trackers is not None
+            status = "FINISHED" if exc_type is None else "KILLED" if exc_type is asyncio.CancelledError else "FAILED"
+            self.summary.tracking = await self.trackers.close(status)
+
+        stack.push_async_exit(close)
 
     def _ready_engines(self) -> int:
         if self.backend is None:
@@ -617,6 +647,8 @@ class RunLoop:
     def _on_eval(self, point: EvalPoint) -> None:
         assert self.evaluation is not None
         self.summary.eval = self.evaluation.summary_points()
+        if self.trackers is not None:
+            self.trackers.eval(point.to_summary())
         what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
                 else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
                 f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")
