@@ -57,6 +57,32 @@ devsite=$("$devtools/bin/python" -c 'import sysconfig; print(sysconfig.get_paths
 echo "import site; site.addsitedir('$devsite')" > "$site/rlfleet-devtools.pth"
 ln -sf "$devtools/bin/ruff" .venv/bin/ruff
 
+# TensorBoard's event writer and reader (spec.tracking.tensorboard): requirements-tracking.lock, installed
+# without dependencies (everything else it needs is requirements.lock's) and layered into .venv.
+trackhash=$( (cat requirements-tracking.lock; echo "$pyver") | sha256sum | cut -c1-12)
+tracking="$CACHE/tracking-py$pyver-$trackhash"
+if [ ! -f "$tracking/.complete" ]; then
+  step "building the tracking environment in $tracking"
+  rm -rf "$tracking"
+  "$heavy/bin/python" -m pip install --quiet --progress-bar off --no-deps --target "$tracking/site" \
+    -r requirements-tracking.lock
+  touch "$tracking/.complete"
+fi
+echo "import site; site.addsitedir('$tracking/site')" > "$site/rlfleet-tracking.pth"
+# An MLflow tracking server for the tests and for local use (`mlflow server`): its own environment,
+# never layered into .venv (rlfleet speaks MLflow's REST API over aiohttp); requirements-mlflow.lock
+# is its whole pinned closure.
+mlhash=$( (cat requirements-mlflow.lock; echo "$pyver") | sha256sum | cut -c1-12)
+mlflowenv="$CACHE/mlflow-py$pyver-$mlhash"
+if [ ! -f "$mlflowenv/.complete" ]; then
+  step "building the MLflow server environment in $mlflowenv (~1 minute)"
+  rm -rf "$mlflowenv"
+  $PYTHON -m venv "$mlflowenv"
+  "$mlflowenv/bin/python" -m pip install --quiet --progress-bar off --no-deps -r requirements-mlflow.lock
+  "$mlflowenv/bin/mlflow" --version >/dev/null
+  touch "$mlflowenv/.complete"
+fi
+
 step "installing rlfleet (editable) into .venv"
 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | grep -v '^$' || true
 
