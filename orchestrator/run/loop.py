@@ -49,7 +49,7 @@ from rlfleet.orchestrator.run.checkpointing import (
     summary_state,
 )
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
-from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
+from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState, engine_label, startup_stage
 from rlfleet.orchestrator.run.summary import (
     RunEvent,
     RunSummary,
@@ -188,6 +188,7 @@ class RunLoop:
         self._started = time.monotonic()
         self._step_in_progress = 0  # what events are recorded at
         self.trackers: RunTrackers | None = None  # spec.tracking
+        self._startup_stages: dict[int, str] = {}  # slot -> starting/loading, from its log (terminal view)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -230,6 +231,9 @@ class RunLoop:
             stack.push_async_callback(server.stop)
             self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
             await self._open_trackers(stack)
+            if self.progress.tty:
+                ticker = asyncio.get_running_loop().create_task(self._tick(), name="status-line")
+                stack.callback(ticker.cancel)
 
             self._phase("loading the trainer")
             model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
@@ -351,6 +355,7 @@ class RunLoop:
         policy = grpo.StalenessPolicy(t.max_staleness)
         if self.evaluation is not None and self.start_step == 0:  # eval: the initial model (evalBeforeTrain)
             await self.evaluation.after_step(0)
+        self.state.training_since, self.state.first_step = time.monotonic(), self.start_step
         for step in range(self.start_step + 1, t.steps + 1):
             self._step_in_progress = step
             phases: dict[str, float] = {}
@@ -575,11 +580,41 @@ class RunLoop:
 
     def _engines_changed(self) -> None:
         self.state.engines_ready = self._ready_engines()
+        self._label_engines()
         self.progress.update(self.state)
 
     def _phase(self, phase: str) -> None:
-        self.state.phase = phase
+        self.state.set_phase(phase)
         self.progress.update(self.state)
+
+    def _label_engines(self) -> None:
+        """Each engine's label on the status line, from its state, its start-up stage and the router's pins."""
+        if self.backend is None:
+            return
+        membership = self.fleet.membership if self.fleet is not None else None
+        pinned: dict[str, str] = membership.pinned() if membership is not None else {}
+        self.state.engines = {
+            str(e.slot): engine_label(e.state.value, self._startup_stages.get(e.slot),
+                                      pinned.get(e.url) if e.url else None)
+            for e in self.backend.engines()
+        }
+
+    async def _tick(self) -> None:
+        """On a terminal: redraw the status line every second (elapsed times move; engines that start
+        are read from their logs, in a thread)."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                if self.backend is not None:
+                    starting = [e for e in self.backend.engines() if e.state is EngineState.STARTING and e.log_path]
+                    for e in starting:
+                        assert e.log_path is not None
+                        tail = await asyncio.to_thread(tail_file, Path(e.log_path), 60)
+                        self._startup_stages[e.slot] = startup_stage(tail)
+                    self._label_engines()
+                self.progress.update(self.state)
+            except Exception:  # the view never fails the run
+                log.debug("status line refresh failed", exc_info=True)
 
     def _count_recoveries(self) -> None:
         if self.backend is not None:
