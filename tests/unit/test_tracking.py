@@ -33,13 +33,17 @@ async def test_tensorboard_series_read_back(tmp_path):
     sink.start()
     for step in (1, 2, 3):
         sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
+    sink.submit(0, {"eval/rotate": 0.125})  # an eval point that settled after step 3
     await sink.close()
-    assert sink.counts.written == 3 and sink.counts.dropped == 0 and sink.counts.failure is None
+    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
     acc = EventAccumulator(str(tmp_path / "run"))
     acc.Reload()
     assert sorted(acc.Tags()["scalars"]) == ["time/train", "train/reward_mean"]
     assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert "spec" in acc.Tags()["tensors"]
+    evals = EventAccumulator(str(tmp_path / "run" / "eval"))
+    evals.Reload()
+    assert [(e.step, e.value) for e in evals.Scalars("eval/rotate")] == [(0, 0.125)]
 
 
 async def test_server_down_warns_once_and_counts_drops():
@@ -79,3 +83,17 @@ async def test_silent_server_is_bounded():
         assert sink.counts.failure is not None
     finally:
         listener.close()
+
+
+def test_tracking_fields_are_checked_naming_the_field():
+    from helpers.manifests import RUN, errors
+
+    assert errors(RUN + "  tracking: {tensorboard: {}, mlflow: {trackingUri: 'http://mlflow:5000'}}\n") == []
+    found = errors(RUN + "  tracking: {mlflow: {trackingUri: 'mlflow:5000'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.mlflow.trackingUri"]
+    found = errors(RUN + "  tracking: {tensorboard: {logDir: '../elsewhere'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.tensorboard.logDir"]
+    found = errors(RUN + "  tracking: {wandb: {project: p}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb"]
+    found = errors(RUN + "  tracking: {mlflow: {trackingUri: 'http://m', timeoutSeconds: 0}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.mlflow.timeoutSeconds"]

@@ -2,6 +2,8 @@
 
 One subdirectory per run (`<logDir>/<run>`); scalars as simple values, the run's flattened spec as a
 text summary (`spec`), so `tensorboard --logdir <logDir>` shows every run on the volume side by side.
+Eval series (`eval/...`) go to `<run>/eval`: eval points settle after later training steps, and
+TensorBoard's reader drops the events past a step that goes backwards within one directory.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class TensorBoardTracker:
     def __init__(self, log_dir: Path):
         self.log_dir = Path(log_dir)
         self._writer: Any = None
+        self._eval_writer: Any = None
 
     async def open(self, params: Mapping[str, str]) -> None:
         await asyncio.to_thread(self._open, dict(params))
@@ -53,13 +56,22 @@ class TensorBoardTracker:
 
     def _log(self, step: int, scalars: dict[str, float]) -> None:
         from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        values = [summary_pb2.Summary.Value(tag=tag, simple_value=value) for tag, value in sorted(scalars.items())]
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
-                                               summary=summary_pb2.Summary(value=values)))
-        self._writer.flush()
+        for is_eval in (False, True):
+            chosen = sorted((tag, v) for tag, v in scalars.items() if tag.startswith("eval/") == is_eval)
+            if not chosen:
+                continue
+            if is_eval and self._eval_writer is None:
+                self._eval_writer = EventFileWriter(str(self.log_dir / "eval"), flush_secs=5)
+            writer = self._eval_writer if is_eval else self._writer
+            values = [summary_pb2.Summary.Value(tag=tag, simple_value=value) for tag, value in chosen]
+            writer.add_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                             summary=summary_pb2.Summary(value=values)))
+            writer.flush()
 
     def _close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        for writer in (self._writer, self._eval_writer):
+            if writer is not None:
+                writer.close()
+        self._writer = self._eval_writer = None

@@ -1,0 +1,85 @@
+"""A real MLflow tracking server on loopback (sqlite backend), from the environment scripts/setup.sh
+builds from requirements-mlflow.lock, and MLflow's own client to read a run back."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rlfleet.util.binaries import CACHE_DIR
+from rlfleet.util.ports import free_port
+
+LOCK = Path(__file__).resolve().parents[2] / "requirements-mlflow.lock"
+
+
+def mlflow_env() -> Path:
+    pyver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    digest = hashlib.sha256(LOCK.read_bytes() + f"{pyver}\n".encode()).hexdigest()[:12]
+    env = CACHE_DIR / f"mlflow-py{pyver}-{digest}"
+    assert (env / ".complete").is_file(), f"no MLflow server environment at {env}: run `make setup`"
+    return env
+
+
+class MlflowServer:
+    def __init__(self, directory: Path, port: int | None = None):
+        self.directory = directory
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 180.0) -> MlflowServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = (self.directory / "server.log").open("a")
+        self.proc = subprocess.Popen(
+            [str(mlflow_env() / "bin" / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.directory / 'mlflow.db'}",
+             "--default-artifact-root", str(self.directory / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONPATH": ""})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, (self.directory / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (self.directory / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+
+READ_RUN = """
+import json, sys
+from mlflow import MlflowClient
+client = MlflowClient(sys.argv[1])
+exp = client.get_experiment_by_name(sys.argv[2])
+(run,) = client.search_runs([exp.experiment_id])
+keys = sorted(run.data.metrics)
+print(json.dumps({"name": run.info.run_name, "params": run.data.params, "metrics": {
+    k: [[m.step, m.value] for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
+    for k in keys}}))
+"""
+
+
+def read_run(url: str, experiment: str) -> dict:
+    """The experiment's one run, read with MLflow's own client: name, params, every metric's history."""
+    out = subprocess.run([str(mlflow_env() / "bin" / "python"), "-c", READ_RUN, url, experiment],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
