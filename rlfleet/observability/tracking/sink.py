@@ -122,6 +122,7 @@ class TrackerSink:
         self.counts.failure = message[:500]
         text = (f"tracker {self.tracker.name} failed ({message[:300]}); training goes on, its records are dropped "
                 "and counted (rlfleet_tracker_records_total{outcome=\"dropped\"})")
-        log.warning(text)
-        if self._on_warning is not None:
+        if self._on_warning is not None:  # the run's own warning line
             self._on_warning(text)
+        else:
+            log.warning(text)
