@@ -71,10 +71,24 @@ def format_status(s: ProgressState, now: float, width: int = 120) -> str:
     ]
     if s.reward is not None:
         parts.append(f"reward {s.reward:.3f} v{s.weight_version} {s.samples_per_s:.1f} samples/s")
-    engines = " ".join(f"{slot}:{label}" for slot, label in sorted(s.engines.items()))
+    engines = format_engines(s.engines)
     parts.append(f"engines {s.engines_ready}/{s.engines_total}" + (f" {engines}" if engines else ""))
     line = " | ".join(parts)
     return line if len(line) <= width else line[: max(1, width - 1)] + "…"
+
+
+def format_engines(engines: dict[str, str], each_up_to: int = 4) -> str:
+    """`0:pinned v3 1:loading` for a few engines; `6 pinned v3, 2 loading` for more."""
+    if len(engines) <= each_up_to:
+        return " ".join(f"{slot}:{label}" for slot, label in sorted(engines.items(), key=lambda kv: _slot_key(kv[0])))
+    counts: dict[str, int] = {}
+    for label in engines.values():
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{n} {label}" for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _slot_key(slot: str) -> tuple[int, str]:
+    return (int(slot), "") if slot.isdigit() else (1 << 30, slot)
 
 
 # What an SGLang engine's log says while it starts: past these lines the model is being loaded.

