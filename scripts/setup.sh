@@ -95,6 +95,12 @@ for tool in kubectl helm; do
     ".venv/bin/$tool"
 done
 
+# tmux: the terminal-view test runs `rlfleet run` in a real terminal (a Debian package).
+if ! command -v tmux >/dev/null; then
+  step "installing tmux (Debian package)"
+  apt-get install -y -qq tmux >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq tmux >/dev/null; }
+fi
+
 step "tiny model"
 .venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null
 
