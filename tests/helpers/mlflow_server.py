@@ -40,7 +40,8 @@ class MlflowServer:
             [str(mlflow_env() / "bin" / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
              "--workers", "1", "--backend-store-uri", f"sqlite:///{self.directory / 'mlflow.db'}",
              "--default-artifact-root", str(self.directory / "artifacts")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "PYTHONPATH": ""})
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": "", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc.poll() is None, (self.directory / "server.log").read_text()[-3000:]
