@@ -68,19 +68,47 @@ class MlflowServer:
 READ_RUN = """
 import json, sys
 from mlflow import MlflowClient
-client = MlflowClient(sys.argv[1])
-exp = client.get_experiment_by_name(sys.argv[2])
-(run,) = client.search_runs([exp.experiment_id])
-keys = sorted(run.data.metrics)
-print(json.dumps({"name": run.info.run_name, "params": run.data.params, "metrics": {
-    k: [[m.step, m.value] for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
-    for k in keys}}))
+print("ready", flush=True)
+for line in sys.stdin:
+    url, experiment = line.split()
+    client = MlflowClient(url)
+    try:
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([exp.experiment_id]) if exp is not None else []
+        if len(runs) != 1:
+            raise LookupError(f"{len(runs)} runs in experiment {experiment}")
+        (run,) = runs
+        keys = sorted(run.data.metrics)
+        print(json.dumps({"name": run.info.run_name, "params": run.data.params, "metrics": {
+            k: [[m.step, m.value] for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
+            for k in keys}}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
 """
 
 
-def read_run(url: str, experiment: str) -> dict:
-    """The experiment's one run, read with MLflow's own client: name, params, every metric's history."""
-    out = subprocess.run([str(mlflow_env() / "bin" / "python"), "-c", READ_RUN, url, experiment],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class MlflowReader:
+    """MLflow's own client in the server's environment, imported ahead (it takes seconds), reading a run
+    back when asked: `read(url, experiment)` -> name, params and every metric's history."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([str(mlflow_env() / "bin" / "python"), "-c", READ_RUN], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ""})
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "ready", "the MLflow client did not start"
+
+    def read(self, url: str, experiment: str) -> dict:
+        """The run, or {"error": ...} (no such experiment or run yet)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{url} {experiment}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "the MLflow client exited"
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

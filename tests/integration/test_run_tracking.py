@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from helpers.cli_run import write_manifest
-from helpers.mlflow_server import MlflowServer, read_run
+from helpers.mlflow_server import MlflowReader, MlflowServer
 
-STEPS = 8
+STEPS = 12
 TRAIN_FIELDS = ("reward_mean", "reward_std", "loss", "clip_fraction", "grad_norm", "response_length_mean", "tokens",
                 "samples", "stale_groups_dropped", "samples_per_s", "tokens_per_s", "seconds")
 EVENT_KINDS = ("engine_dead", "engine_recreated", "heat_pause", "heat_resume", "watchdog_strike", "router_event")
@@ -74,8 +74,20 @@ class Tmux:
         return self("capture-pane", "-p", "-J", "-S", "-", "-t", "run")
 
 
+def dropped_now(metrics_url: str) -> float | None:
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:  # the run has ended
+        return None
+    found = re.search(r'rlfleet_tracker_records_total\{tracker="mlflow",outcome="dropped"\} (\S+)', text)
+    return float(found.group(1)) if found else None
+
+
 def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_path: Path):
+    reader = MlflowReader()
     server = MlflowServer(tmp_path / "mlflow").start()
+    reader.wait_ready()
+    assert "error" in reader.read(server.url, "tracked")  # nothing yet; the server's store is warm now
     manifest = write_manifest(tmp_path / "run.yaml", steps=STEPS, replicas=1, spec={
         "trainer": {"promptsPerStep": 4, "samplesPerPrompt": 4},
         "eval": {"posture": "shared", "intervalSteps": 4, "evalBeforeTrain": True,
@@ -92,57 +104,58 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
     seen: set[str] = set()
     stopped_after: int | None = None  # the last step line before the server was stopped
     read_back: dict | None = None
-    dropped_metric: float | None = None
+    dropped_metric = 0.0  # the run's own metric, scraped while it runs
+    url = ""
     try:
         deadline = time.monotonic() + 900
         while not exit_file.exists():
             assert time.monotonic() < deadline, tmux.capture()[-4000:]
             screen = tmux.capture()
             seen.update(line.rstrip() for line in screen.splitlines())
-            if stopped_after is None and re.search(r"step 1/8 reward", screen):
-                read_back = read_run(server.url, "tracked")  # MLflow's own client, while the run goes on
+            if stopped_after is None and re.search(rf"step 1/{STEPS} reward", screen):
+                read_back = reader.read(server.url, "tracked")  # MLflow's own client, while the run goes on
+                if "train/reward_mean" not in read_back.get("metrics", {}):
+                    continue  # step 1's record is not there yet
                 server.stop()  # then the tracking server goes away mid-run
-                stopped_after = max(int(n) for n in re.findall(r"step (\d)/8 reward", tmux.capture()))
-            if dropped_metric is None and re.search(r"step 7/8 reward", screen):
+                stopped_after = max(int(n) for n in re.findall(rf"step (\d+)/{STEPS} reward", tmux.capture()))
                 url = re.search(r"metrics at (http://[^,\s]+)", screen).group(1)  # type: ignore[union-attr]
-                url = url if url.endswith("/metrics") else url.rstrip("/") + "/metrics"
-                text = urllib.request.urlopen(url, timeout=10).read().decode()
-                found = re.search(r'rlfleet_tracker_records_total\{tracker="mlflow",outcome="dropped"\} (\S+)', text)
-                dropped_metric = float(found.group(1)) if found else None
+            if stopped_after is not None:
+                dropped_metric = max(dropped_metric, dropped_now(url) or 0.0)
             time.sleep(0.5)
         final = tmux.capture()
         seen.update(line.rstrip() for line in final.splitlines())
     finally:
         subprocess.run(["tmux", "-L", tmux.socket, "kill-server"], capture_output=True)
         server.stop()
+        reader.close()
     assert exit_file.read_text().strip() == "0", final[-4000:]
     text = "\n".join(sorted(seen))
 
     # The terminal view: engine start-up states, then a bar with elapsed and ETA; no library noise.
     assert re.search(r"engines 0/1 0:(starting|loading)", text), text[-4000:]
     assert re.search(r"engines 1/1 0:pinned v\d", text), text[-4000:]
-    assert re.search(r"step [1-7]/8 \[#+-+\] +\d+% \| elapsed \d\d:\d\d ETA \d\d:\d\d \| \w", text), text[-4000:]
+    assert re.search(r"step \d+/12 \[#+-+\] +\d+% \| elapsed \d\d:\d\d ETA \d\d:\d\d \| \w", text), text[-4000:]
     assert "Loading weights" not in text and "UserWarning" not in text and "it/s]" not in text
-    assert re.search(r"step 8/8 reward .* \(rollout \d+\.\d\d s, train \d+\.\d\d s, .*sync \d+\.\d\d s", text)
+    assert re.search(r"step 12/12 reward .* \(rollout \d+\.\d\d s, train \d+\.\d\d s, .*sync \d+\.\d\d s", text)
     assert final.count("tracker mlflow failed") == 1, final[-4000:]
 
     summary = json.loads(summary_path.read_text())
     assert summary["steps_completed"] == STEPS and summary["failure"] is None
     train, evals = expected_series(summary)
-    assert [p["step"] for p in summary["eval"] if not p["skipped"]] == [0, 4, 8]
+    assert [p["step"] for p in summary["eval"] if not p["skipped"]] == [0, 4, 8, 12]
 
     # TensorBoard: every series and its steps as the summary records them.
     tb = run_dir / "tensorboard" / run_dir.name
     same(read_tensorboard(tb), train)
     same(read_tensorboard(tb / "eval"), evals)
-    assert summary["tracking"]["tensorboard"] == {"written": STEPS + 3, "dropped": 0, "failure": None}
+    assert summary["tracking"]["tensorboard"] == {"written": STEPS + 4, "dropped": 0, "failure": None}
 
     # MLflow: what reached the server before it stopped, read back with MLflow's own client.
     mlflow = summary["tracking"]["mlflow"]
-    assert stopped_after is not None and stopped_after < 7 and read_back is not None
+    assert stopped_after is not None and stopped_after < STEPS and read_back is not None
     assert mlflow["written"] >= 1 and mlflow["dropped"] >= 1 and mlflow["failure"]
-    assert mlflow["written"] + mlflow["dropped"] == STEPS + 3
-    assert dropped_metric is not None and 1 <= dropped_metric <= mlflow["dropped"]
+    assert mlflow["written"] + mlflow["dropped"] == STEPS + 4
+    assert 1 <= dropped_metric <= mlflow["dropped"]
     assert read_back["name"] == "quickstart" and read_back["params"]["trainer.steps"] == str(STEPS)
     assert read_back["params"]["tracking.mlflow.experiment"] == "tracked"
     steps_read = [s for s, _ in read_back["metrics"]["train/reward_mean"]]
