@@ -6,6 +6,7 @@ The formatting is pure (`format_status`, `format_progress`, `startup_stage`); `P
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -69,10 +70,10 @@ def format_status(s: ProgressState, now: float, width: int = 120) -> str:
         f"elapsed {format_duration(now - s.started_at)} ETA {'--:--' if eta is None else format_duration(eta)}",
         f"{s.phase} {now - s.phase_since:.0f} s",
     ]
-    if s.reward is not None:
-        parts.append(f"reward {s.reward:.3f} v{s.weight_version} {s.samples_per_s:.1f} samples/s")
     engines = format_engines(s.engines)
     parts.append(f"engines {s.engines_ready}/{s.engines_total}" + (f" {engines}" if engines else ""))
+    if s.reward is not None:
+        parts.append(f"reward {s.reward:.3f} v{s.weight_version} {s.samples_per_s:.1f} samples/s")
     line = " | ".join(parts)
     return line if len(line) <= width else line[: max(1, width - 1)] + "…"
 
@@ -117,7 +118,12 @@ class ProgressReporter:
         self._last_line = ""
 
     def _width(self) -> int:
-        return max(20, shutil.get_terminal_size((120, 24)).columns - 1)
+        """The columns of the terminal written to (not $COLUMNS, which a parent may have left stale)."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            columns = shutil.get_terminal_size((120, 24)).columns
+        return max(20, columns - 1)
 
     def update(self, state: ProgressState) -> None:
         """Redraw the status line (TTY only; plain mode prints on events)."""

@@ -20,8 +20,8 @@ def test_bar_elapsed_and_eta():
     line = format_status(s, now=100.0, width=200)
     assert line.startswith("step 4/10 [########------------]  40%")
     assert "elapsed 01:40 ETA 01:00" in line  # 40 s for 4 steps -> 6 more take 60 s
-    assert "train 5 s" in line and "reward 0.250 v4 12.5 samples/s" in line
-    assert line.endswith("engines 2/2 0:pinned v4 1:pinned v4")
+    assert "train 5 s | engines 2/2 0:pinned v4 1:pinned v4 | " in line
+    assert line.endswith("reward 0.250 v4 12.5 samples/s")
 
 
 def test_eta_counts_only_this_processes_steps():
