@@ -96,7 +96,8 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
                                                    "timeoutSeconds": 30}},
     })
     run_dir, summary_path, exit_file = tmp_path / "run", tmp_path / "summary.json", tmp_path / "exit"
-    command = (f"cd {shlex.quote(os.getcwd())} && env -u COLUMNS -u LINES {shlex.quote(sys.executable)} -P -m rlfleet.cli run "
+    command = (f"cd {shlex.quote(os.getcwd())} && env -u COLUMNS -u LINES {shlex.quote(sys.executable)} "
+               "-P -m rlfleet.cli run "
                f"{manifest} --run-dir {run_dir} --metrics-port 0 --summary {summary_path}; echo $? > {exit_file}; "
                "sleep 600")
     tmux = Tmux("track")
