@@ -31,8 +31,8 @@ CMD ["operator"]
 
 FROM base AS trainer
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-COPY requirements.lock ./
-RUN pip install -r requirements.lock
+COPY requirements.lock requirements-tracking.lock ./
+RUN pip install -r requirements.lock && pip install --no-deps -r requirements-tracking.lock
 COPY --from=source /opt/rlfleet ./
 RUN pip install --no-deps . && rlfleet --version
 USER 65532:65532

@@ -28,6 +28,7 @@ from rlfleet.crds.specs import (
     LabelValue,
     ResourcesSpec,
     TolerationSpec,
+    TrackingSpec,
     WatchdogSpec,
     WeightSyncSpec,
 )
@@ -197,6 +198,9 @@ class TrainingRunSpec(ApiModel):
     checkpoint: CheckpointSpec | None = Field(
         None, description="Trainer checkpoints (model, optimizer, RNG, data position, eval state), written "
         "atomically beside training; unset: none, and a stopped run starts again from step 0.",
+    )
+    tracking: TrackingSpec | None = Field(
+        None, description="Trackers of the per-step record (TensorBoard, MLflow); unset: the run summary only.",
     )
 
     cel_rules = (

@@ -337,6 +337,48 @@ class CheckpointSpec(ApiModel):
     )
 
 
+class TensorBoardSpec(ApiModel):
+    """TensorBoard event files of the run's per-step record."""
+
+    log_dir: str = Field(
+        "tensorboard", min_length=1, max_length=PATH, pattern=r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$",
+        description="Directory of the event files (one subdirectory per run), relative to the snapshot "
+        "volume, so TensorBoard can be pointed at the claim (local runs without snapshotVolume.localPath: "
+        "relative to the run directory).",
+    )
+
+    cel_rules = (
+        Rule(
+            cel="!self.logDir.matches('(^|/)[.][.]?(/|$)')",
+            check=lambda s: not any(part in ("..", ".") for part in s.log_dir.split("/")),
+            field="logDir",
+            message="the TensorBoard directory stays inside the volume: no '.' or '..' parts",
+        ),
+    )
+
+
+class MlflowSpec(ApiModel):
+    """An MLflow tracking server: the run's record as metrics, the flattened spec as params."""
+
+    tracking_uri: str = Field(..., max_length=PATH, pattern=kv.HTTP_URL,
+                              description="The tracking server's URL, http:// or https://.")
+    experiment: str = Field("rlfleet", min_length=1, max_length=500,
+                            description="Experiment name (created when missing).")
+    run_name: str | None = Field(None, min_length=1, max_length=250,
+                                 description="The MLflow run's name; unset: the TrainingRun's name.")
+    timeout_seconds: float = Field(10.0, gt=0, le=300,
+                                   description="Bound on each call to the server; a call past it is a dropped record.")
+
+
+class TrackingSpec(ApiModel):
+    """Where the per-step record goes besides the run summary. A tracker that fails never fails or stalls the
+    run: it warns once, counts what it drops (rlfleet_tracker_records_total{outcome="dropped"}) and training
+    goes on."""
+
+    tensorboard: TensorBoardSpec | None = Field(None, description="TensorBoard event files; unset: none.")
+    mlflow: MlflowSpec | None = Field(None, description="An MLflow tracking server; unset: none.")
+
+
 class ResourcesSpec(ApiModel):
     """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
 

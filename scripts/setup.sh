@@ -57,6 +57,32 @@ devsite=$("$devtools/bin/python" -c 'import sysconfig; print(sysconfig.get_paths
 echo "import site; site.addsitedir('$devsite')" > "$site/rlfleet-devtools.pth"
 ln -sf "$devtools/bin/ruff" .venv/bin/ruff
 
+# TensorBoard's event writer and reader (spec.tracking.tensorboard): requirements-tracking.lock, installed
+# without dependencies (everything else it needs is requirements.lock's) and layered into .venv.
+trackhash=$( (cat requirements-tracking.lock; echo "$pyver") | sha256sum | cut -c1-12)
+tracking="$CACHE/tracking-py$pyver-$trackhash"
+if [ ! -f "$tracking/.complete" ]; then
+  step "building the tracking environment in $tracking"
+  rm -rf "$tracking"
+  "$heavy/bin/python" -m pip install --quiet --progress-bar off --no-deps --target "$tracking/site" \
+    -r requirements-tracking.lock
+  touch "$tracking/.complete"
+fi
+echo "import site; site.addsitedir('$tracking/site')" > "$site/rlfleet-tracking.pth"
+# An MLflow tracking server for the tests and for local use (`mlflow server`): its own environment,
+# never layered into .venv (rlfleet speaks MLflow's REST API over aiohttp); requirements-mlflow.lock
+# is its whole pinned closure.
+mlhash=$( (cat requirements-mlflow.lock; echo "$pyver") | sha256sum | cut -c1-12)
+mlflowenv="$CACHE/mlflow-py$pyver-$mlhash"
+if [ ! -f "$mlflowenv/.complete" ]; then
+  step "building the MLflow server environment in $mlflowenv (~1 minute)"
+  rm -rf "$mlflowenv"
+  $PYTHON -m venv "$mlflowenv"
+  "$mlflowenv/bin/python" -m pip install --quiet --progress-bar off --no-deps -r requirements-mlflow.lock
+  "$mlflowenv/bin/mlflow" --version >/dev/null
+  touch "$mlflowenv/.complete"
+fi
+
 step "installing rlfleet (editable) into .venv"
 .venv/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . 2>&1 | grep -v '^$' || true
 
@@ -68,6 +94,12 @@ for tool in kubectl helm; do
   ln -sf "$(.venv/bin/python -P -c "from rlfleet.util.binaries import tool_path; print(tool_path('$tool'))")" \
     ".venv/bin/$tool"
 done
+
+# tmux: the terminal-view test runs `rlfleet run` in a real terminal (a Debian package).
+if ! command -v tmux >/dev/null; then
+  step "installing tmux (Debian package)"
+  apt-get install -y -qq tmux >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq tmux >/dev/null; }
+fi
 
 step "tiny model"
 .venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null

@@ -183,8 +183,10 @@ class WatchdogTask:
     """
 
     def __init__(self, spec: WatchdogSpec, *, recover: RecoverFn, can_serve: CanServeFn,
-                 engine_logs: EngineLogsFn, fleet: str = "rollout", recovery_timeout_s: float = 600.0):
+                 engine_logs: EngineLogsFn, fleet: str = "rollout", recovery_timeout_s: float = 600.0,
+                 on_strike: Callable[[int, int], None] | None = None):
         self.spec = spec
+        self._on_strike = on_strike  # (strikes in a row, failures in the window), for the run's event log
         self.rule = WatchdogRule(spec)
         self.fleet = fleet
         self._recover = recover
@@ -221,6 +223,8 @@ class WatchdogTask:
                 log.warning("watchdog strike %d/%d: %d failed rollout requests in the last %d s (limit %d)",
                             result.strikes_in_a_row, self.spec.checks, result.failures_in_window,
                             self.spec.window_seconds, self.spec.limit)
+                if self._on_strike is not None:
+                    self._on_strike(result.strikes_in_a_row, result.failures_in_window)
             why = self.bound.verdict(result)
             if result.tripped:
                 self.trips += 1

@@ -28,7 +28,7 @@ from rlfleet.crds.specs import CheckpointSpec
 from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import DatasetScore, EvalPoint
-from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.orchestrator.run.summary import RunEvent, RunSummary, StepRecord
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.ranks import LeadingTrainer
 
@@ -79,6 +79,7 @@ def summary_state(summary: RunSummary, engines_recreated: int) -> dict[str, Any]
         "router_events": list(summary.router_events),
         "resumed_from": list(summary.resumed_from),
         "checkpoints": list(summary.checkpoints),
+        "events": [dataclasses.asdict(e) for e in summary.events],
     }
 
 
@@ -90,6 +91,7 @@ def restore_summary(summary: RunSummary, state: dict[str, Any]) -> int:
     summary.router_events = list(state.get("router_events", []))
     summary.resumed_from = list(state.get("resumed_from", []))
     summary.checkpoints = list(state.get("checkpoints", []))
+    summary.events = [RunEvent(**e) for e in state.get("events", [])]
     return int(state.get("engines_recreated", 0))
 
 

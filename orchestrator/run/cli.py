@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -60,10 +61,24 @@ def _usage_error(message: str) -> int:
     return 2
 
 
+def quiet_libraries() -> None:
+    """The run's own progress is the only one on the terminal: no progress bars of transformers, the
+    Hugging Face hub or tqdm, no library warnings at import (-v keeps them). Set before they are imported;
+    the rank and engine processes inherit it."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        quiet_libraries()
     if args.steps is not None and args.steps < 1:
         return _usage_error("--steps must be >= 1")
     if args.kubernetes:

@@ -56,8 +56,17 @@ from rlfleet.orchestrator.run.checkpointing import (
     summary_state,
 )
 from rlfleet.orchestrator.run.metrics_server import MetricsServer
-from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState
-from rlfleet.orchestrator.run.summary import RunSummary, StepRecord
+from rlfleet.orchestrator.run.progress import ProgressReporter, ProgressState, engine_label, startup_stage
+from rlfleet.orchestrator.run.summary import (
+    RunEvent,
+    RunSummary,
+    StepRecord,
+    format_phases,
+    record_to_dict,
+    reward_std,
+    staleness_of,
+)
+from rlfleet.orchestrator.run.tracking import RunTrackers, TrackerUnavailable, build_sinks
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session
@@ -183,11 +192,15 @@ class RunLoop:
         self.prompts_drawn = 0
         self._recreated_before = 0
         self._checkpoints_before: list[dict] = []
+        self._started = time.monotonic()
+        self._step_in_progress = 0  # what events are recorded at
+        self.trackers: RunTrackers | None = None  # spec.tracking
+        self._startup_stages: dict[int, str] = {}  # slot -> starting/loading, from its log (terminal view)
 
     # --- the run -----------------------------------------------------------------------------
 
     async def execute(self) -> RunSummary:
-        started = time.monotonic()
+        started = self._started = time.monotonic()
         try:
             await self._execute()
         except* RunFailed as group:
@@ -225,6 +238,10 @@ class RunLoop:
             url = await server.start()
             stack.push_async_callback(server.stop)
             self.progress.event(f"run {self.name}: metrics at {url}, logs in {opts.run_dir}")
+            await self._open_trackers(stack)
+            if self.progress.tty:
+                ticker = asyncio.get_running_loop().create_task(self._tick(), name="status-line")
+                stack.callback(ticker.cancel)
 
             self._phase("loading the trainer")
             model_dir = await asyncio.to_thread(resolve_model_dir, spec.model_path)
@@ -262,7 +279,7 @@ class RunLoop:
             session = await stack.enter_async_context(client_session(self.api_key,
                                                                      connector=aiohttp.TCPConnector(limit=0)))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
-                                    engine_logs=self._engine_logs)
+                                    engine_logs=self._engine_logs, on_strike=self._on_watchdog_strike)
             fleet = self.fleet
 
             async def to_router(payload, timeout_s: float) -> dict:  # follows the router if it moves
@@ -351,42 +368,74 @@ class RunLoop:
         policy = grpo.StalenessPolicy(t.max_staleness, by=t.staleness_by)
         if self.evaluation is not None and self.start_step == 0:  # eval: the initial model (evalBeforeTrain)
             await self.evaluation.after_step(0)
+        self.state.training_since, self.state.first_step = time.monotonic(), self.start_step
         for step in range(self.start_step + 1, t.steps + 1):
-            self._phase("rollout")
+            self._step_in_progress = step
+            phases: dict[str, float] = {}
+            clock = asyncio.get_running_loop().time
             step_started = time.monotonic()
-            loop_started = asyncio.get_running_loop().time()  # the heat guard's clock
+            loop_started = clock()  # the heat guard's clock
+            self._phase("rollout")
             groups, stale = await self._collect_groups(producer, trainer.step, policy)
             batch = grpo.assemble_batch(groups, current_step=trainer.step, policy=policy)
+            staleness = staleness_of([s.weight_version for s in batch.samples], trainer.step)
+            phases["rollout_wait"] = clock() - loop_started
             self._phase("train")
+            began = clock()
             stats = await asyncio.to_thread(trainer.train_step, list(batch.samples))
             if self.options.record_batches is not None:
                 await asyncio.to_thread(record_batch, self.options.record_batches, step, batch.samples, stats)
+            phases["train"] = clock() - began
             self._phase("export")
+            began = clock()
             ws = self.spec.weight_sync
             assert self.fleet is not None, "the rollout fleet starts before training"
             if ws.mode == "broadcast":
-                result, path = await self._broadcast_step(trainer, step)
+                result, path, began = await self._broadcast_step(trainer, step, phases)
             else:
                 path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
                                                         ws.verify_every > 0)
+                phases["export"] = clock() - began
                 self._phase("weight sync")
+                began = clock()
                 result = await self.fleet.sync_weights(path, step, tensors=tensors)
                 del tensors
             previous, self.current_snapshot = self.current_snapshot, path
             await self._after_sync(step, path, stats)
             await self._retire_snapshot(previous)
+            phases["weight_sync"] = clock() - began
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
+                began = clock()
                 await self.evaluation.after_step(step)
+                phases["eval_held"] = clock() - began
             seconds = time.monotonic() - step_started
             heat_paused = (self.heat is not None and self.heat.mark_step(
-                step, loop_started, asyncio.get_running_loop().time()).overlapped_pause)
+                step, loop_started, clock()).overlapped_pause)
             versions = [s.weight_version for s in batch.samples]
-            self.summary.steps.append(StepRecord(
+            for slot in result.recovered_slots:
+                self._event("engine_recreated", slot=str(slot), detail="recreated before the weight sync")
+            record = StepRecord(
                 step, stats["reward_mean"], versions, seconds, len(batch.samples),
                 engine_versions={e.slot: e.version for e in result.synced if e.version is not None},
                 recovered_slots=list(result.recovered_slots), heat_paused=heat_paused, sync=sync_record(result),
-                loss=stats["loss"],
-            ))
+                loss=stats["loss"], reward_std=reward_std([s.reward for s in batch.samples]),
+                kl_ref=stats.get("kl_ref"), clip_fraction=stats.get("clip_fraction"),
+                grad_norm=stats.get("grad_norm"),
+                response_length_mean=sum(len(s.response_ids) for s in batch.samples) / max(1, len(batch.samples)),
+                tokens=int(stats.get("tokens", 0)), staleness=staleness, stale_groups_dropped=stale,
+                samples_per_s=len(batch.samples) / max(seconds, 1e-9),
+                tokens_per_s=float(stats.get("tokens", 0)) / max(seconds, 1e-9), phases=phases,
+            )
+            if self.checkpoints is not None and self.checkpoints.is_checkpoint_step(step):
+                self._phase("checkpoint")
+                began = clock()
+                record.phases["checkpoint"] = 0.0  # the checkpoint carries the record: its own time comes after
+                self.summary.steps.append(record)
+                await self._checkpoint(trainer, step)
+                record.phases["checkpoint"] = clock() - began
+            else:
+                self.summary.steps.append(record)
+            record.ended_at = time.monotonic() - self._started
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
             self.state.step = step
@@ -398,28 +447,33 @@ class RunLoop:
                 f"step {step}/{t.steps} reward {stats['reward_mean']:.3f} loss {stats['loss']:.4f} "
                 + (f"kl_ref {stats['kl_ref']:.4f} " if "kl_ref" in stats else "") +
                 f"versions {sorted(set(versions))} stale groups dropped {stale} "
-                f"sync {result.outcome} {result.mode} {result.total_s:.2f} s step {seconds:.1f} s"
+                f"sync {result.outcome} {result.mode} {result.total_s:.2f} s step {seconds:.1f} s "
+                f"({format_phases(record.phases)})"
                 + (" (fell back to disk)" if result.fallback_reason else "")
                 + (" (overlapped a heat pause)" if heat_paused else ""),
                 self.state,
             )
-            if self.checkpoints is not None and self.checkpoints.is_checkpoint_step(step):
-                self._phase("checkpoint")
-                await self._checkpoint(trainer, step)
+            self._track_step(record)
         if self.checkpoints is not None:
             await self.checkpoints.wait()
         if self.evaluation is not None:  # eval: every point settles before the run ends
             self._phase("eval drain")
             await self.evaluation.finish()
 
-    async def _broadcast_step(self, trainer, step: int) -> tuple[WeightSyncResult, Path]:
+    async def _broadcast_step(self, trainer, step: int,
+                              phases: dict[str, float]) -> tuple[WeightSyncResult, Path, float]:
         """Broadcast the step's weights while its snapshot (the fallback, and what replacements start
-        from) is written beside the broadcast; the sync ends once both are done."""
+        from) is written beside the broadcast; the sync ends once both are done. `phases["export"]`: the
+        copy off the device; returns the loop time the sync began (the rest is the weight sync's)."""
         assert self.fleet is not None, "the rollout fleet starts before training"
+        clock = asyncio.get_running_loop().time
+        began = clock()
         state = await asyncio.to_thread(trainer.state_for_export)  # off the device: the copy all three read
         state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
+        phases["export"] = clock() - began
         written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, snapshot_dir(self.snapshots, step)))
         self._phase("weight sync")
+        began = clock()
         try:
             result = await self.fleet.sync_weights(snapshot_dir(self.snapshots, step), step, tensors=state.tensors,
                                                    snapshot_written=written)
@@ -428,7 +482,7 @@ class RunLoop:
                 await asyncio.wait([written])  # a thread: it ends by itself
             if not written.cancelled():
                 written.exception()  # retrieved: a failed sync's own error is the one raised
-        return result, written.result()
+        return result, written.result(), began
 
     async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
         wanted = self.spec.trainer.prompts_per_step
@@ -472,6 +526,7 @@ class RunLoop:
     def _on_router_event(self, fleet: str, message: str) -> None:
         """A fleet's router exited or was restarted."""
         self.summary.router_events.append(f"{fleet}: {message}")
+        self._event("router_event", slot=fleet, detail=message)
         self.progress.event(f"fleet {fleet}: {message}", self.state)
 
     def _router_logs(self) -> dict[str, list[str]]:
@@ -515,14 +570,53 @@ class RunLoop:
 
     def _on_heat_event(self, event: HeatEvent) -> None:
         temp = "" if event.temp_c is None else f" at {event.temp_c:.0f} C"
+        self._event(f"heat_{event.action.value}", slot=event.slot, detail=f"{event.reason}{temp}")
         self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
 
     def _on_death(self, event: DeathEvent) -> None:
         self.summary.engines_marked_dead += 1
+        self._event("engine_dead", slot=str(event.slot), detail=f"{event.cause}: {event.reason[:200]}")
         self._engines_changed()
         self.progress.event(f"engine slot {event.slot} marked dead ({event.cause}): {event.reason[:200]}", self.state)
 
     # --- bookkeeping ---------------------------------------------------------------------------
+
+    def _event(self, kind: str, *, slot: str | None = None, detail: str = "") -> None:
+        """One entry of the summary's event log, at the step in progress."""
+        self.summary.events.append(RunEvent(kind=kind, step=self._step_in_progress, slot=slot, detail=detail,
+                                            at=round(time.monotonic() - self._started, 3)))
+
+    def _on_watchdog_strike(self, strikes_in_a_row: int, failures: int) -> None:
+        self._event("watchdog_strike", detail=f"{strikes_in_a_row} in a row, {failures} failed requests in the window")
+
+    def _track_step(self, record: StepRecord) -> None:
+        """Hand the step's record to the trackers (spec.tracking); they never hold the loop."""
+        if self.trackers is not None:
+            self.trackers.step(record_to_dict(record), self.summary.events)
+
+    def _tensorboard_dir(self, log_dir: str) -> Path:
+        """Where spec.tracking.tensorboard's event files go: `<logDir>/<run>` on the snapshot volume."""
+        return self.snapshots / log_dir / self.name
+
+    async def _open_trackers(self, stack: contextlib.AsyncExitStack) -> None:
+        try:
+            sinks = build_sinks(self.run, tensorboard_dir=self._tensorboard_dir,
+                                on_warning=lambda text: self.progress.event(text, self.state))
+        except TrackerUnavailable as exc:
+            raise RunFailed("TrackerUnavailable", str(exc)) from None
+        if not sinks:
+            return
+        self.trackers = RunTrackers(sinks)
+        self.trackers.start()
+        names = ", ".join(sink.tracker.name for sink in sinks)
+        self.progress.event(f"tracking to {names}")
+
+        async def close(exc_type, exc, tb) -> None:
+            assert self.trackers is not None
+            status = "FINISHED" if exc_type is None else "KILLED" if exc_type is asyncio.CancelledError else "FAILED"
+            self.summary.tracking = await self.trackers.close(status)
+
+        stack.push_async_exit(close)
 
     def _ready_engines(self) -> int:
         if self.backend is None:
@@ -531,11 +625,41 @@ class RunLoop:
 
     def _engines_changed(self) -> None:
         self.state.engines_ready = self._ready_engines()
+        self._label_engines()
         self.progress.update(self.state)
 
     def _phase(self, phase: str) -> None:
-        self.state.phase = phase
+        self.state.set_phase(phase)
         self.progress.update(self.state)
+
+    def _label_engines(self) -> None:
+        """Each engine's label on the status line, from its state, its start-up stage and the router's pins."""
+        if self.backend is None:
+            return
+        membership = self.fleet.membership if self.fleet is not None else None
+        pinned: dict[str, str] = membership.pinned() if membership is not None else {}
+        self.state.engines = {
+            str(e.slot): engine_label(e.state.value, self._startup_stages.get(e.slot),
+                                      pinned.get(e.url) if e.url else None)
+            for e in self.backend.engines()
+        }
+
+    async def _tick(self) -> None:
+        """On a terminal: redraw the status line every second (elapsed times move; engines that start
+        are read from their logs, in a thread)."""
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                if self.backend is not None:
+                    starting = [e for e in self.backend.engines() if e.state is EngineState.STARTING and e.log_path]
+                    for e in starting:
+                        assert e.log_path is not None
+                        tail = await asyncio.to_thread(tail_file, Path(e.log_path), 60)
+                        self._startup_stages[e.slot] = startup_stage(tail)
+                    self._label_engines()
+                self.progress.update(self.state)
+            except Exception:  # the view never fails the run
+                log.debug("status line refresh failed", exc_info=True)
 
     def _count_recoveries(self) -> None:
         if self.backend is not None:
@@ -604,6 +728,8 @@ class RunLoop:
     def _on_eval(self, point: EvalPoint) -> None:
         assert self.evaluation is not None
         self.summary.eval = self.evaluation.summary_points()
+        if self.trackers is not None:
+            self.trackers.eval(point.to_summary())
         what = (f"skipped {point.skipped}" + (f": {point.detail[:200]}" if point.detail else "") if point.skipped
                 else " ".join(f"{k}={v:.3f}" for k, v in sorted(point.scores.items())) +
                 f" (v{point.weight_version}, {point.seconds or 0:.1f} s)")

@@ -342,3 +342,11 @@ OPERATOR_API_REQUESTS = Counter(
     "rlfleet_operator_api_requests_total", "Kubernetes API requests made by reconciles.", ["verb"],
     registry=REGISTRY,
 )
+
+# --- Trackers (spec.tracking) -------------------------------------------------------------------------
+# tracker: tensorboard, mlflow; outcome: written, dropped (the tracker failed or was too slow: the run
+# went on without it).
+TRACKER_RECORDS = Counter(
+    "rlfleet_tracker_records", "Per-step records handed to a tracker, by outcome.", ["tracker", "outcome"],
+    registry=REGISTRY,
+)

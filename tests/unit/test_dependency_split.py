@@ -85,3 +85,24 @@ def test_the_dockerfile_builds_an_operator_image_from_the_operator_lock_only() -
     assert "requirements.lock" not in stages["operator"].replace("requirements-operator.lock", "")
     assert "requirements.lock" in stages["trainer"]
     assert re.search(r'^CMD \["operator"\]', stages["operator"], re.M)
+
+
+def test_the_tracking_lock_adds_only_what_requirements_lock_lacks() -> None:
+    """requirements-tracking.lock is installed without dependencies and layered under .venv: it must not pin
+    a second copy of anything requirements.lock pins, and with it every requirement of tensorboard is pinned
+    (at a version that satisfies it)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    full, tracking = pins(REPO / "requirements.lock"), pins(REPO / "requirements-tracking.lock")
+    assert not set(full) & set(tracking), sorted(set(full) & set(tracking))
+    both = {**full, **tracking}
+    for name in tracking:
+        for text in requires(name) or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            wanted = canonicalize_name(req.name)
+            assert wanted in both, f"{name} needs {req}, pinned in neither lock"
+            assert req.specifier.contains(both[wanted], prereleases=True), f"{name} needs {req}, pinned {both[wanted]}"

@@ -1,0 +1,99 @@
+"""Trackers beside the run: TensorBoard files read back with TensorBoard's reader; a tracker whose
+server is gone or silent never holds the caller, warns once and counts its drops."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from prometheus_client import REGISTRY
+
+from rlfleet.observability.tracking.mlflow import MlflowTracker
+from rlfleet.observability.tracking.params import flatten
+from rlfleet.observability.tracking.sink import TrackerSink
+from rlfleet.observability.tracking.tensorboard import TensorBoardTracker
+from rlfleet.util.ports import free_port
+
+
+def dropped(tracker: str) -> float:
+    return REGISTRY.get_sample_value("rlfleet_tracker_records_total",
+                                     {"tracker": tracker, "outcome": "dropped"}) or 0.0
+
+
+def test_flatten_spec():
+    assert flatten({"trainer": {"steps": 3, "lr": 0.5, "on": True, "x": None},
+                    "eval": {"datasets": [{"name": "a"}], "tags": []}}) == {
+        "trainer.steps": "3", "trainer.lr": "0.5", "trainer.on": "true", "eval.datasets.0.name": "a",
+        "eval.tags": "[]"}
+
+
+async def test_tensorboard_series_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = TrackerSink(TensorBoardTracker(tmp_path / "run"), {"trainer.steps": "3"})
+    sink.start()
+    for step in (1, 2, 3):
+        sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
+    sink.submit(0, {"eval/rotate": 0.125})  # an eval point that settled after step 3
+    await sink.close()
+    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
+    acc = EventAccumulator(str(tmp_path / "run"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["time/train", "train/reward_mean"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert "spec" in acc.Tags()["tensors"]
+    evals = EventAccumulator(str(tmp_path / "run" / "eval"))
+    evals.Reload()
+    assert [(e.step, e.value) for e in evals.Scalars("eval/rotate")] == [(0, 0.125)]
+
+
+async def test_server_down_warns_once_and_counts_drops():
+    port = free_port()  # nothing listens there
+    warnings: list[str] = []
+    before = dropped("mlflow")
+    sink = TrackerSink(MlflowTracker(f"http://127.0.0.1:{port}", "e", "r", timeout_s=2), {},
+                       call_timeout_s=3, on_warning=warnings.append)
+    sink.start()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    for step in range(1, 6):
+        sink.submit(step, {"train/loss": 1.0})
+    assert loop.time() - began < 0.05  # submitting never waits
+    await sink.close()
+    assert sink.counts.written == 0 and sink.counts.dropped == 5
+    assert len(warnings) == 1 and "mlflow" in warnings[0] and "ClientConnectorError" in (sink.counts.failure or "")
+    assert dropped("mlflow") - before == 5
+
+
+async def test_silent_server_is_bounded():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections, never answers
+    port = listener.getsockname()[1]
+    try:
+        sink = TrackerSink(MlflowTracker(f"http://127.0.0.1:{port}", "e", "r", timeout_s=0.3), {},
+                           call_timeout_s=0.5)
+        sink.start()
+        sink.submit(1, {"train/loss": 1.0})
+        sink.submit(2, {"train/loss": 1.0})
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await sink.close(drain_s=0.5)
+        assert loop.time() - began < 5.0  # bounded by drain_s, not by the silent server
+        assert sink.counts.written == 0 and sink.counts.dropped == 2
+        assert sink.counts.failure is not None
+    finally:
+        listener.close()
+
+
+def test_tracking_fields_are_checked_naming_the_field():
+    from helpers.manifests import RUN, errors
+
+    assert errors(RUN + "  tracking: {tensorboard: {}, mlflow: {trackingUri: 'http://mlflow:5000'}}\n") == []
+    found = errors(RUN + "  tracking: {mlflow: {trackingUri: 'mlflow:5000'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.mlflow.trackingUri"]
+    found = errors(RUN + "  tracking: {tensorboard: {logDir: '../elsewhere'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.tensorboard.logDir"]
+    found = errors(RUN + "  tracking: {wandb: {project: p}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb"]
+    found = errors(RUN + "  tracking: {mlflow: {trackingUri: 'http://m', timeoutSeconds: 0}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.mlflow.timeoutSeconds"]
