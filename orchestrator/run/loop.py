@@ -436,6 +436,8 @@ class RunLoop:
             else:
                 self.summary.steps.append(record)
             record.ended_at = time.monotonic() - self._started
+            for phase, phase_s in record.phases.items():
+                metrics.RUN_STEP_PHASE_DURATION.labels(run=self.name, phase=phase).observe(phase_s)
             metrics.RUN_STEP.labels(run=self.name).set(step)
             metrics.RUN_REWARD_MEAN.labels(run=self.name).set(stats["reward_mean"])
             self.state.step = step

@@ -171,6 +171,13 @@ def requests() -> list[Cell]:
                           "{{fleet}} p50"),
                          (quantile(0.95, m.ROLLOUT_REQUEST_DURATION, ["fleet"], "$__rate_interval", fleet=FLEET),
                           "{{fleet}} p95"), unit="s"), 8),
+        Cell(time_series("Rollout continuations", "Requests continued on another engine from the tokens they had "
+                         "(spec.rollout.continuation), per interval.",
+                         (_per_interval(("fleet",), m.ROLLOUT_CONTINUATIONS), "{{fleet}}"), bars=True, decimals=0), 12),
+        Cell(time_series("Tokens saved by continuations", "Generated tokens kept that a restart from scratch would "
+                         "have generated again, per interval.",
+                         (_per_interval(("fleet",), m.ROLLOUT_CONTINUATION_TOKENS_SAVED), "{{fleet}}"), bars=True,
+                         decimals=0), 12),
     ]
 
 

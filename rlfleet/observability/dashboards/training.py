@@ -23,6 +23,14 @@ def progress() -> list[Cell]:
                          unit="reqps"), 6, 6),
         Cell(time_series("Step", "Training steps completed over time.", (step, "{{run}}"), decimals=0), 12),
         Cell(time_series("Reward", "Mean rollout reward per step.", (reward, "{{run}}")), 12),
+        Cell(time_series("Step phases p95", "p95 seconds of each phase of a step: waiting for rollouts, train, "
+                         "export, weight sync, eval held time, checkpoint.",
+                         (quantile(0.95, m.RUN_STEP_PHASE_DURATION, ["run", "phase"], run=RUN), "{{run}} {{phase}}"),
+                         unit="s"), 12),
+        Cell(time_series("Tracker records", "Per-step records written to or dropped by each tracker "
+                         "(spec.tracking), per interval: drops mean a tracker failed and the run went on without it.",
+                         (by("sum", ["tracker", "outcome"], increase(series(m.TRACKER_RECORDS))),
+                          "{{tracker}} {{outcome}}"), bars=True, decimals=0), 12),
     ]
 
 
