@@ -472,7 +472,11 @@ def test_fleet_ready_recovers_a_killed_engine_across_an_operator_restart(quickst
     status = seen["fleet_recovered"]
     slot1 = next(e for e in status["engines"] if e["slot"] == 1)
     assert slot1["restarts"] == 1 and status["restarts"] == 1, status  # counted once, across the restart
-    assert slot1["lastFailure"]["reason"] == "Crashed" and slot1["lastFailure"]["exitCode"] == 137
+    # Whoever sees the SIGKILL first names it: the node (the container's exit) or the trainer's
+    # orchestrator (its calls refused, a dead mark); either way it is the killed pod's failure.
+    failure = slot1["lastFailure"]
+    assert failure["reason"] in ("Crashed", "Unreachable"), failure
+    assert failure["reason"] != "Crashed" or failure["exitCode"] == 137, failure
     served, refused = seen["answers_recovered"]
     assert serves_its_model(served, new) and refused == 401, served
     assert {"EngineDead", "RecreatingEngine"} <= seen["fleet_events_recovered"], seen["fleet_events_recovered"]

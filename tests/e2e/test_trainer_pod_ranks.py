@@ -73,7 +73,7 @@ def test_a_two_rank_trainer_pod_trains_to_succeeded_with_one_snapshot_per_step(c
             total_s = time.monotonic() - started
             assert final["phase"] == "Succeeded", json.dumps(final)[-3000:]
             assert final["step"] == steps and final["weightVersion"] == str(steps)
-            assert final["trainer"] == {"ranks": 2, "ready": 2}
+            assert final["trainer"] == {**final["trainer"], "ranks": 2, "ready": 2, "restarts": 0}
 
             trainer_log = cp.kubectl("logs", "ranks-trainer", "-n", NS).stdout  # what a user reads
             assert "starting 2 trainer ranks" in trainer_log, trainer_log[-3000:]
