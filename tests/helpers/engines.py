@@ -301,3 +301,13 @@ async def add_workers(session: aiohttp.ClientSession, router_url: str, urls: lis
             return
         assert time.monotonic() < deadline, f"router did not list {urls} as healthy: {workers}"
         await asyncio.sleep(0.2)
+
+
+async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:
+    """Remove an engine from a router by its URL."""
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with session.get(router_url + "/workers", timeout=timeout) as resp:
+        ids = [w["id"] for w in (await resp.json())["workers"] if w["url"].rstrip("/") == url]
+    for worker_id in ids:
+        async with session.delete(f"{router_url}/workers/{worker_id}", timeout=timeout) as resp:
+            assert resp.status == 202, await resp.text()

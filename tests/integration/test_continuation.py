@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
-from helpers.engines import add_workers
+from helpers.engines import add_workers, remove_worker
 from rlfleet.crds.loader import load_training_run
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
@@ -43,14 +43,6 @@ def greedy(prompt: list[int], new_tokens: int = NEW_TOKENS) -> dict:
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 LOGPROB_TOLERANCE = 1e-3  # SGLang's float32 CPU path vs the trainer, per token (as for an unbroken sample)
-
-
-async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:
-    async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
-        ids = [w["id"] for w in (await resp.json())["workers"] if w["url"].rstrip("/") == url]
-    for worker_id in ids:
-        async with session.delete(f"{router_url}/workers/{worker_id}", timeout=TIMEOUT) as resp:
-            assert resp.status == 202, await resp.text()
 
 
 def logprob_error(trainer, prompt, response, reported) -> float:

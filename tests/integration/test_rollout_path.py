@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from prometheus_client import REGISTRY
 
-from helpers.engines import StartupFailed, add_workers, start_engine
+from helpers.engines import StartupFailed, add_workers, remove_worker, start_engine
 from rlfleet.crds.specs import WatchdogSpec
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable, WatchdogTask
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, RolloutRequestFailed, generate_all
@@ -24,14 +24,6 @@ TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
 FAILED_RESULTS = ("connection_refused", "connection_closed", "server_error", "unavailable", "timeout", "aborted")
-
-
-async def remove_worker(session: aiohttp.ClientSession, router_url: str, url: str) -> None:
-    async with session.get(router_url + "/workers", timeout=TIMEOUT) as resp:
-        ids = [w["id"] for w in (await resp.json())["workers"] if w["url"].rstrip("/") == url]
-    for worker_id in ids:
-        async with session.delete(f"{router_url}/workers/{worker_id}", timeout=TIMEOUT) as resp:
-            assert resp.status == 202, await resp.text()
 
 
 async def wait_running(session: aiohttp.ClientSession, engine_url: str, timeout_s: float = 60) -> None:
