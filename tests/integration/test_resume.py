@@ -1,11 +1,12 @@
-"""A run survives its trainer: `rlfleet run` SIGKILLed at step 7, then `rlfleet run --resume`.
+"""A run survives its trainer: `rlfleet run` SIGKILLed after its step-4 checkpoint, then `rlfleet run --resume`.
 
-Real SGLang CPU engines, the real sglang-router, the real trainer: torch on one rank, and megatron-core
-tensor parallel 2 in two real ranks (each writes its own shard). The killed run must leave no process
-behind (ranks included); the resumed one starts from the step-6 checkpoint, its engines serve the
-checkpoint's weights, every step appears once, and its loss equals what a trainer of the same layout
-that never stopped computes on the same batches (replayed here, trainer only, from the batches both
-runs recorded).
+Real SGLang CPU engines, the real sglang-router, the real trainer: megatron-core tensor parallel 2 in two
+real ranks (each writes its own shard). The killed run must leave no process behind (ranks included);
+the resumed one starts from the step-4 checkpoint, its engines serve the checkpoint's weights, every
+step appears once, and its loss equals what a trainer of the same layout that never stopped computes on
+the same batches (replayed here, trainer only, from the batches both runs recorded). A single-rank torch
+trainer's resume is covered on the cluster (tests/e2e/test_operator.py: its trainer pod is deleted and
+the recreated one resumes); the rank-file checkpoint format is the same for both backends.
 """
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ from helpers.cli_run import start_cli_run, wait_output, write_manifest
 
 pytestmark = pytest.mark.engines
 
-STEPS = 12
+STEPS = 8
+KILLED_AFTER = 4  # the checkpoint the resumed run starts from
 LEAN = {  # a small, quick run: one engine, 8 groups of 8 a step
     "trainer": {"promptsPerStep": 8, "samplesPerPrompt": 8},
-    "checkpoint": {"intervalSteps": 3, "keep": 2},
+    "checkpoint": {"intervalSteps": 2, "keep": 2},
 }
-# The torch trainer on one rank; megatron-core tensor parallel 2 (two real ranks, gloo): each rank
-# writes its own shard, the launcher's SIGKILL takes the ranks with it.
-TRAINERS = {"torch": {}, "megatron-tp2": {"backend": "megatron", "tensorParallelSize": 2}}
+# megatron-core tensor parallel 2 (two real ranks, gloo): each rank writes its own shard, the
+# launcher's SIGKILL takes the ranks with it.
+TRAINERS = {"megatron-tp2": {"backend": "megatron", "tensorParallelSize": 2}}
 
 
 def alive(groups: set[int]) -> set[int]:
@@ -62,7 +64,7 @@ def replay(manifest: Path, batches: list[Path], checkpoint_dir: Path, world: int
     in this process for one rank, in `world` real ranks (gloo) from the launcher for more."""
     from helpers.rank_steps import replay_run
 
-    args = (str(manifest), [str(b) for b in batches], str(checkpoint_dir), 6)
+    args = (str(manifest), [str(b) for b in batches], str(checkpoint_dir), KILLED_AFTER)
     if world == 1:
         result = replay_run(*args)
     else:
@@ -86,7 +88,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
     first, run_dir, out = start_cli_run(tmp_path, manifest=manifest, tag="first",
                                         args=("--record-batches", str(tmp_path / "batches-first")))
     try:
-        wait_output(first, out, "checkpoint step 6 written")
+        wait_output(first, out, f"checkpoint step {KILLED_AFTER} written")
         # The engine's and the router's groups; the ranks run in the launcher's (this test's) group, so
         # they are found by the files they write under the run directory.
         groups = groups_writing_under(run_dir) - {os.getpgrp()}
@@ -104,7 +106,7 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
             first.kill()
     assert not left, f"process groups {left} outlived the SIGKILLed run by 10 s: {writers(run_dir)}"
     first_steps = sorted(int(p.stem.removeprefix("step_")) for p in (tmp_path / "batches-first").glob("step_*.json"))
-    assert first_steps[:6] == [1, 2, 3, 4, 5, 6], first_steps
+    assert first_steps[:KILLED_AFTER] == list(range(1, KILLED_AFTER + 1)), first_steps
 
     summary = tmp_path / "summary.json"
     resumed, _, resumed_out = start_cli_run(tmp_path, manifest=manifest, tag="resumed",
@@ -117,33 +119,34 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
             resumed.kill()
     output = resumed_out.read_text()
     assert rc == 0, output[-3000:]
-    assert "resuming from checkpoint step 6" in output, output[-3000:]
+    assert f"resuming from checkpoint step {KILLED_AFTER}" in output, output[-3000:]
     data = json.loads(summary.read_text())
     assert data["steps_completed"] == data["steps_planned"] == STEPS, data
     assert list(data["weight_versions_per_step"]) == [str(n) for n in range(1, STEPS + 1)], data
-    assert data["resumed_from"] == [6]
+    assert data["resumed_from"] == [KILLED_AFTER]
     from rlfleet.trainer import checkpoint as ckpt
 
-    # The engines were brought to the checkpoint's weights before any rollout was used: step 7 trains
-    # only on samples of version 6 (the checkpoint), never on the launch weights or anything newer.
-    assert data["weight_versions_per_step"]["7"] == ["6"], data["weight_versions_per_step"]
-    assert data["engine_versions_per_step"]["12"] == {"0": "12"}
-    assert [c["step"] for c in data["checkpoints"]] == [3, 6, 9, 12], data["checkpoints"]
+    # The engines were brought to the checkpoint's weights before any rollout was used: the first resumed
+    # step trains only on samples of the checkpoint's version, never on the launch weights or anything newer.
+    first_resumed = KILLED_AFTER + 1
+    assert data["weight_versions_per_step"][str(first_resumed)] == [str(KILLED_AFTER)], data["weight_versions_per_step"]
+    assert data["engine_versions_per_step"][str(STEPS)] == {"0": str(STEPS)}
+    assert [c["step"] for c in data["checkpoints"]] == list(range(2, STEPS + 1, 2)), data["checkpoints"]
     assert len(data["reward_mean_per_step"]) == STEPS  # the reward goes on where it stopped
     resumed_steps = sorted(int(p.stem.removeprefix("step_")) for p in (tmp_path / "batches-resumed").glob("*.json"))
-    assert resumed_steps == list(range(7, STEPS + 1)), resumed_steps
+    assert resumed_steps == list(range(first_resumed, STEPS + 1)), resumed_steps
 
     info = ckpt.validate(ckpt.step_dir(volume / "checkpoints", STEPS))
     assert info.meta["shards"] == [ckpt.shard_name(r) for r in range(world)], info.meta
 
-    # A trainer that never stopped, on both runs' recorded batches (1..6 first, 7..12 resumed): every
-    # step's loss and gradient norm, and its weights after step 12 against the resumed run's step-12
-    # checkpoint (every rank's shard). An on-policy step's clipped loss is ~0 whatever the weights, and
-    # a step whose groups all scored alike has no gradient at all, so the weights carry the check:
-    # Adam's restored moments keep moving them after step 6 even then (asserted, so the comparison
-    # can tell runs apart).
-    batches = [tmp_path / "batches-first" / f"step_{n}.json" for n in range(1, 7)]
-    batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in range(7, STEPS + 1)]
+    # A trainer that never stopped, on both runs' recorded batches (the first run's up to the checkpoint,
+    # the resumed run's after it): every step's loss and gradient norm, and its weights after the last
+    # step against the resumed run's last checkpoint (every rank's shard). An on-policy step's clipped
+    # loss is ~0 whatever the weights, and a step whose groups all scored alike has no gradient at all,
+    # so the weights carry the check: Adam's restored moments keep moving them after the checkpoint even
+    # then (asserted, so the comparison can tell runs apart).
+    batches = [tmp_path / "batches-first" / f"step_{n}.json" for n in range(1, first_resumed)]
+    batches += [tmp_path / "batches-resumed" / f"step_{n}.json" for n in range(first_resumed, STEPS + 1)]
     replay_started = time.monotonic()
     replayed = replay(manifest, batches, info.directory, world)
     replay_s = time.monotonic() - replay_started
@@ -154,10 +157,12 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
     assert replayed["moved"] > 1e-5, "the resumed steps did not change the weights: nothing to compare"
     worst = replayed["worst"]
     assert worst <= 1e-5, f"the resumed run's step-{STEPS} weights differ from a never-stopped trainer's by {worst}"
-    assert [float(data["loss_per_step"][str(n)]) for n in range(7, STEPS + 1)] == pytest.approx(
-        [r[0] for r in recorded[6:]], abs=1e-6)
-    print(f"\nfigures ({trainer}, {world} rank(s)): resumed from step 6; step 7 loss {recorded[6][0]:.6f} grad norm "
-          f"{recorded[6][1]:.6f} (never stopped: {replayed['steps'][6][0]:.6f}, {replayed['steps'][6][1]:.6f}); "
+    assert [float(data["loss_per_step"][str(n)]) for n in range(first_resumed, STEPS + 1)] == pytest.approx(
+        [r[0] for r in recorded[KILLED_AFTER:]], abs=1e-6)
+    loss, norm = recorded[KILLED_AFTER]
+    want_loss, want_norm = replayed["steps"][KILLED_AFTER]
+    print(f"\nfigures ({trainer}, {world} rank(s)): resumed from step {KILLED_AFTER}; step {first_resumed} loss "
+          f"{loss:.6f} grad norm {norm:.6f} (never stopped: {want_loss:.6f}, {want_norm:.6f}); "
           f"step-{STEPS} weights within {worst:.2e} of a never-stopped trainer's (moved {replayed['moved']:.2e} "
-          f"since step 6); checkpoints {data['checkpoints']}; test {time.monotonic() - started:.0f} s "
+          f"since step {KILLED_AFTER}); checkpoints {data['checkpoints']}; test {time.monotonic() - started:.0f} s "
           f"(replay {replay_s:.0f} s)")
