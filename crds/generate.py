@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import yaml
 
 from rlfleet.crds.crd import HEADER, all_crds
 from rlfleet.crds.docs import render
+from rlfleet.util.generated import write_or_check
 
 CRD_DIR = Path(__file__).resolve().parent
 REPO_ROOT = CRD_DIR.parent
@@ -39,29 +39,14 @@ def generated_files(crd_dir: Path = CRD_DIR, docs_path: Path = DOCS_PATH) -> dic
     return files
 
 
-def stale_files(files: dict[Path, str]) -> list[Path]:
-    return [p for p, text in files.items() if not p.exists() or p.read_text() != text]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlfleet.crds.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
     parser.add_argument("--crd-dir", type=Path, default=CRD_DIR)
     parser.add_argument("--docs", type=Path, default=DOCS_PATH)
     args = parser.parse_args(argv)
-    files = generated_files(args.crd_dir, args.docs)
-    stale = stale_files(files)
-    if args.check:
-        for path in stale:
-            print(f"{path}: differs from what the models generate; run `make crds`", file=sys.stderr)
-        return 1 if stale else 0
-    for path in stale:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(files[path])
-        print(f"wrote {path}")
-    if not stale:
-        print("CRDs and API reference are up to date")
-    return 0
+    return write_or_check(generated_files(args.crd_dir, args.docs), check=args.check,
+                          what="CRDs and API reference are", remedy="make crds")
 
 
 if __name__ == "__main__":

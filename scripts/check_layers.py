@@ -20,7 +20,8 @@ from pathlib import Path
 
 # Lowest first. "a | b" are independent components of one layer.
 LAYERS = [
-    "rlfleet.util | rlfleet.errors | rlfleet.observability",
+    "rlfleet.util",
+    "rlfleet.errors | rlfleet.observability",
     "rlfleet.crds",
     "rlfleet.policy | rlfleet.sglang | rlfleet.kube | rlfleet.snapshot",
     "rlfleet.trainer | rlfleet.orchestrator.fleet",

@@ -5,11 +5,12 @@ import pytest
 import yaml
 
 from rlfleet.crds.crd import all_crds, openapi_schema
-from rlfleet.crds.generate import CRD_DIR, DOCS_PATH, generated_files, stale_files
+from rlfleet.crds.generate import CRD_DIR, DOCS_PATH, generated_files
 from rlfleet.crds.generate import main as generate_main
 from rlfleet.crds.miles_flags import MILES_FLAGS, NO_DEFAULT
 from rlfleet.crds.models import KINDS, TrainingRun
 from rlfleet.crds.schema import walk
+from rlfleet.util.generated import stale_files
 
 FORBIDDEN = ("$ref", "$defs", "anyOf", "allOf", "oneOf", "not", "title", "const", "nullable")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.observability import metrics, monitoring, promql
+from rlfleet.util.generated import stale_files
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "rlfleet"
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
@@ -133,7 +134,7 @@ def test_check_monitoring_command_names_the_panel_that_reads_a_missing_metric(tm
 def test_committed_dashboards_are_what_the_code_generates():
     from rlfleet.observability import dashboards
 
-    stale = dashboards.stale_files(dashboards.generated_files())
+    stale = stale_files(dashboards.generated_files())
     assert not stale, f"run `make dashboards`: {[p.name for p in stale]} differ from what the code generates"
 
 

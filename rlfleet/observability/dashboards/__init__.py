@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
+
+from rlfleet.util.generated import write_or_check
 
 DASHBOARD_DIR = Path(__file__).resolve().parents[3] / "charts" / "rlfleet" / "dashboards"
 
@@ -28,26 +29,11 @@ def generated_files(directory: Path = DASHBOARD_DIR) -> dict[Path, str]:
     return files
 
 
-def stale_files(files: dict[Path, str]) -> list[Path]:
-    return [p for p, text in files.items() if not p.exists() or p.read_text() != text]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlfleet.observability.dashboards",
                                      description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
     parser.add_argument("--dir", type=Path, default=DASHBOARD_DIR, help="where the dashboard JSON files go")
     args = parser.parse_args(argv)
-    files = generated_files(args.dir)
-    stale = stale_files(files)
-    if args.check:
-        for path in stale:
-            print(f"{path}: differs from what the code generates; run `make dashboards`", file=sys.stderr)
-        return 1 if stale else 0
-    for path in stale:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(files[path])
-        print(f"wrote {path}")
-    if not stale:
-        print("dashboards are up to date")
-    return 0
+    return write_or_check(generated_files(args.dir), check=args.check, what="dashboards are",
+                          remedy="make dashboards")
