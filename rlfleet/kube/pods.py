@@ -67,7 +67,11 @@ def _pod_failure(pod: dict, mark: dict | None) -> Failure | None:
                           {"exitCode": None, "message": status.get("message", "")})
     if mark is not None and mark.get("dead"):
         code = terminated.get("exitCode") if terminated else None
-        message = mark.get("deadMessage") or ""
+        seen = mark.get("deadMessage") or ""
+        if code:  # the container's own exit, when known, says more than what its clients saw of it
+            said = f"orchestrator: {reason_word(mark['dead'], reasons.MARKED_DEAD)}: {seen}".rstrip(": ")
+            return Failure(reasons.CRASHED, f"{said}\n{terminated.get('message') or ''}".strip(), code)
+        message = seen
         if terminated and terminated.get("message"):
             message = f"{message}\n{terminated['message']}".strip()
         return Failure(reason_word(mark["dead"], reasons.MARKED_DEAD), message, code)

@@ -149,6 +149,16 @@ def test_orchestrator_dead_mark_recreates_a_running_pod():
     assert "orchestrator" not in dead.status  # the orchestrator's part of the status is not the operator's
 
 
+def test_a_crashed_container_that_was_also_marked_dead_is_named_by_its_exit():
+    """The orchestrator's refused calls and the node's exit report are both true: the exit code says more."""
+    mark = {"podUID": "uid-0-0", "dead": "unreachable", "deadMessage": "connection refused"}
+    crashed = [pod(0, phase="Failed", ready=False, exit_code=137, message="Killed")]
+    plan = decide(spec(replicas=1, backoffBaseSeconds=0.0), crashed, marks(s0=mark), T0)
+    failure = slot(plan, 0)["lastFailure"]
+    assert failure["reason"] == "Crashed" and failure["exitCode"] == 137
+    assert "orchestrator: Unreachable: connection refused" in failure["message"] and "Killed" in failure["message"]
+
+
 def test_a_mark_of_an_earlier_pod_leaves_its_replacement_alone():
     mark = {"podUID": "uid-0-0", "dead": "probe_failed", "deadMessage": "3 probes timed out", "weightVersion": "2"}
     status = {"restarts": 1, "engines": [{"slot": 0, "state": "Recreating", "restarts": 1}], **marks(s0=mark)}
