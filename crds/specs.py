@@ -399,8 +399,9 @@ class WandbSpec(ApiModel):
         None, description="The API key, from a Secret only: the operator sets it as the trainer pod's "
         "WANDB_API_KEY (Kubernetes only; a local run uses the machine's own W&B login).")
     timeout_seconds: float = Field(
-        30.0, gt=0, le=600, description="Bound on starting the W&B run, on each record and on finishing it "
-        "(what is not uploaded by then stays in the run's .wandb log); past it a record is dropped.")
+        30.0, gt=0, le=600, description="Bound on starting the W&B run and on finishing it (W&B's init and finish "
+        "timeouts; what is not uploaded by then stays in the run's .wandb log); a record the W&B process has not "
+        "taken within it plus 30 s (that process's own start) is dropped.")
 
 
 class TrackingSpec(ApiModel):
