@@ -4,7 +4,10 @@ and counts its drops."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+from pathlib import Path
 
 from prometheus_client import REGISTRY
 
@@ -161,3 +164,45 @@ async def test_wandb_server_down_warns_once_counts_drops_and_finishes_in_bounds(
     assert len(warnings) == 1 and "tracker wandb failed" in warnings[0]
     assert "127.0.0.1" in (sink.counts.failure or ""), sink.counts.failure
     assert dropped("wandb") - before == 3
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*/children") for c in task.read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+async def test_wandb_finish_that_hangs_is_bounded_and_its_processes_killed(tmp_path):
+    """The W&B process stopped (SIGSTOP) after its run started: close returns within W&B's timeout plus the
+    grace with an error saying so (the sink warns it), and no process of its group is left."""
+    from rlfleet.observability.tracking.wandb import EXIT_GRACE_S, WandbError
+
+    options = WandbOptions(project="p", run_name="r", directory=tmp_path / "wb", mode="offline", timeout_s=1)
+    tracker = WandbTracker(options)
+    await asyncio.wait_for(tracker.open({}), 60)
+    await asyncio.wait_for(tracker.log(1, {"train/loss": 1.0}), 30)
+    assert tracker._proc is not None
+    group = tracker._proc.pid
+    service = children_of(group)
+    assert service, "W&B's service process (wandb-core) runs under the W&B process"
+    os.killpg(group, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    try:
+        await tracker.close("FINISHED")
+        raise AssertionError("close of a stopped W&B process returned no error")
+    except WandbError as exc:
+        assert "did not end within" in str(exc)
+    assert loop.time() - began < 1 + EXIT_GRACE_S + 10  # a loaded machine
+    for pid in service:
+        assert gone(pid), f"wandb-core {pid} is left"
+    try:
+        os.killpg(group, 0)
+        raise AssertionError(f"processes of group {group} are left")
+    except ProcessLookupError:
+        pass

@@ -33,6 +33,20 @@ def available() -> str | None:
     return None
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL the W&B process's group and its children: W&B starts its service process (wandb-core) in a
+    session of its own (it would go by itself once its parent is gone; this does not wait for that)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            children += [int(c) for c in task.read_text().split()]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(child, signal.SIGKILL)
+
+
 class WandbError(Exception):
     pass
 
@@ -77,15 +91,18 @@ class WandbTracker:
         proc = self._proc
         if proc is None:
             return
+        bound = self.options.timeout_s + EXIT_GRACE_S
         try:
             if proc.returncode is None:
-                with contextlib.suppress(TimeoutError, WandbError, ConnectionError):
-                    async with asyncio.timeout(self.options.timeout_s + EXIT_GRACE_S):
+                try:
+                    async with asyncio.timeout(bound):
                         await self._ask({"op": "finish", "exit_code": 0 if status == "FINISHED" else 1})
                         await proc.wait()
+                except TimeoutError:
+                    raise WandbError(f"wandb.finish did not end within {bound:g} s, its process was killed (what was "
+                                     f"not uploaded stays in the .wandb log under {self.options.directory})") from None
         finally:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # W&B's service process too
+            await asyncio.shield(asyncio.to_thread(kill_tree, proc.pid))
             with contextlib.suppress(ProcessLookupError):
                 await asyncio.shield(proc.wait())
             self._proc = None
