@@ -175,11 +175,12 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
     steps_read = [s for s, _ in read_back["metrics"]["train/reward_mean"]]
     assert steps_read == list(range(1, len(steps_read) + 1)) and 1 <= len(steps_read) <= stopped_after
     for tag in train:
-        # Each series is read on its own while the run goes on: one may hold a step more than another.
+        # Each series is read on its own (in name order) while the run goes on: one may hold a step more or
+        # less than another.
         got = read_back["metrics"].get(tag, [])  # a series may start after the steps read (staleness/0)
         last = max((s for s, _ in got), default=0)
         want = [p for p in train[tag] if p[0] <= last]
-        assert last <= stopped_after and (got or train[tag][0][0] > steps_read[-1]), tag
+        assert last <= stopped_after, tag
         assert [s for s, _ in got] == [s for s, _ in want], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6, abs=1e-9), tag
     assert read_back["metrics"]["eval/rotate"][0] == [0, pytest.approx(evals["eval/rotate"][0][1])]
