@@ -282,6 +282,11 @@ LOCAL_MAX_RESTARTS_MESSAGE = ("recreates a trainer pod on Kubernetes; a local ru
                               "`rlfleet run FILE --resume`")
 
 
+LOCAL_WANDB_API_KEY_MESSAGE = ("a Secret needs the Kubernetes API server, which a local run (rlfleet run FILE) "
+                               "does not have: leave it out, and the W&B client uses this machine's own login "
+                               "(`wandb login`, or WANDB_API_KEY in the environment)")
+
+
 def local_run_errors(run: TrainingRun) -> list[FieldError]:
     """What a valid TrainingRun asks for that a local run cannot do (each named by its field path)."""
     errors = [
@@ -292,4 +297,7 @@ def local_run_errors(run: TrainingRun) -> list[FieldError]:
     trainer = run.spec.trainer
     if "max_restarts" in trainer.model_fields_set and trainer.max_restarts > 0:
         errors.append(FieldError("spec.trainer.maxRestarts", LOCAL_MAX_RESTARTS_MESSAGE, "local"))
+    tracking = run.spec.tracking
+    if tracking is not None and tracking.wandb is not None and tracking.wandb.api_key is not None:
+        errors.append(FieldError("spec.tracking.wandb.apiKey", LOCAL_WANDB_API_KEY_MESSAGE, "local"))
     return errors

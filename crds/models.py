@@ -200,7 +200,8 @@ class TrainingRunSpec(ApiModel):
         "atomically beside training; unset: none, and a stopped run starts again from step 0.",
     )
     tracking: TrackingSpec | None = Field(
-        None, description="Trackers of the per-step record (TensorBoard, MLflow); unset: the run summary only.",
+        None, description="Trackers of the per-step record (TensorBoard, MLflow, Weights & Biases); unset: the run "
+        "summary only.",
     )
 
     cel_rules = (

@@ -370,6 +370,40 @@ class MlflowSpec(ApiModel):
                                    description="Bound on each call to the server; a call past it is a dropped record.")
 
 
+# W&B's own rule for project and entity names: none of / \ # ? % :
+WANDB_NAME_PATTERN = r"^[^/\\#?%:]+$"
+
+
+class SecretKeySpec(ApiModel):
+    """A value taken only from a Kubernetes Secret (never written in the manifest)."""
+
+    secret_key_ref: KeyRefSpec = Field(..., description="The key of a Secret in the run's namespace.")
+
+
+class WandbSpec(ApiModel):
+    """Weights & Biases: the run's record as history, the flattened spec as its config. The W&B client runs
+    in a process of its own, so a slow or unreachable server never holds training."""
+
+    project: str = Field(..., min_length=1, max_length=128, pattern=WANDB_NAME_PATTERN,
+                         description="The W&B project.")
+    entity: str | None = Field(None, min_length=1, max_length=128, pattern=WANDB_NAME_PATTERN,
+                               description="The user or team owning the project; unset: the API key's default.")
+    run_name: str | None = Field(None, min_length=1, max_length=128,
+                                 description="The W&B run's display name; unset: the TrainingRun's name.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: sent to the server as the run goes; offline: written to the run's "
+        ".wandb log only (no network; upload later with `wandb sync`).")
+    base_url: str | None = Field(None, max_length=PATH, pattern=kv.HTTP_URL,
+                                 description="A W&B server's URL (dedicated or self-managed); unset: W&B's cloud.")
+    api_key: SecretKeySpec | None = Field(
+        None, description="The API key, from a Secret only: the operator sets it as the trainer pod's "
+        "WANDB_API_KEY (Kubernetes only; a local run uses the machine's own W&B login).")
+    timeout_seconds: float = Field(
+        30.0, gt=0, le=600, description="Bound on starting the W&B run and on finishing it (W&B's init and finish "
+        "timeouts; what is not uploaded by then stays in the run's .wandb log); a record the W&B process has not "
+        "taken within it plus 30 s (that process's own start) is dropped.")
+
+
 class TrackingSpec(ApiModel):
     """Where the per-step record goes besides the run summary. A tracker that fails never fails or stalls the
     run: it warns once, counts what it drops (rlfleet_tracker_records_total{outcome="dropped"}) and training
@@ -377,6 +411,7 @@ class TrackingSpec(ApiModel):
 
     tensorboard: TensorBoardSpec | None = Field(None, description="TensorBoard event files; unset: none.")
     mlflow: MlflowSpec | None = Field(None, description="An MLflow tracking server; unset: none.")
+    wandb: WandbSpec | None = Field(None, description="Weights & Biases; unset: none.")
 
 
 class ResourcesSpec(ApiModel):

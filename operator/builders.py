@@ -533,7 +533,7 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
     env = _downward_env() + [api_key_env(rollout_fleet_name(name))] + _env({
         ReservedEnv.TRAINING_RUN: name,
         ReservedEnv.SNAPSHOT_DIR: mount_path,
-    }) + _user_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, trainer.env)
+    }) + _user_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, trainer.env) + _wandb_api_key_env(spec)
     container = _secure({
         "name": "trainer",
         "image": trainer.image,
@@ -565,6 +565,18 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer"), {ANN_RESTARTS: str(restarts)}),
             "spec": pod_spec}
+
+
+WANDB_API_KEY_ENV = "WANDB_API_KEY"  # the W&B client's own variable
+
+
+def _wandb_api_key_env(spec: TrainingRunSpec) -> list[dict]:
+    """spec.tracking.wandb.apiKey: $WANDB_API_KEY of the trainer, from the user's Secret (last, so that it
+    is the one that counts)."""
+    wandb = spec.tracking.wandb if spec.tracking is not None else None
+    if wandb is None or wandb.api_key is None:
+        return []
+    return [{"name": WANDB_API_KEY_ENV, "valueFrom": {"secretKeyRef": wire_dump(wandb.api_key.secret_key_ref)}}]
 
 
 def _update_group_ports(spec: TrainingRunSpec) -> list[dict]:

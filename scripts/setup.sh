@@ -57,8 +57,9 @@ devsite=$("$devtools/bin/python" -c 'import sysconfig; print(sysconfig.get_paths
 echo "import site; site.addsitedir('$devsite')" > "$site/rlfleet-devtools.pth"
 ln -sf "$devtools/bin/ruff" .venv/bin/ruff
 
-# TensorBoard's event writer and reader (spec.tracking.tensorboard): requirements-tracking.lock, installed
-# without dependencies (everything else it needs is requirements.lock's) and layered into .venv.
+# TensorBoard's event writer and reader and the W&B client (spec.tracking.tensorboard, spec.tracking.wandb):
+# requirements-tracking.lock, installed without dependencies (everything else they need is
+# requirements.lock's) and layered into .venv.
 trackhash=$( (cat requirements-tracking.lock; echo "$pyver") | sha256sum | cut -c1-12)
 tracking="$CACHE/tracking-py$pyver-$trackhash"
 if [ ! -f "$tracking/.complete" ]; then

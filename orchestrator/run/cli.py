@@ -20,9 +20,10 @@ import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlfleet.crds.loader import ManifestError, load_training_run, local_run_errors, validate_object
+from rlfleet.crds.loader import FieldError, ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
 from rlfleet.observability.report import report_path_for, write_report
+from rlfleet.orchestrator.run import tracking
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not_local := local_run_errors(run):
         print(f"rlfleet run: {args.file} cannot run locally:\n{ManifestError(args.file, not_local)}", file=sys.stderr)
+        return 2
+    if not_installed := tracking.unavailable(run):  # before anything starts, not after the engines
+        errors = [FieldError(m.field, m.why, "installed") for m in not_installed]
+        print(f"rlfleet run: {args.file} cannot run here:\n{ManifestError(args.file, errors)}", file=sys.stderr)
         return 2
     if args.steps is not None:
         run.spec.trainer.steps = args.steps

@@ -72,12 +72,12 @@ class LocalRun(RunLoop):
         base = Path(local_path) if local_path else Path("runs") / self.name
         return base / self.spec.checkpoint.path
 
-    def _tensorboard_dir(self, log_dir: str) -> Path:
+    def _tracker_dir(self, relative: str) -> Path:
         """Locally never on a scratch volume: under snapshotVolume.localPath when set, else the run directory;
         one subdirectory per run (the run directory's name)."""
         local_path = self.spec.weight_sync.snapshot_volume.local_path
         base = Path(local_path) if local_path else self.options.run_dir
-        return base / log_dir / self.options.run_dir.name
+        return base / relative / self.options.run_dir.name
 
     def _eval_fleet_factory(self):
         from rlfleet.orchestrator.evaluation.postures.fleet import start_local_eval_fleet

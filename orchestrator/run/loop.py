@@ -596,13 +596,14 @@ class RunLoop:
         if self.trackers is not None:
             self.trackers.step(record_to_dict(record), self.summary.events)
 
-    def _tensorboard_dir(self, log_dir: str) -> Path:
-        """Where spec.tracking.tensorboard's event files go: `<logDir>/<run>` on the snapshot volume."""
-        return self.snapshots / log_dir / self.name
+    def _tracker_dir(self, relative: str) -> Path:
+        """Where a tracker's files go (spec.tracking.tensorboard.logDir, W&B's run files):
+        `<relative>/<run>` on the snapshot volume."""
+        return self.snapshots / relative / self.name
 
     async def _open_trackers(self, stack: contextlib.AsyncExitStack) -> None:
         try:
-            sinks = build_sinks(self.run, tensorboard_dir=self._tensorboard_dir,
+            sinks = build_sinks(self.run, tracker_dir=self._tracker_dir,
                                 on_warning=lambda text: self.progress.event(text, self.state))
         except TrackerUnavailable as exc:
             raise RunFailed("TrackerUnavailable", str(exc)) from None

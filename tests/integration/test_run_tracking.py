@@ -1,7 +1,8 @@
-"""One `rlfleet run` in a real terminal (tmux) with TensorBoard and a real MLflow server as trackers:
-the terminal view (bar, ETA, engine start-up states, no library noise), the TensorBoard event files
-read back with TensorBoard's own reader, the MLflow run read back with MLflow's own client, and the
-MLflow server stopped mid-run: the run completes, warned once, its drops counted in a metric."""
+"""One `rlfleet run` in a real terminal (tmux) with TensorBoard, a real MLflow server and W&B (offline) as
+trackers: the terminal view (bar, ETA, engine start-up states, no library noise), the TensorBoard event
+files read back with TensorBoard's own reader, the offline W&B run's .wandb log read back with W&B's own
+reader, the MLflow run read back with MLflow's own client, and the MLflow server stopped mid-run: the
+run completes, warned once, its drops counted in a metric."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import pytest
 
 from helpers.cli_run import write_manifest
 from helpers.mlflow_server import MlflowReader, MlflowServer
+from helpers.wandb_log import offline_log, read_log
 
 STEPS = 12
 TRAIN_FIELDS = ("reward_mean", "reward_std", "loss", "clip_fraction", "grad_norm", "response_length_mean", "tokens",
@@ -93,7 +95,8 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
         "eval": {"posture": "shared", "intervalSteps": 4, "evalBeforeTrain": True,
                  "datasets": [{"name": "rotate", "task": "rotate", "maxPrompts": 8, "maxNewTokens": 3}]},
         "tracking": {"tensorboard": {}, "mlflow": {"trackingUri": server.url, "experiment": "tracked",
-                                                   "timeoutSeconds": 30}},
+                                                   "timeoutSeconds": 30},
+                     "wandb": {"project": "tracked", "mode": "offline"}},
     })
     run_dir, summary_path, exit_file = tmp_path / "run", tmp_path / "summary.json", tmp_path / "exit"
     command = (f"cd {shlex.quote(os.getcwd())} && env -u COLUMNS -u LINES {shlex.quote(sys.executable)} "
@@ -139,6 +142,7 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
     assert "Loading weights" not in text and "UserWarning" not in text and "it/s]" not in text
     assert re.search(r"step 12/12 reward .* \(rollout \d+\.\d\d s, train \d+\.\d\d s, .*sync \d+\.\d\d s", text)
     assert final.count("tracker mlflow failed") == 1, final[-4000:]
+    assert "tracker wandb failed" not in final and "tracker tensorboard failed" not in final, final[-4000:]
 
     summary = json.loads(summary_path.read_text())
     assert summary["steps_completed"] == STEPS and summary["failure"] is None
@@ -151,6 +155,15 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
     same(read_tensorboard(tb / "eval"), evals)
     assert summary["tracking"]["tensorboard"] == {"written": STEPS + 4, "dropped": 0, "failure": None}
 
+    # W&B (offline): the run's .wandb log read back with W&B's own reader, every series and its steps.
+    wandb_log = read_log(offline_log(run_dir / "wandb" / run_dir.name))
+    same({t: p for t, p in wandb_log.series.items() if not t.startswith("eval/")}, train)
+    same({t: p for t, p in wandb_log.series.items() if t.startswith("eval/")}, evals)
+    assert summary["tracking"]["wandb"] == {"written": STEPS + 4, "dropped": 0, "failure": None}
+    assert wandb_log.run["display_name"] == "quickstart" and wandb_log.run["project"] == "tracked"
+    assert wandb_log.config["trainer.steps"] == str(STEPS) and wandb_log.config["tracking.wandb.mode"] == "offline"
+    assert wandb_log.exit_code == 0
+
     # MLflow: what reached the server before it stopped, read back with MLflow's own client.
     mlflow = summary["tracking"]["mlflow"]
     assert stopped_after is not None and stopped_after < STEPS and read_back is not None
@@ -162,8 +175,12 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
     steps_read = [s for s, _ in read_back["metrics"]["train/reward_mean"]]
     assert steps_read == list(range(1, len(steps_read) + 1)) and 1 <= len(steps_read) <= stopped_after
     for tag in train:
-        want = [p for p in train[tag] if p[0] in steps_read]
+        # Each series is read on its own (in name order) while the run goes on: one may hold a step more or
+        # less than another.
         got = read_back["metrics"].get(tag, [])  # a series may start after the steps read (staleness/0)
+        last = max((s for s, _ in got), default=0)
+        want = [p for p in train[tag] if p[0] <= last]
+        assert last <= stopped_after, tag
         assert [s for s, _ in got] == [s for s, _ in want], tag
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6, abs=1e-9), tag
     assert read_back["metrics"]["eval/rotate"][0] == [0, pytest.approx(evals["eval/rotate"][0][1])]

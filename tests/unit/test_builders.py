@@ -215,6 +215,18 @@ def test_trainer_pod_runs_rlfleet_in_kubernetes_mode():
     assert t["spec"]["restartPolicy"] == "Never"
 
 
+def test_trainer_pod_gets_the_wandb_api_key_from_the_users_secret_only():
+    def env(**tracking):
+        c = b.build_trainer_pod(run(trainer={"image": "i", "gpus": 0, "env": [{"name": "WANDB_API_KEY", "value": "x"}]},
+                                    tracking=tracking))["spec"]["containers"][0]
+        return [e for e in c["env"] if e["name"] == "WANDB_API_KEY"]
+
+    assert env(wandb={"project": "p", "apiKey": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}})[-1] == {
+        "name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}  # the last counts
+    assert env(wandb={"project": "p", "mode": "offline"}) == [{"name": "WANDB_API_KEY", "value": "x"}]
+    assert env(tensorboard={}) == [{"name": "WANDB_API_KEY", "value": "x"}]
+
+
 def test_trainer_pod_asks_for_a_device_per_rank():
     def resources(**trainer):
         spec = run(trainer={"image": "rlfleet/rlfleet:0.1.0", **trainer})

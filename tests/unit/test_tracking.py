@@ -1,9 +1,13 @@
-"""Trackers beside the run: TensorBoard files read back with TensorBoard's reader; a tracker whose
-server is gone or silent never holds the caller, warns once and counts its drops."""
+"""Trackers beside the run: TensorBoard files read back with TensorBoard's reader, an offline W&B run read
+back with W&B's own reader; a tracker whose server is gone or silent never holds the caller, warns once
+and counts its drops."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+from pathlib import Path
 
 from prometheus_client import REGISTRY
 
@@ -11,6 +15,8 @@ from rlfleet.observability.tracking.mlflow import MlflowTracker
 from rlfleet.observability.tracking.params import flatten
 from rlfleet.observability.tracking.sink import TrackerSink
 from rlfleet.observability.tracking.tensorboard import TensorBoardTracker
+from rlfleet.observability.tracking.wandb import WandbOptions, WandbTracker
+from rlfleet.observability.tracking.wandb_worker import history_rows
 from rlfleet.util.ports import free_port
 
 
@@ -93,7 +99,110 @@ def test_tracking_fields_are_checked_naming_the_field():
     assert [f for f, _ in found] == ["spec.tracking.mlflow.trackingUri"]
     found = errors(RUN + "  tracking: {tensorboard: {logDir: '../elsewhere'}}\n")
     assert [f for f, _ in found] == ["spec.tracking.tensorboard.logDir"]
-    found = errors(RUN + "  tracking: {wandb: {project: p}}\n")
-    assert [f for f, _ in found] == ["spec.tracking.wandb"]
+    assert errors(RUN + "  tracking: {wandb: {project: p, mode: offline, entity: team, baseUrl: 'http://wb:8080', "
+                  "apiKey: {secretKeyRef: {name: wandb, key: api-key}}}}\n") == []
+    found = errors(RUN + "  tracking: {wandb: {project: 'a/b'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb.project"]
+    found = errors(RUN + "  tracking: {wandb: {project: p, mode: disabled}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb.mode"]
+    found = errors(RUN + "  tracking: {wandb: {project: p, apiKey: 'abc'}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb.apiKey"]
+    found = errors(RUN + "  tracking: {wandb: {project: p, apiKey: {value: abc}}}\n")
+    assert sorted(f for f, _ in found) == ["spec.tracking.wandb.apiKey.secretKeyRef",
+                                           "spec.tracking.wandb.apiKey.value"]
+    found = errors(RUN + "  tracking: {wandb: {entity: e}}\n")
+    assert [f for f, _ in found] == ["spec.tracking.wandb.project"]
     found = errors(RUN + "  tracking: {mlflow: {trackingUri: 'http://m', timeoutSeconds: 0}}\n")
     assert [f for f, _ in found] == ["spec.tracking.mlflow.timeoutSeconds"]
+
+
+def test_wandb_rows_keep_eval_points_on_their_own_step():
+    assert history_rows(3, {"train/loss": 1, "time/train": 0.5}) == [
+        {"step": 3.0, "time/train": 0.5, "train/loss": 1.0}]
+    assert history_rows(0, {"eval/rotate": 0.25, "eval/seconds": 2}) == [
+        {"eval/step": 0.0, "eval/rotate": 0.25, "eval/seconds": 2.0}]
+    assert history_rows(4, {"train/loss": 1, "eval/rotate": 0.5}) == [
+        {"step": 4.0, "train/loss": 1.0}, {"eval/step": 4.0, "eval/rotate": 0.5}]
+    assert history_rows(1, {}) == []
+
+
+async def test_wandb_offline_run_read_back(tmp_path):
+    from helpers.wandb_log import offline_log, read_log
+
+    options = WandbOptions(project="p", run_name="quick", directory=tmp_path / "wb", mode="offline", timeout_s=30)
+    sink = TrackerSink(WandbTracker(options), {"trainer.steps": "3"}, call_timeout_s=60)
+    sink.start()
+    for step in (1, 2, 3):
+        sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
+    sink.submit(0, {"eval/rotate": 0.125})  # an eval point that settled after step 3
+    await sink.close()
+    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
+    log = read_log(offline_log(tmp_path / "wb"))
+    assert log.run["display_name"] == "quick" and log.run["project"] == "p" and log.exit_code == 0
+    assert log.config["trainer.steps"] == "3"
+    assert log.series == {"train/reward_mean": [(1, 0.25), (2, 0.5), (3, 0.75)],
+                          "time/train": [(1, 0.5), (2, 0.5), (3, 0.5)], "eval/rotate": [(0, 0.125)]}
+
+
+async def test_wandb_server_down_warns_once_counts_drops_and_finishes_in_bounds(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a well-formed key: the client gets as far as the server
+    port = free_port()  # nothing listens there
+    warnings: list[str] = []
+    before = dropped("wandb")
+    options = WandbOptions(project="p", run_name="r", directory=tmp_path / "wb", mode="online",
+                           base_url=f"http://127.0.0.1:{port}", timeout_s=2)
+    sink = TrackerSink(WandbTracker(options), {}, call_timeout_s=30, on_warning=warnings.append)
+    sink.start()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    for step in range(1, 4):
+        sink.submit(step, {"train/loss": 1.0})
+    assert loop.time() - began < 0.05  # submitting never waits
+    await sink.close(drain_s=60)
+    assert loop.time() - began < 90
+    assert sink.counts.written == 0 and sink.counts.dropped == 3
+    assert len(warnings) == 1 and "tracker wandb failed" in warnings[0]
+    assert "127.0.0.1" in (sink.counts.failure or ""), sink.counts.failure
+    assert dropped("wandb") - before == 3
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*/children") for c in task.read_text().split()]
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (until init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+async def test_wandb_finish_that_hangs_is_bounded_and_its_processes_killed(tmp_path):
+    """The W&B process stopped (SIGSTOP) after its run started: close returns within W&B's timeout plus the
+    grace with an error saying so (the sink warns it), and no process of its group is left."""
+    from rlfleet.observability.tracking.wandb import EXIT_GRACE_S, WandbError
+
+    options = WandbOptions(project="p", run_name="r", directory=tmp_path / "wb", mode="offline", timeout_s=1)
+    tracker = WandbTracker(options)
+    await asyncio.wait_for(tracker.open({}), 60)
+    await asyncio.wait_for(tracker.log(1, {"train/loss": 1.0}), 30)
+    assert tracker._proc is not None
+    group = tracker._proc.pid
+    service = children_of(group)
+    assert service, "W&B's service process (wandb-core) runs under the W&B process"
+    os.killpg(group, signal.SIGSTOP)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    try:
+        await tracker.close("FINISHED")
+        raise AssertionError("close of a stopped W&B process returned no error")
+    except WandbError as exc:
+        assert "did not end within" in str(exc)
+    assert loop.time() - began < 1 + EXIT_GRACE_S + 10  # a loaded machine
+    for pid in service:
+        assert gone(pid), f"wandb-core {pid} is left"
+    try:
+        os.killpg(group, 0)
+        raise AssertionError(f"processes of group {group} are left")
+    except ProcessLookupError:
+        pass
