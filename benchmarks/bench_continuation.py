@@ -8,7 +8,7 @@ greedy requests (default 24 of 240 new tokens: the tiny model's context is 256) 
 When the requests in flight have, on average, half their budget (counted client-side), the engine
 holding the most of them is SIGKILLed and removed from the router (what the fleet monitor does on a
 death); a fresh engine replaces it before the next mode starts, and every engine's prefix cache is
-flushed first, so both modes start alike.
+flushed first and each mode has prompts of its own (same lengths' distribution), so both start alike.
 
 Counted client-side, from the streamed chunks of every attempt (thrown-away ones included), never from
 the engines' own counters (those only grow when a request finishes):
@@ -263,8 +263,7 @@ async def main() -> int:
     from rlfleet.util.binaries import CACHE_DIR
 
     model = ensure_tiny_model(CACHE_DIR / "models" / "tiny-llama-seed0", seed=0)
-    batch = prompts(args.requests)
-    rows = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-continuation-") as tmp:
         async with LocalProcesses(Path(tmp)) as processes, aiohttp.ClientSession() as session:
             router = await processes.router()
@@ -272,6 +271,9 @@ async def main() -> int:
             await add_workers(session, router.url, [e.url for e in engines])
             cumulative = None
             for mode in ("continuation", "restart"):
+                # Prompts of its own per mode: the router's cache-aware policy remembers where it sent the
+                # last mode's, and would put them all on one engine.
+                batch = prompts(args.requests, seed=len(rows))
                 figures, victim = await one_mode(mode, session, router.url, engines, batch, args.new_tokens)
                 rows.append(figures)
                 engines.remove(victim)
