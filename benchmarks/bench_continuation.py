@@ -5,8 +5,8 @@ greedy requests (default 24 of 240 new tokens: the tiny model's context is 256) 
 `RolloutClient`, streamed, in both modes, one after the other in this run:
 - continuation: `continuation=True`, a broken generation goes on from the tokens it had;
 - restart (the baseline): `continuation=False`, a broken generation starts again from its prompt.
-When the requests in flight have, on average, half their budget (counted client-side), the engine
-holding the most of them is SIGKILLed and removed from the router (what the fleet monitor does on a
+When each request in flight has half its budget (counted client-side), the engine holding the most of
+them is SIGKILLed and removed from the router (what the fleet monitor does on a
 death); a fresh engine replaces it before the next mode starts, and every engine's prefix cache is
 flushed first and each mode has prompts of its own (same lengths' distribution), so both start alike.
 
@@ -89,7 +89,7 @@ class Ledger:
     live: dict[str, Attempt] = field(default_factory=dict)
     died_at: float | None = None
     had_at_death: dict[str, int] = field(default_factory=dict)  # rid -> output tokens it had at the death
-    kill_when: tuple[int, int] = (1 << 30, 0)  # (requests in flight, mean output tokens): time to kill
+    kill_when: tuple[int, int] = (1 << 30, 0)  # (requests started, output tokens of each in flight): kill
     half_way: asyncio.Event = field(default_factory=asyncio.Event)
 
     def begin(self, payload: Mapping) -> Attempt:
@@ -105,8 +105,11 @@ class Ledger:
         self.had_at_death = {rid: a.position for rid, a in self.live.items()}
 
     def note_progress(self) -> None:
+        """Time to kill once every request started and each one in flight has `tokens`. The engines do not
+        keep pace with each other on shared cores: the slowest in-flight request stands for the victim's."""
         requests, tokens = self.kill_when
-        if self.died_at is None and len(self.live) >= requests and self.mean_progress() >= tokens:
+        if self.died_at is None and len({a.rid for a in self.attempts}) >= requests and self.live and \
+                min(a.position for a in self.live.values()) >= tokens:
             self.half_way.set()
 
     def mean_progress(self) -> float:
@@ -159,7 +162,7 @@ async def running_requests(session: aiohttp.ClientSession, engine: EngineProcess
 
 async def kill_half_way(session: aiohttp.ClientSession, router_url: str, engines: list[EngineProcess],
                         ledger: Ledger, requests: int, half: int) -> EngineProcess:
-    """When the requests in flight have `half` tokens on average: SIGKILL the engine holding most."""
+    """When each request in flight has `half` tokens: SIGKILL the engine holding most of them."""
     ledger.kill_when = (requests, half)
     await asyncio.wait_for(ledger.half_way.wait(), 600)
     held = [await running_requests(session, e) for e in engines]
