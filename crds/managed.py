@@ -48,6 +48,7 @@ class EngineFlags:
     ATTENTION_BACKEND = ManagedFlag("--attention-backend", (), "attentionBackend")
     ENABLE_METRICS = ManagedFlag("--enable-metrics")
     API_KEY = ManagedFlag("--api-key")
+    INCREMENTAL_STREAMING_OUTPUT = ManagedFlag("--incremental-streaming-output")
 
 
 # Set by the builder only when extraArgs do not (a CPU engine defaults to float32): the user may set it.

@@ -202,8 +202,13 @@ class RolloutClient:
         if transport is None and session is None and stream is not None:
             streamed = stream
 
-            async def transport(payload: Mapping, timeout_s: float) -> dict:  # one stream, its final chunk
-                return await streamed(payload, timeout_s, lambda chunk: None)
+            async def transport(payload: Mapping, timeout_s: float) -> dict:  # one stream, its chunks joined
+                progress = Progress.for_request(payload)
+                try:
+                    last = await streamed(payload, timeout_s, progress.apply_chunk)
+                finally:
+                    progress.end_attempt()
+                return stitched_answer(last, progress)
         if transport is None and session is None:
             raise ValueError("RolloutClient needs an HTTP session, a transport or a stream")
         if transport is None:

@@ -1,11 +1,14 @@
 """Continuation of a broken generation: what was generated so far, the request that continues it, and
 the stitched answer. Pure: no I/O.
 
-A streamed `/generate` answer is cumulative: every chunk carries all output tokens of this attempt
-(`meta_info.output_token_logprobs`: `[[logprob, token_id, text|null], ...]`) and the weight version
-serving it (`meta_info.weight_version`). `Progress` keeps, at any moment, the tokens of the finished
-attempts (the kept prefix) and of the one streaming now, each with its behaviour logprob and the
-weight version of the chunk that brought it. When an attempt breaks, its tokens join the prefix and
+A streamed `/generate` chunk carries output tokens of this attempt (`meta_info.output_token_logprobs`:
+`[[logprob, token_id, text|null], ...]`), the attempt's token count so far (`meta_info.completion_tokens`)
+and the weight version serving it (`meta_info.weight_version`). By default every chunk repeats all the
+attempt's tokens so far (cumulative: bytes grow with the square of the length); engines started with
+`--incremental-streaming-output` (rlfleet's launch builder) send only the new ones (`new_output`
+tells the two apart). `Progress` keeps, at any moment, the tokens and text of the finished attempts
+(the kept prefix) and of the one streaming now, each token with its behaviour logprob and the weight
+version of the chunk that brought it. When an attempt breaks, its tokens join the prefix and
 `continuation_request` resubmits the prompt plus the prefix as `input_ids`, with the remaining token
 budget and the same sampling settings; `stitched_answer` is the one answer the caller gets.
 """
@@ -18,6 +21,39 @@ from typing import Any
 from rlfleet.trainer.grpo import CONTINUATION_KEY, TOKEN_VERSIONS_KEY, version_order
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default of sampling_params.max_new_tokens
+
+
+DELTA, WHOLE, JOINED = "delta", "whole", "joined"  # what a chunk's tokens and text are (new_output)
+
+
+def new_output(meta: Mapping[str, Any], have: int) -> tuple[list, str]:
+    """The tokens (logprob pairs) of one chunk that are new to an attempt holding `have`, and what the
+    chunk's lists are: DELTA (only new tokens and text), WHOLE (all so far) or JOINED (see below).
+
+    A cumulative chunk holds all tokens so far (its list may run ahead of `completion_tokens`); an
+    incremental one exactly `completion_tokens - have` new ones. SGLang answers an abort with the whole
+    output even when incremental, and when that joins deltas still queued for the client it sends them
+    concatenated (deltas, then the whole output): the whole output is the tail.
+    """
+    pairs = list(meta.get("output_token_logprobs") or [])
+    total = meta.get("completion_tokens")
+    if isinstance(total, int) and have > 0 and len(pairs) == total - have:
+        return pairs, DELTA
+    reason = meta.get("finish_reason")
+    if isinstance(total, int) and 0 < total < len(pairs) and isinstance(reason, dict) and \
+            reason.get("type") == "abort":
+        return pairs[-total:][have:], JOINED
+    return pairs[have:], WHOLE
+
+
+def attempt_text(held: str, text: str, kind: str) -> str:
+    """The attempt's text after a chunk with `text` of that kind (new_output). JOINED is the queued
+    deltas D then the whole text (held + D): D + held + D."""
+    if kind == DELTA:
+        return held + text
+    if kind == JOINED:
+        return text[(len(text) - len(held)) // 2:]
+    return text
 
 
 @dataclass(frozen=True)
@@ -41,6 +77,8 @@ class Progress:
     versions: list[str] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     kept: int = 0  # tokens of finished (broken) attempts: the prefix the current attempt continues
+    text: str = ""  # the text of the finished attempts
+    _attempt_text: str = ""
     _completion_tokens: int = 0
 
     @classmethod
@@ -55,17 +93,24 @@ class Progress:
         return len(self.token_ids)
 
     @property
+    def all_text(self) -> str:
+        """The text of every attempt so far (at a cut the engine's detokenizer starts afresh)."""
+        return self.text + self._attempt_text
+
+    @property
     def remaining(self) -> int:
         return self.max_new_tokens - self.generated
 
     def apply_chunk(self, chunk: Mapping[str, Any]) -> int:
-        """Take one cumulative chunk of the attempt streaming now; returns how many tokens it added."""
+        """Take one chunk (cumulative or incremental) of the attempt streaming now; returns how many
+        tokens it added."""
         meta = chunk.get("meta_info") or {}
-        pairs = meta.get("output_token_logprobs") or []
         version = str(meta.get("weight_version", ""))
-        have = len(self.token_ids) - self.kept
+        pairs, kind = new_output(meta, len(self.token_ids) - self.kept)
+        if isinstance(text := chunk.get("text"), str):
+            self._attempt_text = attempt_text(self._attempt_text, text, kind)
         added = 0
-        for pair in pairs[have:]:
+        for pair in pairs:
             self.logprobs.append(float(pair[0]))
             self.token_ids.append(int(pair[1]))
             self.versions.append(version)
@@ -81,6 +126,8 @@ class Progress:
         if made:  # an attempt that generated nothing leaves no segment
             self.segments.append(Segment(self.kept, len(self.token_ids), self.versions[-1], self._completion_tokens))
         self.kept = len(self.token_ids)
+        self.text += self._attempt_text
+        self._attempt_text = ""
         self._completion_tokens = 0
         return made
 
@@ -141,6 +188,7 @@ def stitched_answer(last: Mapping[str, Any] | None, progress: Progress, *, finis
             "segments": [{"start": s.start, "end": s.end, "weight_version": s.weight_version,
                           "completion_tokens": s.completion_tokens} for s in progress.segments],
         }
+    answer["text"] = progress.all_text
     answer["output_ids"] = list(progress.token_ids)
     answer["meta_info"] = meta
     return answer

@@ -1,11 +1,13 @@
 """One streamed POST /generate (`stream: true`): every chunk handed over as it arrives, failures classified
 like every other call (rlfleet.sglang.errors).
 
-SGLang streams server-sent events, `data: <json>\\n\\n`, each chunk cumulative, the last one with a
-non-null `finish_reason`, then `data: [DONE]`. A mid-stream error is a chunk `{"error": {...}}`. A
-stream that ends (or whose connection breaks) before the final chunk failed as a closed connection; an
-abort (`finish_reason.type` "abort", e.g. a weight update that aborts in-flight requests) raises
-RequestAborted after its chunk, with its partial output, was handed over.
+SGLang streams server-sent events, `data: <json>\\n\\n`, the last one with a non-null `finish_reason`,
+then `data: [DONE]`; each chunk carries all tokens so far, or only its new ones when the engine runs
+with `--incremental-streaming-output` as rlfleet starts it (rlfleet.orchestrator.rollout.continuation
+joins both). A mid-stream error is a chunk `{"error": {...}}`. A stream that ends (or whose connection
+breaks) before the final chunk failed as a closed connection; an abort (`finish_reason.type` "abort", e.g.
+a weight update that aborts in-flight requests) raises RequestAborted after its chunk, with its partial
+output, was handed over.
 """
 from __future__ import annotations
 

@@ -86,6 +86,10 @@ def build_engine_launch(
         args.append(f.ENABLE_METRICS.flag)
     if api_key:
         args += [f.API_KEY.flag, api_key]
+    # A streamed chunk then carries only its new tokens; by default each repeats every token so far, and
+    # a long rollout (which rlfleet streams to continue it after an engine death) costs bytes and JSON
+    # parsing quadratic in its length. Only `stream: true` requests change.
+    args.append(f.INCREMENTAL_STREAMING_OUTPUT.flag)
     args += list(engine.extra_args)
     env = dict(BASE_ENV) | (CPU_ENV if engine.device == "cpu" else {})
     env.update({e.name: e.value for e in engine.env if e.value is not None})

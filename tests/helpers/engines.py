@@ -157,8 +157,12 @@ async def wait_group_gone(pgid: int, timeout_s: float) -> bool:
 async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: str | None = None,
                        weight_version: str = "0", extra_args: tuple[str, ...] = (),
                        max_total_tokens: int | None = None, api_key: str | None = None,
-                       ready_timeout_s: float = ENGINE_READY_TIMEOUT_S) -> EngineProcess:
-    """Start one real SGLang CPU engine on its own loopback address and wait until it generates."""
+                       ready_timeout_s: float = ENGINE_READY_TIMEOUT_S,
+                       drop_args: tuple[str, ...] = ()) -> EngineProcess:
+    """Start one real SGLang CPU engine on its own loopback address and wait until it generates.
+
+    `drop_args`: flags (without values) of the launch builder to leave out, to measure against SGLang's
+    default."""
     name = name or f"engine-{next(_serial)}"
     host, port = allocate_endpoint()
     spec = EngineSpec(model_path=str(model_path), device="cpu", port=port,
@@ -166,7 +170,8 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version, api_key=api_key)
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(
-        name, launch.argv(python_executable()), log_path=log_dir / f"{name}.log", env=launch.env,
+        name, [a for a in launch.argv(python_executable()) if a not in drop_args],
+        log_path=log_dir / f"{name}.log", env=launch.env,
         # Not the repository root: `python -m` puts the working directory on sys.path.
         cwd=str(log_dir), die_with_parent=True,
     )

@@ -8,13 +8,15 @@ import json
 import random
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from prometheus_client import REGISTRY
 
-from helpers.engines import add_workers, remove_worker
+from helpers.engines import EngineProcess, add_workers, remove_worker
 from rlfleet.crds.loader import load_training_run
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
@@ -77,14 +79,64 @@ async def wait_progress(client: RolloutClient, ids: list[str], tokens: int, time
     raise AssertionError(f"the samples never reached {tokens} tokens on average")
 
 
-async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(sglang_engines, sglang_router,
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine_pair(session_sglang_engines) -> AsyncIterator[list[EngineProcess]]:
+    """Two engines (tiny model, version "0") for this module's tests: the weight-sync test lends one and
+    loads version "0" back; the kill test, last of the two, kills one. Both are stopped when the module
+    ends, before the next module starts engines of its own."""
+    engines = await session_sglang_engines.start_many(2)
+    try:
+        yield engines
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines))
+
+
+async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions(engine_pair, sglang_router):
+    """A weight sync that aborts in-flight requests (version 0 -> 1): each continues under the new
+    version; its tokens carry both, and staleness is judged by the oldest or the newest as configured."""
+    router = await sglang_router.start()
+    lent = engine_pair[0]
+    engine = EngineClient(aiohttp.ClientSession(), lent.url)
+    batch = prompts(4, seed=1)
+    ids = [f"w{i}" for i in range(len(batch))]
+    try:
+        async with aiohttp.ClientSession() as session:
+            await add_workers(session, router.url, [lent.url])
+            client = RolloutClient(router.url, session, fleet="it-continuation-sync", rng=random.Random(0),
+                                   continuation=True,
+                                   policy=RetryPolicy(max_attempts=8, backoff_base_s=0.1, backoff_max_s=1,
+                                                      deadline_s=120))
+            rollout = asyncio.create_task(generate_all(client, {k: greedy(p, 120) for k, p in zip(ids, batch,
+                                                                                                 strict=True)}))
+            await wait_progress(client, ids, 40)
+            result = await engine.update_weights_from_disk(lent.model_path, "1", abort_all_requests=True)
+            assert result.success, result.message
+            ledger = await asyncio.wait_for(rollout, 120)
+    finally:
+        await engine.update_weights_from_disk(lent.model_path, "0")
+        await engine.session.close()
+    assert ledger.failed == {}
+    for sample_id, prompt in zip(ids, batch, strict=True):
+        sample = sample_from_generate(prompt, ledger.delivered[sample_id])
+        assert len(sample.response_ids) == 120
+        assert sample.versions() == ("0", "1"), sample.token_versions
+        cut = sample.token_versions.index("1")
+        assert set(sample.token_versions[:cut]) == {"0"} and set(sample.token_versions[cut:]) == {"1"}
+        # Continued where the version changed (and again if an abort of the sync caught it once more).
+        assert sample.continued_at[0] == cut and min(sample.continued_at) == cut
+        assert sample.weight_version == "0"  # the oldest
+        assert not StalenessPolicy(0, by="oldest").is_fresh(sample, current_step=1)
+        assert StalenessPolicy(0, by="newest").is_fresh(sample, current_step=1)
+
+
+async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(engine_pair, sglang_router,
                                                                                 tiny_model):
     """Two engines, 32 greedy requests of 200 tokens; the engine holding most is SIGKILLed half-way.
 
     Every request completes once, equal to an unbroken run token for token, and each continued one made
     its new engine generate only the tokens it still lacked."""
     router = await sglang_router.start()
-    engines = await sglang_engines.start_many(2)
+    engines = engine_pair
     batch = prompts(REQUESTS)
     fleet = "it-continuation"
     async with aiohttp.ClientSession() as session:
@@ -105,6 +157,7 @@ async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(
         doomed.process.signal_group(signal.SIGKILL)
         await remove_worker(session, router.url, doomed.url)  # what the fleet monitor does on a death
         ledger = await asyncio.wait_for(rollout, 300)
+    await asyncio.gather(*(e.stop() for e in engines))  # the pair is done: the next test starts engines of its own
 
     assert ledger.failed == {}
     assert sorted(ledger.delivered) == sorted(ids)
@@ -140,43 +193,6 @@ async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(
         client.continued.continuations >= continued
     assert counter("rlfleet_rollout_continuation_tokens_saved_total", fleet=fleet) - saved_before == \
         client.continued.tokens_saved > 0
-
-
-async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions(shared_engine, sglang_router):
-    """A weight sync that aborts in-flight requests (version 0 -> 1): each continues under the new
-    version; its tokens carry both, and staleness is judged by the oldest or the newest as configured."""
-    router = await sglang_router.start()
-    engine = EngineClient(aiohttp.ClientSession(), shared_engine.url)
-    batch = prompts(4, seed=1)
-    ids = [f"w{i}" for i in range(len(batch))]
-    try:
-        async with aiohttp.ClientSession() as session:
-            await add_workers(session, router.url, [shared_engine.url])
-            client = RolloutClient(router.url, session, fleet="it-continuation-sync", rng=random.Random(0),
-                                   continuation=True,
-                                   policy=RetryPolicy(max_attempts=8, backoff_base_s=0.1, backoff_max_s=1,
-                                                      deadline_s=120))
-            rollout = asyncio.create_task(generate_all(client, {k: greedy(p, 120) for k, p in zip(ids, batch,
-                                                                                                 strict=True)}))
-            await wait_progress(client, ids, 40)
-            result = await engine.update_weights_from_disk(shared_engine.model_path, "1", abort_all_requests=True)
-            assert result.success, result.message
-            ledger = await asyncio.wait_for(rollout, 120)
-    finally:
-        await engine.update_weights_from_disk(shared_engine.model_path, "0")
-        await engine.session.close()
-    assert ledger.failed == {}
-    for sample_id, prompt in zip(ids, batch, strict=True):
-        sample = sample_from_generate(prompt, ledger.delivered[sample_id])
-        assert len(sample.response_ids) == 120
-        assert sample.versions() == ("0", "1"), sample.token_versions
-        cut = sample.token_versions.index("1")
-        assert set(sample.token_versions[:cut]) == {"0"} and set(sample.token_versions[cut:]) == {"1"}
-        # Continued where the version changed (and again if an abort of the sync caught it once more).
-        assert sample.continued_at[0] == cut and min(sample.continued_at) == cut
-        assert sample.weight_version == "0"  # the oldest
-        assert not StalenessPolicy(0, by="oldest").is_fresh(sample, current_step=1)
-        assert StalenessPolicy(0, by="newest").is_fresh(sample, current_step=1)
 
 
 async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_path, tiny_model):

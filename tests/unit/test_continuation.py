@@ -43,6 +43,50 @@ def test_progress_keeps_the_tokens_of_every_attempt_with_their_logprobs_and_vers
     assert progress.end_attempt() == 0 and len(progress.segments) == 2  # an empty attempt leaves no segment
 
 
+def delta(pairs: list[tuple[float, int]], total: int, text: str = "", version: str = "0",
+          finish: str | None = None) -> dict:
+    """An incremental (`--incremental-streaming-output`) chunk: only the new tokens, the count so far."""
+    return {"text": text, "output_ids": [t for _, t in pairs],
+            "meta_info": {"weight_version": version, "completion_tokens": total,
+                          "finish_reason": None if finish is None else {"type": finish},
+                          "output_token_logprobs": [[lp, t, None] for lp, t in pairs]}}
+
+
+def test_incremental_chunks_are_accumulated_with_their_text():
+    progress = Progress(max_new_tokens=8)
+    assert progress.apply_chunk(delta([(-0.1, 11)], 1, "a")) == 1
+    assert progress.apply_chunk(delta([(-0.2, 12), (-0.3, 13)], 3, "bc")) == 2  # two deltas coalesced
+    assert progress.apply_chunk(delta([], 3, "")) == 0
+    assert (progress.token_ids, progress.logprobs, progress.all_text) == ([11, 12, 13], [-0.1, -0.2, -0.3], "abc")
+    # An abort answers with the whole output (and only its last output id), not a delta.
+    assert progress.apply_chunk(delta([(-0.1, 11), (-0.2, 12), (-0.3, 13), (-0.4, 14)], 4, "abcd",
+                                      finish="abort")) == 1
+    assert progress.end_attempt() == 4 and progress.text == "abcd"
+    assert progress.apply_chunk(delta([(-0.5, 15)], 1, "e", version="1")) == 1  # the continuation's first
+    assert progress.apply_chunk(delta([(-0.6, 16)], 2, "f", version="1")) == 1
+    assert progress.token_ids == [11, 12, 13, 14, 15, 16] and progress.versions == ["0"] * 4 + ["1"] * 2
+    assert progress.all_text == "abcdef"
+
+
+def test_an_abort_joined_to_queued_deltas_keeps_each_token_once():
+    progress = Progress(max_new_tokens=8)
+    progress.apply_chunk(delta([(-0.1, 11), (-0.2, 12)], 2, "ab"))
+    # Queued deltas (13, 14) and the abort's whole output (11-14), concatenated by the engine.
+    joined = delta([(-0.3, 13), (-0.4, 14), (-0.1, 11), (-0.2, 12), (-0.3, 13), (-0.4, 14)], 4, "cd" + "abcd",
+                   finish="abort")
+    assert progress.apply_chunk(joined) == 2
+    assert progress.token_ids == [11, 12, 13, 14] and progress.logprobs == [-0.1, -0.2, -0.3, -0.4]
+    assert progress.all_text == "abcd"
+
+
+def test_a_cumulative_list_running_ahead_of_its_count_is_not_taken_for_a_delta():
+    progress = Progress(max_new_tokens=8)
+    progress.apply_chunk(chunk([(-0.1, 11)]))
+    ahead = chunk([(-0.1, 11), (-0.2, 12), (-0.3, 13)])
+    ahead["meta_info"]["completion_tokens"] = 2  # the engine appended a token after counting
+    assert progress.apply_chunk(ahead) == 2 and progress.token_ids == [11, 12, 13]
+
+
 def test_the_continuation_request_is_prompt_plus_prefix_with_the_remaining_budget_and_the_same_sampling():
     payload = {"input_ids": PROMPT, "return_logprob": True, "rid": "s1",
                "sampling_params": {"max_new_tokens": 10, "temperature": 0.7, "top_p": 0.9, "stop_token_ids": [2]}}
@@ -104,8 +148,9 @@ class Engines:
     each attempt streams until its planned break (a CallError after that many tokens), and records what
     it was sent."""
 
-    def __init__(self, *breaks: tuple[int, CallError], version: str = "0"):
+    def __init__(self, *breaks: tuple[int, CallError], version: str = "0", incremental: bool = False):
         self.breaks = list(breaks)
+        self.incremental = incremental
         self.sent: list[dict] = []
         self.generated = 0
         self.version = version
@@ -120,7 +165,9 @@ class Engines:
             await asyncio.sleep(0.01)
             pairs.append((-0.01 * (offset + i), 100 + offset + i))
             self.generated += 1
-            last = chunk(pairs, self.version, "length" if failure is None and len(pairs) == budget else None)
+            finish = "length" if failure is None and len(pairs) == budget else None
+            last = (delta(pairs[-1:], len(pairs), f"<{pairs[-1][1]}>", self.version, finish) if self.incremental
+                    else chunk(pairs, self.version, finish))
             on_chunk(last)
         if failure is not None:
             raise failure
@@ -152,6 +199,21 @@ async def test_a_broken_stream_continues_from_its_tokens_and_only_the_rest_is_ge
     assert counter("rlfleet_rollout_continuations_total", "cont-unit-1") == 1
     assert counter("rlfleet_rollout_continuation_tokens_saved_total", "cont-unit-1") == 4
     assert client.progress == {}
+
+
+@pytest.mark.looptime
+async def test_incremental_streams_continue_and_join_into_the_whole_answer():
+    engines = Engines((4, error_for(K.CONNECTION_CLOSED, "engine died")), incremental=True)
+    client = RolloutClient("http://router", None, stream=engines, continuation=True, rng=random.Random(0),
+                           fleet="cont-unit-inc")
+    answer = await client.generate("s1", greedy(10))
+    assert answer["output_ids"] == list(range(100, 110)) and engines.generated == 10
+    assert engines.sent[1]["input_ids"] == PROMPT + [100, 101, 102, 103]
+    assert answer["text"] == "".join(f"<{t}>" for t in range(100, 110))
+    # Continuation off: one stream per attempt, its deltas joined into the answer.
+    plain = RolloutClient("http://router", None, stream=Engines(incremental=True), fleet="cont-unit-inc-off")
+    answer = await plain.generate("s2", greedy(5))
+    assert answer["output_ids"] == list(range(100, 105)) and len(answer["meta_info"]["output_token_logprobs"]) == 5
 
 
 @pytest.mark.looptime
