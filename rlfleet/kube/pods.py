@@ -68,7 +68,7 @@ def _pod_failure(pod: dict, mark: dict | None) -> Failure | None:
     if mark is not None and mark.get("dead"):
         code = terminated.get("exitCode") if terminated else None
         seen = mark.get("deadMessage") or ""
-        if code:  # the container's own exit, when known, says more than what its clients saw of it
+        if terminated and code:  # the container's own exit, when known, says more than what its clients saw
             said = f"orchestrator: {reason_word(mark['dead'], reasons.MARKED_DEAD)}: {seen}".rstrip(": ")
             return Failure(reasons.CRASHED, f"{said}\n{terminated.get('message') or ''}".strip(), code)
         message = seen
