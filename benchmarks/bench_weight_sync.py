@@ -18,7 +18,10 @@ Floors measured in the same run: the bare `update_weights_from_disk` of an unval
 in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
 processes. Goals: broadcast sync <= 1.5x the raw broadcast; disk sync beyond the bare load <= 25%.
 
-Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--json]
+Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--bucket-mb N] [--json]
+(`--bucket-mb`: the broadcast's bucketMegabytes, default the field's default). Each broadcast row also
+gives rank 0's own collective seconds (`rank0`): the rest of `broadcast` is the engines' handling of
+the buckets (receive buffer, loading into the model) and the HTTP calls around them.
 """
 from __future__ import annotations
 
@@ -113,7 +116,8 @@ def raw_broadcast_s(nbytes: int) -> float:
     return float(out[1].strip().splitlines()[-1])
 
 
-async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: int) -> dict:
+async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: int,
+                  bucket_mb: int | None = None) -> dict:
     import torch
 
     from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
@@ -129,7 +133,8 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
     backend = LocalBackend(engine=EngineSpec(model_path=str(model), device="cpu", max_total_tokens=2048),
                            replicas=engines, recovery=RecoverySpec(wait_all_alive_timeout_seconds=900),
                            run_dir=run_dir, startup_timeout_s=900)
-    spec = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=900, verify_every=0)
+    spec = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=900, verify_every=0,
+                          **({"bucket_megabytes": bucket_mb} if bucket_mb else {}))
     runtime = FleetRuntime(backend, router.url, health=HealthSpec(interval_seconds=30, timeout_seconds=60,
                                                                   failure_threshold=5),
                            weight_sync=spec, reference=model)
@@ -181,8 +186,8 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             assert result.mode == "broadcast", result.fallback_reason
             p = result.phases
             rows[label] = {"fill": p.get("fill", 0.0), "broadcast": p.get("begin", 0) + p.get("broadcast", 0) +
-                           p.get("end", 0), "read_back": p.get("read_back", 0.0), "verify": p.get("verify", 0.0),
-                           "total": result.total_s - result.validate_s}
+                           p.get("end", 0), "rank0": result.rank0_s, "read_back": p.get("read_back", 0.0),
+                           "verify": p.get("verify", 0.0), "total": result.total_s - result.validate_s}
 
         # A training step's export and sync in broadcast mode: the snapshot written first, then broadcast
         # (as before), against the snapshot written beside the broadcast (the run loop's way now).
@@ -203,13 +208,14 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
     finally:
         await runtime.stop()
         await router.stop()
-    return {"engines": engines, "bytes": nbytes, "bare_load_s": bare_load, "rows": rows}
+    return {"engines": engines, "bytes": nbytes, "bucket_mb": spec.bucket_megabytes, "bare_load_s": bare_load,
+            "rows": rows}
 
 
 def report(figures: dict, raw_s: float) -> None:
     engines = figures["engines"]
     gib = figures["bytes"] / 2**30
-    print(f"\n== {engines} engine(s), {gib:.2f} GiB float32 ==")
+    print(f"\n== {engines} engine(s), {gib:.2f} GiB float32, buckets of {figures['bucket_mb']} MiB ==")
     print(f"floor: bare update_weights_from_disk (page cache) {figures['bare_load_s']:.2f} s; "
           f"raw gloo broadcast of the same bytes (2 processes) {raw_s:.2f} s")
     for label, row in figures["rows"].items():
@@ -229,6 +235,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--bucket-mb", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -242,7 +249,7 @@ def main() -> int:
         raw_s = raw_broadcast_s(nbytes)
         results = []
         for engines in args.engines:
-            figures = asyncio.run(measure(model, work, engines, tensors, nbytes))
+            figures = asyncio.run(measure(model, work, engines, tensors, nbytes, args.bucket_mb))
             figures["raw_broadcast_s"] = raw_s
             report(figures, raw_s)
             results.append(figures)

@@ -129,6 +129,13 @@ def network_policies(body, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_FLEET], labels[b.LABEL_COMPONENT]): _identity_and_spec(body)}
 
 
+@kopf.index("networking.k8s.io", "v1", "networkpolicies",
+            labels={b.LABEL_COMPONENT: b.UPDATE_GROUP_NETWORK_POLICY_COMPONENT, b.LABEL_RUN: kopf.PRESENT})
+def update_group_policies(body, namespace, labels, **_):
+    """A broadcast run's update-group NetworkPolicies, keyed by (namespace, run)."""
+    return {(namespace, labels[b.LABEL_RUN]): _identity_and_spec(body)}
+
+
 @kopf.index("persistentvolumeclaims", labels={b.LABEL_COMPONENT: "snapshots", b.LABEL_RUN: kopf.PRESENT})
 def snapshot_claims(body, namespace, labels, **_):
     return {(namespace, labels[b.LABEL_RUN]): plain(body)}
@@ -170,8 +177,10 @@ def fleet_child_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
     _wake(memo, "fleet", namespace, labels.get(b.LABEL_FLEET))
 
 
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies",
+               labels={**MANAGED, b.LABEL_COMPONENT: b.UPDATE_GROUP_NETWORK_POLICY_COMPONENT})
 @kopf.on.event("persistentvolumeclaims", labels=MANAGED)
-def claim_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
+def run_child_changed(namespace, labels, memo: kopf.Memo, **_) -> None:
     _wake(memo, "run", namespace, labels.get(b.LABEL_RUN))
 
 
@@ -283,7 +292,8 @@ def _owned_one(index, key, uid: str, kind: str, foreign: list[tuple[str, dict]])
 # kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
 @kopf.daemon(GROUP, VERSION, "trainingruns", cancellation_backoff=1.0,  # type: ignore[arg-type]  # indices, see above
              cancellation_timeout=10.0)
-async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, trainer_pods, snapshot_claims, **_):
+async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, trainer_pods, snapshot_claims,
+                             update_group_policies, **_):
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
 
@@ -298,6 +308,9 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
                                eval=_owned_one(eval_fleets, key, uid, "EvalFleet", foreign),
                                trainer=_owned_one(trainer_pods, key, uid, "Pod", foreign),
                                pvc=_owned_one(snapshot_claims, key, uid, "PersistentVolumeClaim", foreign))
+        policies, foreign_policies = partition(_all(update_group_policies, key), uid)
+        children.update_group_policies = policies
+        foreign.extend(("NetworkPolicy", o) for o in foreign_policies)
         plan = await reconcile_run(memo.kube, run, children, settings=memo.settings, foreign=foreign,
                                    reported=memo.foreign_reported)
         return plan.requeue_after  # a trainer pod's backoff ends then

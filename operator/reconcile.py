@@ -51,6 +51,7 @@ from rlfleet.operator.fleet_decide import (
     decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+from rlfleet.operator.update_group_decide import decide_update_group_policies
 from rlfleet.sglang.http import new_api_key
 from rlfleet.util.redact import redact
 
@@ -324,9 +325,8 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
         for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
             await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
-    if settings.network_policy and any(obj["kind"] == "Pod" for obj in plan.create):
-        for obj in b.build_update_group_network_policies(run):  # broadcast: before rank 0's pod exists
-            await _create(kube, NETWORK_POLICIES, obj, refused)
+    # Broadcast: the update group's policies converge before rank 0's pod is created.
+    await _apply_update_group_policies(kube, run, children.update_group_policies, plan, settings, refused)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     for kind, name, spec in plan.patch_fleet_specs:
@@ -346,6 +346,22 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     if any(not r.permanent for r in refused):
         raise ChildrenRefused(rejections.message([r for r in refused if not r.permanent]))
     return plan
+
+
+async def _apply_update_group_policies(kube: KubeClient, run: dict, current: Sequence[dict], plan: RunPlan,
+                                       settings: Settings, refused: list[Rejection]) -> None:
+    """The run's update-group NetworkPolicies: created, restored or deleted as decided."""
+    for action in decide_update_group_policies(run, current, enabled=settings.network_policy):
+        meta = action.obj["metadata"]
+        if action.verb == "create":
+            if await _create(kube, NETWORK_POLICIES, action.obj, refused):
+                plan.events.append(Event("Normal", reasons.NETWORK_POLICY_CREATED, action.why))
+        elif action.verb == "patch":
+            body = {"spec": merge_patch_delta((action.current or {}).get("spec") or {}, action.obj["spec"])}
+            if await _patch(kube, NETWORK_POLICIES, action.obj, body, refused):
+                plan.events.append(Event("Warning", reasons.NETWORK_POLICY_RESTORED, action.why))
+        elif await kube.delete(NETWORK_POLICIES, meta["name"], meta["namespace"], uid=meta.get("uid")) is not None:
+            plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED, action.why))
 
 
 async def _create_api_keys(kube: KubeClient, run: dict, create: list[dict], refused: list[Rejection]) -> None:

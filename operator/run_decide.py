@@ -48,6 +48,8 @@ class RunChildren:
     eval: dict | None = None
     trainer: dict | None = None
     pvc: dict | None = None
+    # The run's update-group NetworkPolicies (`update_group_decide`; decide_run does not read them).
+    update_group_policies: list[dict] = field(default_factory=list)
 
 
 @dataclass

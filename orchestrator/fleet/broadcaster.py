@@ -171,23 +171,37 @@ def _listening_socket(address: str, port: int) -> socket.socket:
     return sock
 
 
-def _gloo_on(address: str) -> None:
-    """Gloo of this process binds `address` (the pod IP), not what the machine's hostname resolves to."""
+# Gloo of rank 0 on exactly the pod IP. torch's public ways to place gloo are GLOO_SOCKET_IFNAME (an
+# interface: gloo takes that interface's first IPv4 address) and the address the hostname resolves to;
+# on a node whose pods share one interface and hostname (the dev cluster's 127.0.0.N, any hostNetwork
+# pod) neither is the pod IP. A device for an address (`ProcessGroupGloo.create_device(hostname=...)`,
+# public) reaches a group only through ProcessGroupGloo's options constructor, whose options type is
+# `ProcessGroupGloo._Options` (the `Options` the stubs name is Backend.Options at run time), and
+# `new_group`/`init_process_group` ignore pg options for gloo. So rank 0 registers a backend of its own
+# through the public `Backend.register_backend`, whose creator builds that group; torch's own "gloo"
+# stays as it is. On the wire it is plain gloo: same store keys ("cpu/" under the group's prefix), same
+# pairs, so SGLang's gloo ranks meet it.
+GLOO_ON_ADDRESS = "rlfleet_gloo_on_address"
+
+
+def _create_gloo_on_address(opts, address):
+    """The creator of GLOO_ON_ADDRESS: a gloo group whose one device binds `address` (the group's
+    backend options, as `_new_process_group_helper(backend_options=...)` passes them)."""
     from torch.distributed import ProcessGroupGloo
-    from torch.distributed.distributed_c10d import Backend
 
-    def create(opts, backend_options):
-        options = ProcessGroupGloo._Options()
-        options._timeout = opts.timeout
-        options._devices = [ProcessGroupGloo.create_device(hostname=address)]
-        pg = ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
-        pg.options.global_ranks_in_group = opts.global_ranks_in_group
-        pg.options.group_name = opts.group_id
-        return pg
+    options = ProcessGroupGloo._Options()
+    options._timeout = opts.timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    pg = ProcessGroupGloo(opts.store, opts.group_rank, opts.group_size, options)
+    pg.options.global_ranks_in_group = opts.global_ranks_in_group
+    pg.options.group_name = opts.group_id
+    return pg
 
-    Backend._ensure_backend_registered(Backend.GLOO)
-    plugin = Backend._plugins["GLOO"]
-    Backend._plugins["GLOO"] = plugin._replace(creator_fn=create)
+
+def _register_gloo_on_address() -> None:
+    from torch.distributed import Backend
+
+    Backend.register_backend(GLOO_ON_ADDRESS, _create_gloo_on_address, extended_api=True, devices=["cpu"])
 
 
 def _custom_group(backend: str, address: str, port: int, world_size: int, group_name: str, timeout_s: float):
@@ -211,12 +225,14 @@ def _custom_group(backend: str, address: str, port: int, world_size: int, group_
         listener.close()
         raise
     store.set_timeout(timeout)
+    options: object = None
     if backend == "gloo":
-        _gloo_on(address)
+        _register_gloo_on_address()
+        backend, options = GLOO_ON_ADDRESS, address
     rank = 0
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name,  # type: ignore[arg-type]  # a str, as SGLang passes it
-                                      backend_options=None, timeout=timeout, device_id=None)
+                                      backend_options=options, timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

@@ -59,6 +59,9 @@ class TransferTimes:
     bytes: int = 0
     buckets: int = 0
     per_bucket_s: list[float] = field(default_factory=list)
+    # Rank 0's own collective per bucket: the rest of a bucket's time is the engines' handling of it
+    # (receive buffer, load into the model) and the HTTP call around it.
+    rank0_s: list[float] = field(default_factory=list)
 
 
 class UpdateGroup:
@@ -196,9 +199,11 @@ class UpdateGroup:
 
             following = self.buckets[bucket.index + 1:bucket.index + 2]
             fill_next = asyncio.ensure_future(self._fill(following, tensors)) if following else None
+            async def send(bucket: Bucket = bucket, bound: float = bound) -> None:
+                times.rank0_s.append(await self.broadcaster.broadcast(bucket.start, bucket.end, bound))
+
             try:
-                await self._together(lambda bucket=bucket, bound=bound: self.broadcaster.broadcast(  # type: ignore[misc]
-                    bucket.start, bucket.end, bound), receive, f"bucket {bucket.index + 1}/{len(self.buckets)}", bound)
+                await self._together(send, receive, f"bucket {bucket.index + 1}/{len(self.buckets)}", bound)
             finally:
                 if fill_next is not None:
                     if not fill_next.done():  # its thread ends by itself, soon; the wait is the copy's share

@@ -76,6 +76,7 @@ class WeightSyncResult:
     fallback_reason: str | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     bytes_broadcast: int = 0
+    rank0_s: float = 0.0  # broadcast: rank 0's own collectives, summed over the buckets (inside "broadcast")
     verified: bool = False
 
     @property
@@ -295,6 +296,7 @@ class WeightSync:
             times = await group.transfer(tensors, version)
             result.phases.update(fill=times.fill_s, begin=times.begin_s, broadcast=times.broadcast_s, end=times.end_s)
             result.bytes_broadcast = times.bytes
+            result.rank0_s = sum(times.rank0_s)
             metrics.WEIGHT_SYNC_BYTES.labels(fleet=self.fleet).inc(times.bytes)
             t = time.monotonic()
             await self._read_back_all(alive, outcomes, version, bounds)

@@ -1,13 +1,16 @@
 """A fleet's child objects, end to end: the engine NetworkPolicy (created, owned, exact, restored, switched
-off, collected) and the router Deployment (rolled when the fleet's router spec changes).
+off, collected) and the router Deployment (rolled when the fleet's router spec changes); a broadcast
+run's update-group NetworkPolicies (restored after an edit, deleted when the run leaves broadcast mode
+or the operator's policies are switched off, created again when wanted again).
 
 Real kube-apiserver + etcd + kube-controller-manager (`control_plane`, whose API server validates the
 policy's schema), the chart installed with helm, the operator as a local process with the chart's
-ServiceAccount token. No node agent: engine and router pods are created but never run (no SGLang).
+ServiceAccount token. No node agent: engine, router and trainer pods are created but never run (no SGLang).
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,35 @@ def fleets(control_plane, operator):
     yield {name: get_json(cp, "rolloutfleet", name, namespace=NS) for name in (RUN_FLEET, SOLO_FLEET)}
     for name in (RUN_FLEET, SOLO_FLEET):
         cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+BROADCAST_RUN = "np-bcast"
+UPDATE_GROUP_POLICIES = (f"{BROADCAST_RUN}-trainer", f"{BROADCAST_RUN}-update-group")
+
+
+@pytest.fixture(scope="module")
+def broadcast_run(control_plane, operator):
+    """A run in broadcast mode, of one rollout engine and no eval fleet; its pods never run."""
+    cp = control_plane
+    run = yaml.safe_load(QUICKSTART.read_text())
+    run["metadata"] = {"name": BROADCAST_RUN, "namespace": NS}
+    run["spec"]["rollout"].update(replicas=1, minReadyEngines=1)
+    run["spec"]["weightSync"] = {"mode": "broadcast"}
+    del run["spec"]["eval"]
+    apply(cp, run)
+    yield get_json(cp, "trainingrun", BROADCAST_RUN, namespace=NS)
+    cp.kubectl("delete", "trainingrun", BROADCAST_RUN, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+def update_group_policies(cp) -> dict[str, dict]:
+    found = {name: get_json(cp, "networkpolicy", name, namespace=NS) for name in UPDATE_GROUP_POLICIES}
+    return {name: pol for name, pol in found.items() if pol is not None}
+
+
+def wait_update_group_policies(cp, op: OperatorProcess, *, not_uids: set[str] = frozenset()) -> dict[str, dict]:
+    return wait_for(lambda: len(pols := update_group_policies(cp)) == 2
+                    and not {p["metadata"]["uid"] for p in pols.values()} & not_uids and pols,
+                    timeout=60, interval=0.5, what="the update group's NetworkPolicies", context=op.tail)
 
 
 def policy(cp, fleet: str) -> dict | None:
@@ -207,21 +239,62 @@ def test_a_deleted_or_loosened_policy_is_restored(control_plane, operator, fleet
              what="the NetworkPolicyRestored Event")
 
 
+def test_a_broadcast_runs_update_group_policies_are_restored_and_follow_its_mode(control_plane, operator,
+                                                                                 broadcast_run):
+    cp = control_plane
+    pols = wait_update_group_policies(cp, operator)
+    built = {p["metadata"]["name"]: p for p in b.build_update_group_network_policies(broadcast_run)}
+    for name, pol in pols.items():
+        assert pol["metadata"]["ownerReferences"][0]["uid"] == broadcast_run["metadata"]["uid"]
+        assert pol["spec"] == built[name]["spec"]  # as built: the operator never patches it for nothing
+    generations = {name: pol["metadata"]["generation"] for name, pol in pols.items()}
+
+    # Deleted by hand: created again. Opened to everyone (and given egress rules): put back as built.
+    trainer_name, group_name = UPDATE_GROUP_POLICIES
+    cp.kubectl("delete", "networkpolicy", trainer_name, "-n", NS)
+    cp.kubectl("patch", "networkpolicy", group_name, "-n", NS, "--type", "merge",
+               "-p", json.dumps({"spec": {"ingress": [{}], "policyTypes": ["Ingress", "Egress"], "egress": [{}]}}))
+    wait_for(lambda: update_group_policies(cp).get(trainer_name, {}).get("metadata", {}).get("uid")
+             not in (None, pols[trainer_name]["metadata"]["uid"]), timeout=60, interval=0.5,
+             what=f"{trainer_name} created again", context=operator.tail)
+    wait_for(lambda: (get_json(cp, "networkpolicy", group_name, namespace=NS) or {}).get("spec")
+             == built[group_name]["spec"], timeout=60, interval=0.5, what=f"{group_name} restored",
+             context=operator.tail)
+    wait_for(lambda: {"NetworkPolicyCreated", "NetworkPolicyRestored"} <= event_reasons(cp, BROADCAST_RUN),
+             timeout=30, interval=0.5, what="the run's NetworkPolicy Events")
+    restored = get_json(cp, "networkpolicy", group_name, namespace=NS)["metadata"]["generation"]
+    assert restored == generations[group_name] + 2  # the edit and the one patch back
+    time.sleep(3)  # a few more passes of the operator change nothing
+    assert get_json(cp, "networkpolicy", group_name, namespace=NS)["metadata"]["generation"] == restored
+
+    # Out of broadcast mode: both go; back in: both come again.
+    cp.kubectl("patch", "trainingrun", BROADCAST_RUN, "-n", NS, "--type", "merge",
+               "-p", json.dumps({"spec": {"weightSync": {"mode": "disk"}}}))
+    wait_for(lambda: update_group_policies(cp) == {}, timeout=60, interval=0.5,
+             what="the update group's policies deleted in disk mode", context=operator.tail)
+    assert "NetworkPolicyDeleted" in event_reasons(cp, BROADCAST_RUN)
+    cp.kubectl("patch", "trainingrun", BROADCAST_RUN, "-n", NS, "--type", "merge",
+               "-p", json.dumps({"spec": {"weightSync": {"mode": "broadcast"}}}))
+    wait_update_group_policies(cp, operator)
+
+
 def test_switched_off_the_operator_deletes_its_policies_and_back_on_recreates_them(
-        control_plane, operator, operator_kubeconfig, fleets, tmp_path):
+        control_plane, operator, operator_kubeconfig, fleets, broadcast_run, tmp_path):
     cp = control_plane
     before = {name: wait_policy(cp, name, operator)["metadata"]["uid"] for name in fleets}
+    run_before = {p["metadata"]["uid"] for p in wait_update_group_policies(cp, operator).values()}
     operator.stop()
     off = OperatorProcess(operator_kubeconfig, NS, tmp_path, extra_args=("--no-network-policy",))
     off.start()
     try:
-        wait_for(lambda: all(policy(cp, name) is None for name in fleets), timeout=60, interval=0.5,
-                 what="the policies to be deleted when switched off", context=off.tail)
+        wait_for(lambda: all(policy(cp, name) is None for name in fleets) and update_group_policies(cp) == {},
+                 timeout=60, interval=0.5, what="the policies to be deleted when switched off", context=off.tail)
     finally:
         off.stop()
     operator.start()
     for name in fleets:
         assert wait_policy(cp, name, operator)["metadata"]["uid"] != before[name]
+    wait_update_group_policies(cp, operator, not_uids=run_before)
 
 
 def test_a_changed_router_spec_rolls_the_router_deployment(control_plane, operator, fleets):
@@ -243,7 +316,6 @@ def test_a_changed_router_spec_rolls_the_router_deployment(control_plane, operat
     deployment = get_json(cp, "deployment", name, namespace=NS)
     assert deployment["metadata"]["generation"] == generation + 1  # one rollout, no patch storm
     assert "RouterUpdated" in event_reasons(cp, SOLO_FLEET)
-    import time
     time.sleep(3)  # a few more passes of the operator change nothing
     assert get_json(cp, "deployment", name, namespace=NS)["metadata"]["generation"] == generation + 1
 

@@ -1,6 +1,7 @@
 """The broadcasting rank 0 in its own process, against a real gloo peer created as SGLang creates its
-side of the update group (`init_custom_process_group`): bytes arrive intact; a peer that never joins or
-stops mid-broadcast costs the bound, kills the process, and leaves the caller free."""
+side of the update group (`init_custom_process_group`): bytes arrive intact; rank 0 listens on exactly
+the address it is given (store and gloo); a peer that never joins or stops mid-broadcast costs the
+bound, kills the process, and leaves the caller free."""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,8 @@ pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
 PEER = r"""
 import hashlib, sys, torch, torch.distributed as dist
 from sglang.srt.utils.common import init_custom_process_group
-port, nbytes = int(sys.argv[1]), int(sys.argv[2])
-group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+port, nbytes, address = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+group = init_custom_process_group(backend="gloo", init_method=f"tcp://{address}:{port}", world_size=2, rank=1,
                                   group_name="test-group")
 print("joined", flush=True)
 data = torch.empty(nbytes, dtype=torch.uint8)
@@ -32,9 +33,15 @@ print(hashlib.sha256(data.numpy().tobytes()).hexdigest(), flush=True)
 """
 
 
-def start_peer(port: int, nbytes: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", PEER, str(port), str(nbytes)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+def start_peer(port: int, nbytes: int, address: str = "127.0.0.1") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PEER, str(port), str(nbytes), address], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def listening_addresses(pid: int) -> set[str]:
+    """The local addresses (host:port) that process `pid` listens on, from `ss` (which touches no socket)."""
+    out = subprocess.run(["ss", "-Htlnp"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[3] for line in out.splitlines() if f"pid={pid}," in line}
 
 
 async def test_bytes_arrive_intact_at_an_sglang_style_peer():
@@ -56,6 +63,31 @@ async def test_bytes_arrive_intact_at_an_sglang_style_peer():
         if peer.poll() is None:
             os.killpg(peer.pid, signal.SIGKILL)
     assert not broadcaster.alive
+
+
+async def test_rank_zero_listens_on_exactly_its_address_store_and_gloo():
+    """As on a node whose pods share the host's network: any other address would be another pod's."""
+    address, nbytes, port = "127.0.0.77", 1024**2, free_port()
+    broadcaster = Broadcaster(nbytes)
+    await broadcaster.start()
+    peer = await asyncio.to_thread(start_peer, port, nbytes, address)
+    try:
+        await broadcaster.join(address=address, port=port, world_size=2, group_name="test-group", backend="gloo",
+                               timeout_s=120)
+        assert broadcaster._proc is not None
+        listening = listening_addresses(broadcaster._proc.pid)
+        assert f"{address}:{port}" in listening  # the store, on the update group's port
+        assert len(listening) >= 2, listening  # and gloo's own listener, on a port the kernel picked
+        assert {a.rsplit(":", 1)[0] for a in listening} == {address}, listening
+        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        broadcaster.buffer.copy_(payload)
+        await broadcaster.broadcast(0, nbytes, timeout_s=60)
+        out, _ = await asyncio.to_thread(peer.communicate, timeout=60)
+        assert out.split()[-1] == hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+    finally:
+        await broadcaster.close()
+        if peer.poll() is None:
+            os.killpg(peer.pid, signal.SIGKILL)
 
 
 async def test_a_peer_that_never_joins_costs_the_bound_and_kills_rank_zero():
