@@ -292,4 +292,8 @@ def local_run_errors(run: TrainingRun) -> list[FieldError]:
     trainer = run.spec.trainer
     if "max_restarts" in trainer.model_fields_set and trainer.max_restarts > 0:
         errors.append(FieldError("spec.trainer.maxRestarts", LOCAL_MAX_RESTARTS_MESSAGE, "local"))
+    if trainer.nodes > 1:
+        errors.append(FieldError("spec.trainer.nodes", f"{trainer.nodes}: a local run trains on this one machine; "
+                                 "a trainer across nodes is a group of trainer pods on Kubernetes: set 1 (the ranks "
+                                 "are tensorParallelSize x pipelineParallelSize x dataParallelSize)", "local"))
     return errors

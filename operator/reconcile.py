@@ -317,7 +317,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     previous = old.get("conditions")
     first = rejections.carry(plan.status, previous, generation)
     await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
-    for pod_name, uid in plan.delete:  # a failed trainer pod, after its failure is in the status
+    for pod_name, uid in plan.delete:  # a failed trainer group's pods, after its failure is in the status
         await kube.delete(PODS, pod_name, meta["namespace"], uid=uid)
     refused: list[Rejection] = []
     await _create_api_keys(kube, run, plan.create, refused)
@@ -325,7 +325,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
         for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
             await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
     if settings.network_policy and any(obj["kind"] == "Pod" for obj in plan.create):
-        for obj in b.build_update_group_network_policies(run):  # broadcast: before rank 0's pod exists
+        for obj in b.build_trainer_network_policies(run):  # before the trainer's pods exist
             await _create(kube, NETWORK_POLICIES, obj, refused)
     for obj in plan.create:
         await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
