@@ -110,7 +110,11 @@ def rank_main(argv: list[str], model_dir: str, run_dir: str, run: TrainingRun, l
 
 
 def follow_run(run: TrainingRun, model_dir: Path) -> None:
-    from rlfleet.trainer.ranks import follow
+    from rlfleet.trainer.ranks import follow, rank_env
 
     trainer: Any = build_rank_trainer(run.spec, model_dir)
-    follow(trainer)
+    rank, world, local = rank_env()
+    node = os.environ.get("GROUP_RANK", "0")
+    print(f"trainer rank {rank} of {world} (node {node}, local rank {local}): following rank 0", flush=True)
+    steps = follow(trainer)
+    print(f"trainer rank {rank} of {world} (node {node}, local rank {local}): stopped after step {steps}", flush=True)
