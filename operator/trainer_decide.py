@@ -142,6 +142,8 @@ def decide_trainer(*, pods: list[dict], nodes: int, phase: str, old: dict | None
     pending = failures > restarts
     what_pods = "the trainer pod" if nodes == 1 else f"the trainer group ({nodes} pods)"
 
+    if ((by_node.get(0) or {}).get("status") or {}).get("phase") == "Succeeded":
+        return plan  # rank 0 finished the run: whatever its followers do now is no failure of the trainer
     if not pending:
         failure = group_failure(by_node, nodes=nodes, phase=phase, pod_names=pod_names)
         if failure is None:

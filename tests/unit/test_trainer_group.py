@@ -247,3 +247,5 @@ def test_the_run_succeeds_when_pod_0_rank_0s_pod_has_finished():
     r = run(status={"phase": "Running"})
     plan, _ = reconcile(r, [pod(0, "Succeeded", exit_code=0), pod(1, "Running")], T0)
     assert plan.status["phase"] == "Succeeded" and created(plan) == [] and plan.delete == []
+    late, _ = reconcile(r, [pod(0, "Succeeded", exit_code=0), pod(1, "Failed", exit_code=1)], T0)
+    assert late.status["phase"] == "Succeeded" and late.status["trainer"]["failures"] == 0
