@@ -26,6 +26,7 @@ LABEL_FLEET = f"{GROUP}/fleet"
 LABEL_SLOT = f"{GROUP}/slot"
 LABEL_RUN = f"{GROUP}/run"
 LABEL_CLIENT = f"{GROUP}/client"
+LABEL_TRAINER_NODE = f"{GROUP}/trainer-node"  # a trainer pod's node rank (0 for a trainer of one node)
 
 ANN_RESTARTS = f"{GROUP}/restarts"
 
@@ -49,6 +50,10 @@ POD_USER_ID = 1000
 UPDATE_GROUP_PORT = 29600
 UPDATE_GROUP_PORT_NAME = "update-group"
 COLLECTIVE_PORTS = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+# A trainer group (spec.trainer.nodes > 1): every pod's rank launcher meets pod 0's (its TCP store, on pod
+# 0's IP) on this port (containerPort `rendezvous`); the ranks' gloo/NCCL pairs use the ephemeral range.
+TRAINER_RENDEZVOUS_PORT = 29500
+TRAINER_RENDEZVOUS_PORT_NAME = "rendezvous"
 
 def engine_pod_name(fleet_name: str, slot: int) -> str:
     return f"{fleet_name}-engine-{slot}"
@@ -66,8 +71,14 @@ def eval_fleet_name(run_name: str) -> str:
     return f"{run_name}-eval"
 
 
-def trainer_pod_name(run_name: str) -> str:
-    return f"{run_name}-trainer"
+def trainer_pod_name(run_name: str, node: int | None = None) -> str:
+    """`<run>-trainer` (a trainer of one node), or `<run>-trainer-<node>` (a pod of a trainer group)."""
+    return f"{run_name}-trainer" if node is None else f"{run_name}-trainer-{node}"
+
+
+def trainer_pod_names(run_name: str, nodes: int) -> list[str]:
+    """The trainer's pods, by node: one `<run>-trainer`, or `<run>-trainer-0` .. `<run>-trainer-<nodes-1>`."""
+    return [trainer_pod_name(run_name)] if nodes == 1 else [trainer_pod_name(run_name, i) for i in range(nodes)]
 
 
 def engine_labels(fleet_name: str, slot: int | None = None) -> dict[str, str]:

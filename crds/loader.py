@@ -300,4 +300,8 @@ def local_run_errors(run: TrainingRun) -> list[FieldError]:
     tracking = run.spec.tracking
     if tracking is not None and tracking.wandb is not None and tracking.wandb.api_key is not None:
         errors.append(FieldError("spec.tracking.wandb.apiKey", LOCAL_WANDB_API_KEY_MESSAGE, "local"))
+    if trainer.nodes > 1:
+        errors.append(FieldError("spec.trainer.nodes", f"{trainer.nodes}: a local run trains on this one machine; "
+                                 "a trainer across nodes is a group of trainer pods on Kubernetes: set 1 (the ranks "
+                                 "are tensorParallelSize x pipelineParallelSize x dataParallelSize)", "local"))
     return errors

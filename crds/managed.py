@@ -107,6 +107,7 @@ class ReservedEnv:
     SLOT = "RLFLEET_SLOT"
     TRAINING_RUN = "RLFLEET_TRAINING_RUN"
     SNAPSHOT_DIR = "RLFLEET_SNAPSHOT_DIR"
+    TRAINER_NODE = "RLFLEET_TRAINER_NODE"  # a trainer group's pod: its node rank (0 .. nodes-1)
     API_KEY = API_KEY_ENV  # the fleet's key, from its Secret
 
 

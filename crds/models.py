@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field
 
 from rlfleet.crds import API_VERSION, GROUP, VERSION
 from rlfleet.crds import k8s_values as kv
-from rlfleet.crds.conventions import UPDATE_GROUP_PORT
+from rlfleet.crds.conventions import TRAINER_RENDEZVOUS_PORT, UPDATE_GROUP_PORT
 from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
 from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
 from rlfleet.crds.rules import Rule, immutable
@@ -62,7 +62,13 @@ class TrainerSpec(ApiModel):
         1, ge=0, le=1024,
         description="GPUs of each trainer node, one rank per GPU; 0 trains on CPU (one process per rank, gloo).",
     )
-    nodes: int = Field(1, ge=1, le=1024, description="Nodes the trainer's ranks span (one trainer pod per node).")
+    nodes: int = Field(
+        1, ge=1, le=1024,
+        description="Nodes the trainer's ranks span: 1 is one trainer pod `<run>-trainer`; more is a group of pods "
+        "`<run>-trainer-<i>` (one per node, i = 0 .. nodes-1) that rendezvous on pod 0, fail and restart as one. "
+        "Each pod runs gpus ranks (gpus x nodes = the world), or on CPU world / nodes (the world must be a "
+        "multiple of nodes). Immutable.",
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Megatron tensor-model parallelism.")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Megatron pipeline-model parallelism.")
     data_parallel_size: int = Field(
@@ -156,10 +162,16 @@ class TrainerSpec(ApiModel):
             f"({s.data_parallel_size})",
         ),
         Rule(
-            cel="self.nodes == 1",
-            check=lambda s: s.nodes == 1,
+            # With GPUs the rule above fixes a pod's ranks (gpus); on CPU a pod runs world / nodes ranks.
+            cel="self.gpus > 0 || (" + _WORLD_CEL + ") % self.nodes == 0",
+            check=lambda s: s.gpus > 0 or s.world_size % s.nodes == 0,
             field="nodes",
-            message="a trainer across several nodes is not supported yet: nodes must be 1",
+            message="on CPU (gpus: 0) every trainer pod runs the same number of ranks: tensorParallelSize x "
+            "pipelineParallelSize x dataParallelSize must be a multiple of nodes",
+            detail=lambda s: f"on CPU (gpus: 0) every trainer pod runs the same number of ranks: "
+            f"tensorParallelSize x pipelineParallelSize x dataParallelSize ({s.tensor_parallel_size} x "
+            f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}) must be a multiple of nodes "
+            f"({s.nodes})",
         ),
         NODE_SELECTOR_RULE,
         Rule(
@@ -169,12 +181,19 @@ class TrainerSpec(ApiModel):
             message=f"promptsPerStep x samplesPerPrompt must not exceed {MAX_SAMPLES_PER_STEP:,} samples per step",
         ),
         immutable("backend", "backend", "trainer backend"),
+        # The trainer group's pods are named and ranked by node: a run keeps its group's size.
+        immutable("nodes", "nodes", "trainer nodes"),
     )
 
     @property
     def world_size(self) -> int:
         """Ranks of the trainer: tensor x pipeline x data parallel."""
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks of each trainer pod: one per GPU, or on CPU an equal share of the world."""
+        return self.gpus if self.gpus > 0 else self.world_size // self.nodes
 
 
 class TrainingRunSpec(ApiModel):
@@ -228,6 +247,13 @@ class TrainingRunSpec(ApiModel):
             field="metricsPort",
             message=f"port {UPDATE_GROUP_PORT} is the trainer pod's update-group port in weight sync mode "
             "broadcast; choose another",
+        ),
+        Rule(
+            cel=f"self.trainer.nodes == 1 || self.metricsPort != {TRAINER_RENDEZVOUS_PORT}",
+            check=lambda s: s.trainer.nodes == 1 or s.metrics_port != TRAINER_RENDEZVOUS_PORT,
+            field="metricsPort",
+            message=f"port {TRAINER_RENDEZVOUS_PORT} is the trainer group's rendezvous port when "
+            "spec.trainer.nodes > 1; choose another",
         ),
         immutable("modelPath", "model_path"),
         Rule(

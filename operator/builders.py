@@ -39,10 +39,13 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     LABEL_NAME,
     LABEL_RUN,
     LABEL_SLOT,
+    LABEL_TRAINER_NODE,
     MANAGER,
     POD_USER_ID,
     ROUTER_METRICS_PORT,
     SNAPSHOT_VOLUME,
+    TRAINER_RENDEZVOUS_PORT,
+    TRAINER_RENDEZVOUS_PORT_NAME,
     TRAINER_SERVICE_ACCOUNT,
     UPDATE_GROUP_PORT,
     UPDATE_GROUP_PORT_NAME,
@@ -58,6 +61,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     router_network_policy_name,
     trainer_network_policy_name,
     trainer_pod_name,
+    trainer_pod_names,
     update_group_network_policy_name,
 )
 from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
@@ -512,35 +516,56 @@ def trainer_command(run: dict, *, resume: bool = False) -> list[str]:
 
 
 def _trainer_resources(spec: TrainingRunSpec) -> dict:
-    """The trainer's resources: one GPU per rank (`gpus` per node), or on CPU a core per rank unless
-    `resources.requests.cpu` says otherwise (the pod runs all of its ranks)."""
+    """A trainer pod's resources: one GPU per rank (`gpus` per node), or on CPU a core per rank of the
+    pod unless `resources.requests.cpu` says otherwise (the pod runs all of its ranks)."""
     trainer = spec.trainer
     resources = trainer.resources
-    if trainer.gpus == 0 and trainer.world_size > 1 and "cpu" not in resources.requests:
-        resources = resources.model_copy(update={"requests": {**resources.requests, "cpu": str(trainer.world_size)}})
+    local = trainer.ranks_per_node
+    if trainer.gpus == 0 and local > 1 and "cpu" not in resources.requests:
+        resources = resources.model_copy(update={"requests": {**resources.requests, "cpu": str(local)}})
     return _resources(resources, trainer.gpus)
 
 
-def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0) -> dict:
-    """The trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount).
+def build_trainer_pods(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0,
+                       nodes: Sequence[int] | None = None) -> list[dict]:
+    """The trainer's pods: one `<run>-trainer` (spec.trainer.nodes 1), or the group `<run>-trainer-<i>`,
+    one per node (`nodes`: only these node ranks; default all), all of incarnation `restarts`."""
+    spec = spec or run_spec(run)
+    count = spec.trainer.nodes
+    return [build_trainer_pod(run, spec, restarts=restarts, node=i) for i in (range(count) if nodes is None else nodes)]
+
+
+def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0, node: int = 0) -> dict:
+    """A trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount).
 
     `restarts`: its incarnation (0: the first pod; n: the n-th recreation after a failure, which
-    resumes from the newest complete checkpoint when the run writes checkpoints)."""
+    resumes from the newest complete checkpoint when the run writes checkpoints). `node`: its node rank
+    in a trainer group (spec.trainer.nodes > 1; in $RLFLEET_TRAINER_NODE); its ranks meet pod 0's on the
+    rendezvous port, and only pod 0 (rank 0: the orchestrator) serves the update group."""
     spec = spec or run_spec(run)
     name = run["metadata"]["name"]
     trainer = spec.trainer
+    if not 0 <= node < trainer.nodes:
+        raise ValueError(f"trainer node {node} is outside spec.trainer.nodes {trainer.nodes}")
+    group = trainer.nodes > 1
     mount_path = spec.weight_sync.mount_path
     env = _downward_env() + [api_key_env(rollout_fleet_name(name))] + _env({
         ReservedEnv.TRAINING_RUN: name,
         ReservedEnv.SNAPSHOT_DIR: mount_path,
+        **({ReservedEnv.TRAINER_NODE: str(node)} if group else {}),
     }) + _user_env({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}, trainer.env) + _wandb_api_key_env(spec)
+    ports = [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}]
+    if node == 0:
+        ports += _update_group_ports(spec)
+        if group:
+            ports.append({"name": TRAINER_RENDEZVOUS_PORT_NAME, "containerPort": TRAINER_RENDEZVOUS_PORT,
+                          "protocol": "TCP"})
     container = _secure({
         "name": "trainer",
         "image": trainer.image,
         "command": trainer_command(run, resume=restarts > 0 and spec.checkpoint is not None),
         "env": env,
-        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"},
-                  *_update_group_ports(spec)],
+        "ports": ports,
         "resources": _trainer_resources(spec),
         "volumeMounts": [{"name": SNAPSHOT_VOLUME, "mountPath": mount_path}],
         **_TERMINATION,
@@ -562,8 +587,12 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
         pod_spec["nodeSelector"] = dict(trainer.node_selector)
     if trainer.tolerations:
         pod_spec["tolerations"] = _tolerations(trainer.tolerations)
+    labels = run_labels(name, "trainer")
+    if group:
+        labels[LABEL_TRAINER_NODE] = str(node)
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _meta(trainer_pod_name(name), run, run_labels(name, "trainer"), {ANN_RESTARTS: str(restarts)}),
+            "metadata": _meta(trainer_pod_name(name, node if group else None), run, labels,
+                              {ANN_RESTARTS: str(restarts)}),
             "spec": pod_spec}
 
 
@@ -577,6 +606,14 @@ def _wandb_api_key_env(spec: TrainingRunSpec) -> list[dict]:
     if wandb is None or wandb.api_key is None:
         return []
     return [{"name": WANDB_API_KEY_ENV, "valueFrom": {"secretKeyRef": wire_dump(wandb.api_key.secret_key_ref)}}]
+
+
+def trainer_pod_node(pod: dict) -> int:
+    """A trainer pod's node rank (its label; a trainer of one node has none: 0)."""
+    try:
+        return int(((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_TRAINER_NODE, "0"))
+    except ValueError:
+        return -1
 
 
 def _update_group_ports(spec: TrainingRunSpec) -> list[dict]:
@@ -594,20 +631,23 @@ def update_group_network_policy_labels(run_name: str) -> dict[str, str]:
     return {**run_labels(run_name, UPDATE_GROUP_NETWORK_POLICY_COMPONENT)}
 
 
-def build_update_group_network_policies(run: dict, spec: TrainingRunSpec | None = None) -> list[dict]:
-    """The NetworkPolicies of a broadcast run's update group (none in disk mode), owned by the run.
+def build_trainer_network_policies(run: dict, spec: TrainingRunSpec | None = None) -> list[dict]:
+    """The NetworkPolicies of the trainer's pods, owned by the run: none for a trainer of one pod in
+    disk mode (nothing connects to it but metrics scrapes).
 
-    The group is the trainer pod (rank 0: its TCP store on the update-group port, on its pod IP) and
-    every rollout engine. Engines connect to that port; the collective's own connections (gloo pairs,
-    NCCL sockets) go either way between any two members, on ports the kernel picks from its ephemeral
-    range. So:
-    - `<run>-trainer` selects the trainer pod: the run's rollout engines may reach the update-group port
-      and the ephemeral range; the metrics port stays open as it is without a policy; nothing else;
-    - `<run>-update-group` selects the rollout engines: they may reach each other on the ephemeral range
-      (their fleet's `<fleet>-engines` policy already admits the trainer on every port).
+    - `<run>-trainer` selects the trainer's pods and admits: the run's rollout engines to the update-group
+      port and the ephemeral range (broadcast: pod 0's rank 0 is rank 0 of the update group; its TCP
+      store is on that port, the collective's own connections, gloo pairs or NCCL sockets, go either way
+      on ports the kernel picks); the trainer's own pods to the rendezvous port and the ephemeral range (a
+      trainer group, spec.trainer.nodes > 1: every launcher meets pod 0's store, every rank pairs with
+      every other over gloo/NCCL); anyone to the metrics port, as without a policy; nothing else;
+    - `<run>-update-group` (broadcast) selects the rollout engines: they may reach each other on the
+      ephemeral range (their fleet's `<fleet>-engines` policy already admits the trainer on every port).
     """
     spec = spec or run_spec(run)
-    if spec.weight_sync.mode != "broadcast":
+    broadcast = spec.weight_sync.mode == "broadcast"
+    group = spec.trainer.nodes > 1
+    if not broadcast and not group:
         return []
     name = run["metadata"]["name"]
     engines = {"podSelector": {"matchLabels": {LABEL_COMPONENT: "engine", LABEL_FLEET: rollout_fleet_name(name)}}}
@@ -620,14 +660,18 @@ def build_update_group_network_policies(run: dict, spec: TrainingRunSpec | None 
                 "spec": {"podSelector": selected, "policyTypes": ["Ingress"], "ingress": ingress}}
 
     trainer = {"matchLabels": {LABEL_COMPONENT: "trainer", LABEL_RUN: name}}
-    return [
-        policy(trainer_network_policy_name(name), trainer, [
-            {"from": [engines], "ports": [{"port": UPDATE_GROUP_PORT, "protocol": "TCP"}, collective]},
-            {"ports": [{"port": spec.metrics_port, "protocol": "TCP"}]},
-        ]),
-        policy(update_group_network_policy_name(name), engines["podSelector"],
-               [{"from": [engines], "ports": [collective]}]),
-    ]
+    ingress: list[dict] = []
+    if broadcast:
+        ingress.append({"from": [engines], "ports": [{"port": UPDATE_GROUP_PORT, "protocol": "TCP"}, collective]})
+    if group:
+        ingress.append({"from": [{"podSelector": trainer}],
+                        "ports": [{"port": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"}, collective]})
+    ingress.append({"ports": [{"port": spec.metrics_port, "protocol": "TCP"}]})
+    policies = [policy(trainer_network_policy_name(name), trainer, ingress)]
+    if broadcast:
+        policies.append(policy(update_group_network_policy_name(name), engines["podSelector"],
+                               [{"from": [engines], "ports": [collective]}]))
+    return policies
 
 
 # The trainer's account ---------------------------------------------------------------------------------

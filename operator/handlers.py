@@ -304,9 +304,12 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
         key, uid = (ns, name), run["metadata"]["uid"]
         # A fleet with this runName, a pod labelled as this run's trainer: the run's only when it owns them.
         foreign: list[tuple[str, dict]] = []
+        trainers, foreign_trainers = partition(_all(trainer_pods, key), uid)  # one pod, or a group's
+        foreign.extend(("Pod", o) for o in foreign_trainers)
         children = RunChildren(rollout=_owned_one(rollout_fleets, key, uid, "RolloutFleet", foreign),
                                eval=_owned_one(eval_fleets, key, uid, "EvalFleet", foreign),
-                               trainer=_owned_one(trainer_pods, key, uid, "Pod", foreign),
+                               trainer=next((p for p in trainers if b.trainer_pod_node(p) == 0), None),
+                               trainer_group=trainers,
                                pvc=_owned_one(snapshot_claims, key, uid, "PersistentVolumeClaim", foreign))
         policies, foreign_policies = partition(_all(update_group_policies, key), uid)
         children.update_group_policies = policies

@@ -318,7 +318,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     previous = old.get("conditions")
     first = rejections.carry(plan.status, previous, generation)
     await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
-    for pod_name, uid in plan.delete:  # a failed trainer pod, after its failure is in the status
+    for pod_name, uid in plan.delete:  # a failed trainer group's pods, after its failure is in the status
         await kube.delete(PODS, pod_name, meta["namespace"], uid=uid)
     refused: list[Rejection] = []
     await _create_api_keys(kube, run, plan.create, refused)

@@ -46,10 +46,14 @@ OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "rea
 class RunChildren:
     rollout: dict | None = None
     eval: dict | None = None
-    trainer: dict | None = None
+    trainer: dict | None = None  # the trainer pod; of a trainer group, pod 0 (rank 0 runs the run)
     pvc: dict | None = None
     # The run's update-group NetworkPolicies (`update_group_decide`; decide_run does not read them).
     update_group_policies: list[dict] = field(default_factory=list)
+    trainer_group: list[dict] = field(default_factory=list)  # every trainer pod of a group, pod 0 included
+
+    def trainer_pods(self) -> list[dict]:
+        return self.trainer_group or ([self.trainer] if self.trainer is not None else [])
 
 
 @dataclass
@@ -58,7 +62,7 @@ class RunPlan:
     create: list[dict] = field(default_factory=list)
     patch_fleet_specs: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, name, spec)
     events: list[Event] = field(default_factory=list)
-    delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of pods: a failed trainer's
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of pods: a failed trainer group's
     requeue_after: float | None = None  # reconcile again then (a trainer's backoff ends)
 
 
@@ -115,9 +119,9 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     # has not failed; otherwise the run fails as before.
     trainer_plan = None
     if phase not in TERMINAL and not adopted[0] and not is_true(fleet_conditions, "Failed") and not rejected:
-        trainer_plan = decide_trainer(pod=children.trainer, phase=phase, old=old.get("trainer"),
-                                      max_restarts=spec.trainer.max_restarts,
-                                      pod_name=b.trainer_pod_name(meta["name"]), now=now)
+        trainer_plan = decide_trainer(pods=children.trainer_pods(), nodes=spec.trainer.nodes, phase=phase,
+                                      old=old.get("trainer"), max_restarts=spec.trainer.max_restarts,
+                                      pod_names=b.trainer_pod_names(meta["name"], spec.trainer.nodes), now=now)
     change = next_phase(phase, adopted=adopted, old_failed=old_failed, old_message=old.get("message") or "",
                         trainer=children.trainer, fleet_conditions=fleet_conditions, run_name=meta["name"],
                         trainer_plan=trainer_plan)
@@ -134,7 +138,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     )
     if trainer_plan is not None and change.phase not in TERMINAL:
         plan.events[:0] = trainer_plan.events
-        plan.delete = [trainer_plan.delete] if trainer_plan.delete else []
+        plan.delete = list(trainer_plan.delete)
         plan.requeue_after = trainer_plan.requeue_after
     return plan
 
@@ -154,7 +158,7 @@ def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, ph
     if eval_fleet is not None and children.eval is None:
         create.append(eval_fleet)
     if trainer_plan is not None and trainer_plan.create is not None and trainer_plan.give_up is None:
-        create.append(b.build_trainer_pod(run, spec, restarts=trainer_plan.create))
+        create.extend(b.build_trainer_pods(run, spec, restarts=trainer_plan.create, nodes=trainer_plan.create_nodes))
     return create
 
 

@@ -1,4 +1,9 @@
-"""Whether to recreate a run's trainer pod, and when. Pure: no I/O.
+"""Whether to recreate a run's trainer pod (or its group of pods), and when. Pure: no I/O.
+
+A trainer of several nodes is a group of pods `<run>-trainer-<i>` that fails and restarts as one
+(gang semantics): any pod of the group failing or vanishing while the run is Running is one failure of
+the trainer; the recreation deletes every pod of the group, then creates the whole group again, and
+counts one restart. Everything below says "the trainer pod"; for a group read "the group's pods".
 
 A trainer pod that failed, or vanished while the run was Running, is recreated within
 `spec.trainer.maxRestarts` after an exponential backoff (`rlfleet.policy.recovery.exponential_backoff`,
@@ -21,6 +26,7 @@ from rlfleet.crds import reasons
 from rlfleet.crds.status import FailureStatus, TrainerStatus
 from rlfleet.kube.conditions import iso, parse_time
 from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, view_pod
+from rlfleet.operator.builders import trainer_pod_node
 from rlfleet.operator.fleet_decide import Event
 from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.util.redact import redact
@@ -38,11 +44,12 @@ class TrainerFailure:
 
 @dataclass
 class TrainerPlan:
-    """What to do with the trainer pod in this reconcile."""
+    """What to do with the trainer pods in this reconcile."""
 
     status: TrainerStatus
-    create: int | None = None  # create the trainer pod, this incarnation (its restarts annotation)
-    delete: tuple[str, str] | None = None  # (name, uid) of the failed pod, deleted to free its name
+    create: int | None = None  # create trainer pods, this incarnation (their restarts annotation) ...
+    create_nodes: list[int] = field(default_factory=list)  # ... for these node ranks
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of the failed group's pods
     give_up: TrainerFailure | None = None  # out of budget: the run fails with this
     restarting: str | None = None  # a recreation is pending: the run's message meanwhile
     events: list[Event] = field(default_factory=list)
@@ -62,8 +69,7 @@ def trainer_failure(pod: dict | None, *, phase: str, pod_name: str) -> TrainerFa
             else None
     if (pod.get("status") or {}).get("phase") != "Failed":
         return None
-    term: dict = next((s["state"]["terminated"] for s in (pod.get("status") or {}).get("containerStatuses") or []
-                 if (s.get("state") or {}).get("terminated")), {})
+    term = _terminated(pod)
     code = term.get("exitCode")
     text = f" with exit code {code}" if code is not None else ""
     log_lines = redact(term.get("message") or (pod.get("status") or {}).get("message") or "")
@@ -71,30 +77,79 @@ def trainer_failure(pod: dict | None, *, phase: str, pod_name: str) -> TrainerFa
                           code)
 
 
-def decide_trainer(*, pod: dict | None, phase: str, old: dict | None, max_restarts: int, pod_name: str,
-                   now: float) -> TrainerPlan:
-    """One reconcile of the trainer pod of a run that is neither terminal nor failed for another reason.
+def _terminated(pod: dict) -> dict:
+    return next((s["state"]["terminated"] for s in (pod.get("status") or {}).get("containerStatuses") or []
+                 if (s.get("state") or {}).get("terminated")), {})
 
-    `old`: the run's `status.trainer` as read. Creates the first pod while Pending, records a new
-    failure once, recreates after the backoff within `max_restarts`, or gives up.
+
+def pods_by_node(pods: list[dict], nodes: int) -> dict[int, dict]:
+    """The trainer's pods by node rank (0 .. nodes-1); pods of other ranks are not the group's."""
+    by_node: dict[int, dict] = {}
+    for pod in pods:
+        node = trainer_pod_node(pod)
+        if 0 <= node < nodes:
+            by_node[node] = pod
+    return by_node
+
+
+def group_failure(by_node: dict[int, dict], *, nodes: int, phase: str, pod_names: list[str]) -> TrainerFailure | None:
+    """The group's failure: the first of its pods to fail (pod 0 last among equals: its rank 0 fails
+    because a peer did), else one missing while the run is Running; None while all run or start."""
+    failed = [(node, pod) for node, pod in by_node.items() if (pod.get("status") or {}).get("phase") == "Failed"]
+    if failed:
+        node, pod = min(failed, key=lambda np: (str(_terminated(np[1]).get("finishedAt") or ""), np[0] == 0, np[0]))
+        failure = trainer_failure(pod, phase=phase, pod_name=pod_names[node])
+        assert failure is not None
+        if nodes == 1:
+            return failure
+        return TrainerFailure(failure.reason, f"{failure.message.rstrip()}\n(the trainer group of {nodes} pods fails "
+                                              "as one)", failure.exit_code)
+    missing = [pod_names[n] for n in range(nodes) if n not in by_node]
+    if missing and phase == "Running":
+        if nodes == 1:
+            return trainer_failure(None, phase=phase, pod_name=missing[0])
+        return TrainerFailure(reasons.TRAINER_LOST, f"trainer pod(s) {', '.join(missing)} of the group of {nodes} "
+                                                    "disappeared (the group fails as one)")
+    return None
+
+
+def complete_incarnation(by_node: dict[int, dict], nodes: int) -> int | None:
+    """The incarnation of the group when every node has its pod and all are of one incarnation."""
+    if len(by_node) != nodes:
+        return None
+    incarnations = {view_pod(pod).restarts for pod in by_node.values()}
+    return incarnations.pop() if len(incarnations) == 1 else None
+
+
+def decide_trainer(*, pods: list[dict], nodes: int, phase: str, old: dict | None, max_restarts: int,
+                   pod_names: list[str], now: float) -> TrainerPlan:
+    """One reconcile of the trainer pods of a run that is neither terminal nor failed for another reason.
+
+    `pods`: the trainer pods the run owns; `pod_names`: their names by node rank; `old`: the run's
+    `status.trainer` as read. Creates the first pods while Pending, records a new failure once,
+    recreates the whole group after the backoff within `max_restarts`, or gives up.
     """
     prev = TrainerStatus.model_validate(old or {})
-    view = view_pod(pod) if pod is not None else None
-    incarnation = view.restarts if view is not None else 0
-    restarts = max(prev.restarts, incarnation)
+    by_node = pods_by_node(pods, nodes)
+    incarnation = complete_incarnation(by_node, nodes)
+    restarts = max(prev.restarts, incarnation or 0)
     failures = max(prev.failures, restarts)
-    # ranks/ready are the trainer pod's own report: carried as read, never rewritten here.
+    # ranks/ready are the trainer's own report (rank 0: the whole group's): carried as read, never rewritten here.
     status = TrainerStatus(restarts=restarts, failures=failures, ranks=prev.ranks, ready=prev.ready)
     if prev.last_failure is not None:
         status.last_failure = prev.last_failure
     plan = TrainerPlan(status=status)
     pending = failures > restarts
+    what_pods = "the trainer pod" if nodes == 1 else f"the trainer group ({nodes} pods)"
 
+    if ((by_node.get(0) or {}).get("status") or {}).get("phase") == "Succeeded":
+        return plan  # rank 0 finished the run: whatever its followers do now is no failure of the trainer
     if not pending:
-        failure = trainer_failure(pod, phase=phase, pod_name=pod_name)
+        failure = group_failure(by_node, nodes=nodes, phase=phase, pod_names=pod_names)
         if failure is None:
-            if pod is None:  # the first pod (Pending), or one deleted before it ever ran: created again
-                plan.create = restarts
+            missing = [n for n in range(nodes) if n not in by_node]
+            if missing:  # the first pods (Pending), or ones deleted before the run ran: created again
+                plan.create, plan.create_nodes = restarts, missing
             return plan
         if restarts >= max_restarts:
             budget = (f"recreated {restarts} time(s), spec.trainer.maxRestarts {max_restarts}" if max_restarts
@@ -109,27 +164,30 @@ def decide_trainer(*, pod: dict | None, phase: str, old: dict | None, max_restar
         if failure.exit_code is not None:
             status.last_failure.exit_code = failure.exit_code
         plan.events.append(Event("Warning", reasons.TRAINER_DEAD,
-                                 f"{failure.message[-800:]}\nrecreating it in {backoff_s(restarts):g} s "
+                                 f"{failure.message[-800:]}\nrecreating {what_pods} in {backoff_s(restarts):g} s "
                                  f"(restart {restarts + 1} of {max_restarts})"))
 
-    # A recreation is pending: wait out the backoff, free the pod's name, create the next incarnation.
+    # A recreation is pending: wait out the backoff, delete every pod of the failed group (freeing their
+    # names), then create the next incarnation of the whole group.
     failed_at = parse_time(status.last_failure.time if status.last_failure else None)
     due = (failed_at if failed_at is not None else now) + backoff_s(restarts)
     what = status.last_failure.reason if status.last_failure else reasons.TRAINER_FAILED
+    stale = [view_pod(pod) for pod in by_node.values() if view_pod(pod).restarts <= restarts]
     if now < due:
-        plan.restarting = f"{what}: recreating the trainer pod in {due - now:.0f} s (restart {restarts + 1} of " \
+        plan.restarting = f"{what}: recreating {what_pods} in {due - now:.0f} s (restart {restarts + 1} of " \
                           f"{max_restarts})"
         plan.requeue_after = due - now
-    elif view is not None:
-        if not view.terminating:
-            plan.delete = (view.name, view.uid)
-        plan.restarting = f"{what}: deleting the failed trainer pod {view.name} before recreating it"
+    elif stale:
+        plan.delete = [(view.name, view.uid) for view in stale if not view.terminating]
+        names = ", ".join(view.name for view in stale)
+        plan.restarting = f"{what}: deleting the failed trainer pod(s) {names} before recreating {what_pods}"
         plan.requeue_after = 2.0
     else:
-        plan.create = restarts + 1
-        plan.restarting = f"{what}: recreating the trainer pod (restart {restarts + 1} of {max_restarts})"
+        plan.create, plan.create_nodes = restarts + 1, [n for n in range(nodes) if n not in by_node]
+        plan.restarting = f"{what}: recreating {what_pods} (restart {restarts + 1} of {max_restarts})"
         plan.events.append(Event("Normal", reasons.RECREATING_TRAINER,
-                                 f"creating {pod_name} again (restart {restarts + 1} of {max_restarts}); it resumes "
-                                 "from the newest complete checkpoint"))
+                                 f"creating {', '.join(pod_names[n] for n in plan.create_nodes)} again (restart "
+                                 f"{restarts + 1} of {max_restarts}); the trainer resumes from the newest complete "
+                                 "checkpoint"))
         plan.requeue_after = 2.0
     return plan

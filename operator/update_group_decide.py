@@ -1,9 +1,10 @@
 """What one reconcile of a TrainingRun does to its update group's NetworkPolicies. Pure: no I/O.
 
-A broadcast run owns `<run>-trainer` and `<run>-update-group` (`builders.build_update_group_network_policies`).
-They converge like a fleet's own policies: each one wanted exists with exactly the builder's spec (a
-manual edit or deletion is undone), and any other of the run's is deleted once it is no longer wanted
-(the operator's `networkPolicy` switched off, or the run no longer in broadcast mode).
+A broadcast run or a trainer group owns `<run>-trainer` (and, broadcasting, `<run>-update-group`):
+`builders.build_trainer_network_policies`. They converge like a fleet's own policies: each one wanted
+exists with exactly the builder's spec (a manual edit or deletion is undone), and any other of the run's
+is deleted once it is no longer wanted (the operator's `networkPolicy` switched off, or the run neither
+broadcasting nor a trainer group).
 """
 from __future__ import annotations
 
@@ -39,10 +40,11 @@ def decide_update_group_policies(run: dict, current: Sequence[dict], *, enabled:
     if enabled:
         try:
             spec = b.run_spec(run)
-            wanted = b.build_update_group_network_policies(run, spec)
+            wanted = b.build_trainer_network_policies(run, spec)
         except (ValidationError, ValueError):
             return []
-        gone = f"the run does not want it (weightSync.mode: {spec.weight_sync.mode})"
+        gone = (f"the run does not want it (weightSync.mode: {spec.weight_sync.mode}, "
+                f"trainer.nodes: {spec.trainer.nodes})")
     else:
         wanted, gone = [], "the operator's network policy is switched off"
     observed = {p["metadata"]["name"]: p for p in current}
@@ -69,5 +71,5 @@ def _admits(name: str, run: dict) -> str:
     run_name = run["metadata"]["name"]
     fleet = b.rollout_fleet_name(run_name)
     if name == b.trainer_network_policy_name(run_name):
-        return f"the trainer of run {run_name} admits only the engines of {fleet} on the update group's ports"
+        return f"the trainer of run {run_name} admits only the engines of {fleet} and its own pods on its ports"
     return f"the engines of {fleet} admit each other on the update group's ports"

@@ -56,15 +56,18 @@ class ParallelLayout:
 
 
 def check_layout(layout: ParallelLayout, backend: str, arch: Architecture | None = None,
-                 device: str = "cpu", devices_available: int | None = None) -> None:
-    """Raise ValueError naming the field and the numbers when `layout` cannot run `arch` on `backend`."""
-    problems = layout_problems(layout, backend, arch, device, devices_available)
+                 device: str = "cpu", devices_available: int | None = None, local_ranks: int | None = None) -> None:
+    """Raise ValueError naming the field and the numbers when `layout` cannot run `arch` on `backend`.
+
+    `local_ranks`: the ranks on this machine (a node of a trainer group); default the whole world."""
+    problems = layout_problems(layout, backend, arch, device, devices_available, local_ranks)
     if problems:
         raise ValueError("; ".join(problems))
 
 
 def layout_problems(layout: ParallelLayout, backend: str, arch: Architecture | None = None,
-                    device: str = "cpu", devices_available: int | None = None) -> list[str]:
+                    device: str = "cpu", devices_available: int | None = None,
+                    local_ranks: int | None = None) -> list[str]:
     problems: list[str] = []
     if backend != "megatron" and (layout.tensor > 1 or layout.pipeline > 1):
         problems.append(f"spec.trainer.tensorParallelSize {layout.tensor} x pipelineParallelSize "
@@ -72,9 +75,11 @@ def layout_problems(layout: ParallelLayout, backend: str, arch: Architecture | N
     if layout.pipeline > 1 and device.startswith("cuda"):
         problems.append(f"spec.trainer.pipelineParallelSize {layout.pipeline}: pipeline parallelism runs on CPU "
                         "(gpus: 0) only so far; on GPUs use tensorParallelSize and dataParallelSize")
-    if device.startswith("cuda") and devices_available is not None and layout.world > devices_available:
+    here = layout.world if local_ranks is None else local_ranks
+    if device.startswith("cuda") and devices_available is not None and here > devices_available:
+        where = "" if here == layout.world else f", {here} on this node (spec.trainer.gpus)"
         problems.append(f"the trainer is {layout.world} ranks (tensorParallelSize {layout.tensor} x "
-                        f"pipelineParallelSize {layout.pipeline} x dataParallelSize {layout.data}) but only "
+                        f"pipelineParallelSize {layout.pipeline} x dataParallelSize {layout.data}{where}) but only "
                         f"{devices_available} GPUs are visible: one rank per GPU")
     if arch is None:
         return problems

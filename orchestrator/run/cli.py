@@ -167,8 +167,11 @@ def _validate_run(obj: dict):
 
 
 def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
-    """A trainer pod of several ranks: check the layout against the model, then launch them here; rank 0
-    runs `rlfleet run --kubernetes`. A failure rank 0 did not write itself is written on the run."""
+    """A trainer pod of several ranks: check the layout against the model, find the pod's place in its
+    trainer group (spec.trainer.nodes > 1), then launch its ranks here; rank 0 runs `rlfleet run
+    --kubernetes`. A setup failure is written on the run (restarting would not help); a rank's death
+    fails this pod (exit 1, the rank's last log lines on stderr: the pod's termination message) and the
+    operator replaces the group within spec.trainer.maxRestarts."""
     from rlfleet.errors import RunError
     from rlfleet.orchestrator.run.loop import resolve_model_dir
     from rlfleet.orchestrator.run.ranks import check_before_launch, launch_run
@@ -179,6 +182,9 @@ def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
     def record(error: RunError) -> None:
         message = getattr(error, "message", None) or str(error)
         asyncio.run(_record_rank_failure(args, error.reason, message, world))
+
+    def ranks_stopped(_: RunError) -> None:
+        asyncio.run(_record_ranks_stopped(args, world))
 
     run_dir = args.run_dir or Path(tempfile.gettempdir()) / "rlfleet" / run.metadata.name
     try:
@@ -193,7 +199,40 @@ def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
         record(failure)
         print(f"rlfleet run: FAILED ({failure.reason}): {failure.message}", file=sys.stderr)
         return 1
-    return launch_run(run, argv, model_dir, run_dir, on_failure=record)
+    place = None
+    if run.spec.trainer.nodes > 1:
+        try:
+            place = asyncio.run(_find_group_place(args, run))
+        except (ValueError, TimeoutError, OSError) as exc:  # the pod fails; the operator replaces the group
+            print(f"rlfleet run: FAILED (TrainerGroupUnreachable): {exc}", file=sys.stderr)
+            return 1
+    return launch_run(run, argv, model_dir, run_dir, on_failure=ranks_stopped, place=place)
+
+
+async def _find_group_place(args, run: TrainingRun):
+    from rlfleet.kube.client import KubeClient
+    from rlfleet.orchestrator.run.trainer_group import find_place
+
+    assert run.metadata.name is not None
+    async with await KubeClient.load(args.kubeconfig) as kube:
+        return await find_place(kube, args.namespace, run.metadata.name, run.spec.trainer.nodes,
+                                timeout_s=GROUP_LEADER_TIMEOUT_S)
+
+
+# Pod 0 of a trainer group may wait for a node, pull an image, or be replaced: its address comes within this.
+GROUP_LEADER_TIMEOUT_S = 600.0
+
+
+async def _record_ranks_stopped(args, world: int) -> None:
+    """status.trainer.ready 0: a rank died, so the group stopped as one (the operator replaces it)."""
+    from rlfleet.kube.client import ApiError, KubeClient
+    from rlfleet.orchestrator.fleet.k8s_backend import report_run_progress
+
+    try:
+        async with await KubeClient.load(args.kubeconfig) as kube, asyncio.timeout(30):
+            await report_run_progress(kube, args.namespace, args.training_run, trainer={"ranks": world, "ready": 0})
+    except (ApiError, OSError, TimeoutError) as exc:
+        print(f"rlfleet run: could not record the stopped ranks on the run: {exc}", file=sys.stderr)
 
 
 async def _record_rank_failure(args, reason: str, message: str, world: int) -> None:

@@ -13,8 +13,11 @@ rank gets SIGKILL when its parent dies), and rank 0 its engines and router. A ra
 group: the run fails with `TrainerRankFailed`, naming the rank, its exit code and its last log lines.
 
 In a trainer pod (`rlfleet run --kubernetes`) the same: the pod's process launches the ranks, rank 0
-runs `rlfleet run --kubernetes` (the fleets through the API server), and a rank's death that rank 0
-did not report itself is written on the run by `on_failure` (its `status.orchestratorFailure`).
+runs `rlfleet run --kubernetes` (the fleets through the API server); a rank's death that rank 0 did
+not report itself fails the pod (the operator replaces the trainer within spec.trainer.maxRestarts).
+A trainer group (spec.trainer.nodes > 1) has one launcher per pod: each starts its pod's ranks
+(`place`: its node rank and pod 0's address; see orchestrator/run/trainer_group.py) and rank 0, in
+pod 0, runs the run.
 """
 from __future__ import annotations
 
@@ -22,11 +25,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.crds.models import TrainingRun
 from rlfleet.errors import RunError
 from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer, device_of, layout_of
+
+if TYPE_CHECKING:
+    from rlfleet.orchestrator.run.trainer_group import GroupPlace
 
 
 def check_before_launch(run: TrainingRun, model_dir: Path) -> None:
@@ -42,25 +48,35 @@ def check_before_launch(run: TrainingRun, model_dir: Path) -> None:
         import torch
 
         available = torch.cuda.device_count()
-    check_layout(layout_of(spec), spec.trainer.backend, arch, device_of(spec), available)
+    check_layout(layout_of(spec), spec.trainer.backend, arch, device_of(spec), available,
+                 local_ranks=spec.trainer.ranks_per_node)
 
 
 def launch_run(run: TrainingRun, argv: list[str], model_dir: Path, run_dir: Path,
-               on_failure: Callable[[RunError], None] | None = None) -> int:
+               on_failure: Callable[[RunError], None] | None = None, place: GroupPlace | None = None) -> int:
     """Launch the run's ranks (this process is their agent); the exit status of the run.
 
     `on_failure(error)` is called when a rank failed the group and rank 0 did not fail the run itself.
+    `place`: this pod's node rank and pod 0's address in a trainer group; None: every rank here.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from rlfleet.trainer.launch import RankFailed, launch_ranks
+    from rlfleet.trainer.launch import NodePlan, RankFailed, launch_ranks
 
     world = layout_of(run.spec).world
-    print(f"rlfleet run: starting {world} trainer ranks; rank logs in {run_dir / 'trainer-ranks'}",
-          file=sys.stderr, flush=True)
+    group: dict[str, Any] = {} if place is None else dict(nodes=place.nodes, node_rank=place.node_rank,
+                                                           rendezvous=place.rendezvous)
+    if place is None:
+        print(f"rlfleet run: starting {world} trainer ranks; rank logs in {run_dir / 'trainer-ranks'}",
+              file=sys.stderr, flush=True)
+    else:
+        ranks = NodePlan(world, place.nodes, place.node_rank).ranks
+        print(f"rlfleet run: node {place.node_rank} of {place.nodes}: starting trainer ranks {ranks.start}-"
+              f"{ranks.stop - 1} of {world}, rendezvous on {place.rendezvous[0]}:{place.rendezvous[1]}; rank logs "
+              f"in {run_dir / 'trainer-ranks'}", file=sys.stderr, flush=True)
     try:
         launch_ranks(rank_main, (argv, str(model_dir), str(run_dir), run, os.getpid()), world=world,
-                     log_dir=run_dir / "trainer-ranks", run_id=run.metadata.name or "rlfleet", tee=True)
+                     log_dir=run_dir / "trainer-ranks", run_id=run.metadata.name or "rlfleet", tee=True, **group)
     except RankFailed as exc:
         if exc.rank == 0 and exc.exitcode > 0:
             return exc.exitcode  # the run itself failed: rank 0 has said why
@@ -94,7 +110,11 @@ def rank_main(argv: list[str], model_dir: str, run_dir: str, run: TrainingRun, l
 
 
 def follow_run(run: TrainingRun, model_dir: Path) -> None:
-    from rlfleet.trainer.ranks import follow
+    from rlfleet.trainer.ranks import follow, rank_env
 
     trainer: Any = build_rank_trainer(run.spec, model_dir)
-    follow(trainer)
+    rank, world, local = rank_env()
+    node = os.environ.get("GROUP_RANK", "0")
+    print(f"trainer rank {rank} of {world} (node {node}, local rank {local}): following rank 0", flush=True)
+    steps = follow(trainer)
+    print(f"trainer rank {rank} of {world} (node {node}, local rank {local}): stopped after step {steps}", flush=True)

@@ -45,8 +45,8 @@ def build_rank_trainer(spec: TrainingRunSpec, model_dir: Path) -> Trainer:
             raise ValueError(
                 f"spec.trainer asks for {layout.world} ranks (tensorParallelSize {layout.tensor} x "
                 f"pipelineParallelSize {layout.pipeline} x dataParallelSize {layout.data}) but this process was "
-                "not started as one of them: `rlfleet run FILE` starts the ranks itself; a trainer pod "
-                "(rlfleet run --kubernetes) runs one rank only for now"
+                "not started as one of them: `rlfleet run FILE` (and a trainer pod's `rlfleet run --kubernetes`) "
+                "starts the ranks itself"
             )
         kwargs["device"] = init_process_group(kwargs["device"])
     return build_trainer(spec.trainer.backend, model_dir, spec.trainer.learning_rate, **kwargs)

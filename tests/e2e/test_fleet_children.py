@@ -243,7 +243,7 @@ def test_a_broadcast_runs_update_group_policies_are_restored_and_follow_its_mode
                                                                                  broadcast_run):
     cp = control_plane
     pols = wait_update_group_policies(cp, operator)
-    built = {p["metadata"]["name"]: p for p in b.build_update_group_network_policies(broadcast_run)}
+    built = {p["metadata"]["name"]: p for p in b.build_trainer_network_policies(broadcast_run)}
     for name, pol in pols.items():
         assert pol["metadata"]["ownerReferences"][0]["uid"] == broadcast_run["metadata"]["uid"]
         assert pol["spec"] == built[name]["spec"]  # as built: the operator never patches it for nothing

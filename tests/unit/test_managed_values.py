@@ -91,7 +91,9 @@ def test_every_variable_the_builders_set_is_reserved_or_a_default_the_user_repla
     fleet = {**b.build_rollout_fleet(run), "metadata": {"name": "r-rollout", "namespace": "ns", "uid": "f"}}
     pod = b.build_engine_pod(fleet, 0)
     trainer = b.build_trainer_pod(run)
-    names = {e["name"] for p in (pod, trainer)
+    group = {**run, "spec": {**run["spec"], "trainer": {"nodes": 2, "gpus": 0, "dataParallelSize": 2}}}
+    member = b.build_trainer_pod(group, node=1)  # a trainer group's pod also gets its node rank
+    names = {e["name"] for p in (pod, trainer, member)
              for c in p["spec"].get("initContainers", []) + p["spec"]["containers"] for e in c["env"]}
     defaults = set(BASE_ENV) | set(CPU_ENV) | {"PYTHONUNBUFFERED", "HF_HUB_OFFLINE"}
     assert names - defaults == set(RESERVED_ENV)

@@ -230,13 +230,13 @@ def admitted_range(policy: dict, labels: dict, port: int) -> bool:
 
 def test_a_disk_run_has_no_update_group_policies_nor_port():
     r = training_run("disk")
-    assert b.build_update_group_network_policies(r) == []
+    assert b.build_trainer_network_policies(r) == []
     assert [p["name"] for p in b.build_trainer_pod(r)["spec"]["containers"][0]["ports"]] == ["metrics"]
 
 
 def test_only_the_runs_engines_reach_the_trainers_update_group_and_each_other():
     r = training_run(metrics_port=9500)
-    trainer_policy, engines_policy = b.build_update_group_network_policies(r)
+    trainer_policy, engines_policy = b.build_trainer_network_policies(r)
     for policy in (trainer_policy, engines_policy):
         assert policy["metadata"]["ownerReferences"][0]["uid"] == "run-uid"
         assert policy["spec"]["policyTypes"] == ["Ingress"]
