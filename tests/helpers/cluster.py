@@ -181,3 +181,36 @@ def fleet_api_key(cp, fleet: str, namespace: str) -> str:
     secret = get_json(cp, "secret", api_key_secret_name(fleet), namespace=namespace)
     assert secret is not None, f"no Secret {api_key_secret_name(fleet)}"
     return base64.b64decode(secret["data"][API_KEY_SECRET_KEY]).decode()
+
+
+RLFLEET_KINDS = ("trainingruns.rlfleet.io", "rolloutfleets.rlfleet.io", "evalfleets.rlfleet.io")
+WORKLOAD_PODS = "app.kubernetes.io/component in (engine,router,trainer)"
+
+
+def clear_rlfleet_objects(cp, *, timeout: float = 120) -> None:
+    """Delete every TrainingRun, RolloutFleet and EvalFleet left in the cluster, and their pods.
+
+    Every node agent of the session registers the same node, so a pod a module left Pending is started
+    by the next module's agent: real engines of runs nobody watches, each ~1.6 GB. Their operator may be
+    gone (a chart uninstalled), so the objects lose their finalizers first; the garbage collector then
+    takes what they own, and pods a stopped agent can no longer confirm are removed at once.
+    """
+    for kind in RLFLEET_KINDS:
+        for obj in (get_json(cp, kind, "-A") or {}).get("items", []):
+            meta = obj["metadata"]
+            where = (kind, meta["name"], "-n", meta["namespace"])
+            if meta.get("finalizers"):
+                cp.kubectl("patch", *where, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+            cp.kubectl("delete", *where, "--wait=false", check=False)
+
+    def pods_left() -> list[str]:
+        items = (get_json(cp, "pods", "-A", "-l", WORKLOAD_PODS) or {}).get("items", [])
+        return [f"{p['metadata']['namespace']}/{p['metadata']['name']}" for p in items]
+
+    started = time.monotonic()
+    while (left := pods_left()) and time.monotonic() - started < timeout:
+        if time.monotonic() - started > 10:  # owners gone, but no agent left to confirm the pods' end
+            cp.kubectl("delete", "pods", "-A", "-l", WORKLOAD_PODS, "--grace-period=0", "--force", "--wait=false",
+                       check=False)
+        time.sleep(1)
+    assert not left, f"pods of rlfleet objects outlived their module: {left}"
