@@ -44,6 +44,15 @@ def listening_addresses(pid: int) -> set[str]:
     return {line.split()[3] for line in out.splitlines() if f"pid={pid}," in line}
 
 
+async def broadcast_and_check(broadcaster: Broadcaster, peer: subprocess.Popen, nbytes: int) -> None:
+    """Broadcast random bytes; the peer prints the sha256 of what it received."""
+    payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    broadcaster.buffer.copy_(payload)
+    await broadcaster.broadcast(0, nbytes, timeout_s=60)
+    out, _ = await asyncio.to_thread(peer.communicate, timeout=60)
+    assert out.split()[-1] == hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+
+
 async def test_bytes_arrive_intact_at_an_sglang_style_peer():
     nbytes = 3 * 1024**2 + 5
     port = free_port()
@@ -53,11 +62,7 @@ async def test_bytes_arrive_intact_at_an_sglang_style_peer():
     try:
         await broadcaster.join(address="127.0.0.1", port=port, world_size=2, group_name="test-group", backend="gloo",
                                timeout_s=120)
-        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        broadcaster.buffer.copy_(payload)
-        await broadcaster.broadcast(0, nbytes, timeout_s=60)
-        out, _ = await asyncio.to_thread(peer.communicate, timeout=60)
-        assert out.split()[-1] == hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+        await broadcast_and_check(broadcaster, peer, nbytes)
     finally:
         await broadcaster.close()
         if peer.poll() is None:
@@ -79,11 +84,7 @@ async def test_rank_zero_listens_on_exactly_its_address_store_and_gloo():
         assert f"{address}:{port}" in listening  # the store, on the update group's port
         assert len(listening) >= 2, listening  # and gloo's own listener, on a port the kernel picked
         assert {a.rsplit(":", 1)[0] for a in listening} == {address}, listening
-        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        broadcaster.buffer.copy_(payload)
-        await broadcaster.broadcast(0, nbytes, timeout_s=60)
-        out, _ = await asyncio.to_thread(peer.communicate, timeout=60)
-        assert out.split()[-1] == hashlib.sha256(payload.numpy().tobytes()).hexdigest()
+        await broadcast_and_check(broadcaster, peer, nbytes)
     finally:
         await broadcaster.close()
         if peer.poll() is None:

@@ -32,16 +32,21 @@ def test_flatten_spec():
         "eval.tags": "[]"}
 
 
+async def write_three_steps_and_an_eval(sink: TrackerSink) -> None:
+    """Steps 1..3 and an eval point that settled after step 3, through `sink`; all written, none dropped."""
+    sink.start()
+    for step in (1, 2, 3):
+        sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
+    sink.submit(0, {"eval/rotate": 0.125})
+    await sink.close()
+    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
+
+
 async def test_tensorboard_series_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sink = TrackerSink(TensorBoardTracker(tmp_path / "run"), {"trainer.steps": "3"})
-    sink.start()
-    for step in (1, 2, 3):
-        sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
-    sink.submit(0, {"eval/rotate": 0.125})  # an eval point that settled after step 3
-    await sink.close()
-    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
+    await write_three_steps_and_an_eval(sink)
     acc = EventAccumulator(str(tmp_path / "run"))
     acc.Reload()
     assert sorted(acc.Tags()["scalars"]) == ["time/train", "train/reward_mean"]
@@ -131,12 +136,7 @@ async def test_wandb_offline_run_read_back(tmp_path):
 
     options = WandbOptions(project="p", run_name="quick", directory=tmp_path / "wb", mode="offline", timeout_s=30)
     sink = TrackerSink(WandbTracker(options), {"trainer.steps": "3"}, call_timeout_s=60)
-    sink.start()
-    for step in (1, 2, 3):
-        sink.submit(step, {"train/reward_mean": step / 4, "time/train": 0.5})
-    sink.submit(0, {"eval/rotate": 0.125})  # an eval point that settled after step 3
-    await sink.close()
-    assert sink.counts.written == 4 and sink.counts.dropped == 0 and sink.counts.failure is None
+    await write_three_steps_and_an_eval(sink)
     log = read_log(offline_log(tmp_path / "wb"))
     assert log.run["display_name"] == "quick" and log.run["project"] == "p" and log.exit_code == 0
     assert log.config["trainer.steps"] == "3"
