@@ -58,6 +58,8 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     collectives.sum_gradients = timed(spent, "grad_allreduce", collectives.sum_gradients)
     torch.Tensor.backward = timed(spent, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
     trainer._data_parallel_reduce = timed(spent, "plumbing", trainer._data_parallel_reduce)  # type: ignore[method-assign]
+    trainer._data_parallel_reduce_stats = timed(  # type: ignore[method-assign]
+        spent, "plumbing", trainer._data_parallel_reduce_stats)
     lead: Any = LeadingTrainer(trainer) if parallel.world > 1 else trainer
     if parallel.world > 1:
         lead._commands.send = timed(spent, "plumbing", lead._commands.send)

@@ -121,8 +121,13 @@ class Trainer(abc.ABC):
 
     # --- the interface the RL loop uses --------------------------------------------------------
 
-    def train_step(self, batch: Sequence[grpo.Sample]) -> dict[str, float]:
-        """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics."""
+    def train_step(self, batch: Sequence[grpo.Sample], *, step_tokens: int | None = None) -> dict[str, float]:
+        """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics.
+
+        `step_tokens`: the response tokens of the whole step over every data-parallel replica, when the
+        caller that split the batch knows them (it saves the replicas a collective before the forward
+        pass); None counts this rank's and sums them over the replicas.
+        """
         if not batch:
             raise ValueError("train_step needs at least one sample")
         started = time.perf_counter()
@@ -131,7 +136,10 @@ class Trainer(abc.ABC):
         collated = [grpo.collate(c, pad_id=self.pad_id, device=self.device) for c in chunks]
         # The loss is normalised by the step's tokens over every data-parallel replica, so the replicas'
         # summed gradients are the gradient of the whole batch.
-        (total_tokens,) = self._data_parallel_reduce([float(sum(c.num_tokens for c in collated))], "sum")
+        if step_tokens is None:
+            (total_tokens,) = self._data_parallel_reduce([float(sum(c.num_tokens for c in collated))], "sum")
+        else:
+            total_tokens = float(step_tokens)
         if total_tokens == 0:
             raise ValueError("batch has no response tokens")
         self._set_train(True)
@@ -154,10 +162,11 @@ class Trainer(abc.ABC):
                 elif key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
         keys = sorted(k for k in sums if k != "ratio_max")
-        loss_sum, *summed = self._data_parallel_reduce([loss_sum, *(sums[k] for k in keys)], "sum")
+        maxima = ["ratio_max"] if "ratio_max" in sums else []
+        (loss_sum, *summed), peaks = self._data_parallel_reduce_stats([loss_sum, *(sums[k] for k in keys)],
+                                                                      [sums[k] for k in maxima])
         sums.update(zip(keys, summed, strict=True))
-        if "ratio_max" in sums:
-            (sums["ratio_max"],) = self._data_parallel_reduce([sums["ratio_max"]], "max")
+        sums.update(zip(maxima, peaks, strict=True))
         if not math.isfinite(loss_sum):
             # Stepping on a non-finite loss would poison the weights; leave them as they were.
             self._zero_grad()
@@ -178,6 +187,11 @@ class Trainer(abc.ABC):
         """`values` summed ("sum") or maximised ("max") over the data-parallel replicas; a single
         replica returns them as they are. Backends that run data parallel override it."""
         return values
+
+    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        """`sums` summed and `maxima` maximised over the data-parallel replicas, in one collective; a
+        single replica returns them as they are. Backends that run data parallel override it."""
+        return sums, maxima
 
     def _reference_logprobs(self, input_ids: Any) -> Any:
         """Per-token log-probs of the initial weights (no grad), or None when the KL penalty is off."""

@@ -1,6 +1,7 @@
 """The collectives a multi-rank training step needs, over torch.distributed groups (gloo or NCCL).
 
-- `reduce_scalars`: step statistics summed (or maximised) over the data-parallel replicas;
+- `reduce_scalars`: values summed (or maximised) over the data-parallel replicas;
+- `reduce_stats`: a step's statistics, some summed and some maximised, in one collective;
 - `sum_gradients`: every replica's gradients summed, coalesced into one flat buffer per dtype (the loss
   is normalised by the whole step's tokens, so the sum is the gradient of the whole batch);
 - `clip_grad_norm`: torch's clip_grad_norm_ with the norm taken over every shard of the model
@@ -25,6 +26,23 @@ def reduce_scalars(values: list[float], op: str, group: Any) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=ops[op], group=group)
     return [float(v) for v in tensor.cpu().tolist()]
+
+
+def reduce_stats(sums: list[float], maxima: list[float], group: Any) -> tuple[list[float], list[float]]:
+    """`sums` summed and `maxima` maximised over `group` in one all-gather (a step's statistics, one
+    collective instead of one per operation); every rank reduces the gathered rows in the same order."""
+    import torch
+    import torch.distributed as dist
+
+    if not sums and not maxima:
+        return sums, maxima
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    mine = torch.tensor([*sums, *maxima], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows).cpu()
+    return ([float(v) for v in table[:, :len(sums)].sum(dim=0).tolist()],
+            [float(v) for v in table[:, len(sums):].amax(dim=0).tolist()])
 
 
 def sum_gradients(params: Iterable[Any], group: Any) -> None:

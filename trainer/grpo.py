@@ -289,6 +289,11 @@ def collate(samples: Sequence[Sample], *, pad_id: int, device: Any = "cpu") -> C
     )
 
 
+def response_tokens(samples: Sequence[Sample]) -> int:
+    """The tokens `collate` scores in `samples` (its response mask's sum), without collating them."""
+    return sum(len(s.response_ids) for s in samples)
+
+
 def token_logprobs(logits: Any, input_ids: Any, temperature: float = 1.0) -> Any:
     """log p(input_ids[:, t+1] | prefix) from logits [B, L, V]; result [B, L-1], float32."""
     import torch

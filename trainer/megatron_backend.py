@@ -336,6 +336,15 @@ class MegatronTrainer(Trainer):
 
         return reduce_scalars(values, op, parallel_state.get_data_parallel_group())
 
+    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        if self.layout.data == 1:
+            return sums, maxima
+        from megatron.core import parallel_state
+
+        from rlfleet.trainer.collectives import reduce_stats
+
+        return reduce_stats(sums, maxima, parallel_state.get_data_parallel_group())
+
     def _full_state(self) -> dict[str, Any]:
         """Every parameter whole, under the whole model's names: the tensor-parallel shards gathered (a
         collective of the TP group), then the pipeline stages (of the pipeline group)."""

@@ -89,7 +89,7 @@ def train_part(trainer: Trainer, batch: Sequence[grpo.Sample]) -> dict[str, floa
     layout: ParallelLayout = trainer.options.parallel
     rank, _, _ = rank_env()
     _, data_rank, _ = layout.coords(rank)
-    metrics = trainer.train_step(layout.data_shard(list(batch), data_rank))
+    metrics = trainer.train_step(layout.data_shard(list(batch), data_rank), step_tokens=grpo.response_tokens(batch))
     metrics["samples"] = float(len(batch))
     metrics["reward_mean"] = sum(s.reward for s in batch) / len(batch)
     return metrics

@@ -77,6 +77,13 @@ class TorchTrainer(Trainer):
 
         return reduce_scalars(values, op, None)
 
+    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        if self.layout.data == 1:
+            return sums, maxima
+        from rlfleet.trainer.collectives import reduce_stats
+
+        return reduce_stats(sums, maxima, None)
+
     def _set_train(self, training: bool) -> None:
         self.model.train(training)
 

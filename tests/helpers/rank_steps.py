@@ -56,7 +56,8 @@ def train_layouts(runs: list[tuple[str, tuple[int, int, int]]], model_dir: str, 
 
 def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, out_dir: str,
                 fail_rank: int | None = None) -> dict[str, Any] | None:
-    """`steps` GRPO steps on `layout` (tensor, pipeline, data); rank 0 returns losses, grad norms, snapshot."""
+    """`steps` GRPO steps on `layout` (tensor, pipeline, data); rank 0 returns losses, grad norms,
+    every step's statistics (its metrics but the time), snapshot."""
     import time
 
     from rlfleet.trainer.base import build_trainer
@@ -80,16 +81,17 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
         # Every step's batch is scored by the initial weights: from step 2 on the samples are off-policy,
         # so the loss (through the importance ratios) depends on the weights the earlier steps made.
         batches = [make_batch(lead, step) for step in range(steps)]
-        losses, norms = [], []
+        losses, norms, stats = [], [], []
         for batch in batches:
             metrics = lead.train_step(batch)
             losses.append(metrics["loss"])
             norms.append(metrics["grad_norm"])
+            stats.append({k: v for k, v in metrics.items() if k != "step_seconds"})
         snapshot = lead.export_hf(Path(out_dir) / f"step_{lead.step}", lead.step)
     finally:
         if parallel.world > 1:
             lead.close()
-    return {"losses": losses, "grad_norms": norms, "snapshot": str(snapshot),
+    return {"losses": losses, "grad_norms": norms, "stats": stats, "snapshot": str(snapshot),
             "seconds": time.perf_counter() - started}
 
 

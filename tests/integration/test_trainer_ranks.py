@@ -67,6 +67,12 @@ def test_every_step_matches_one_rank(run, single_rank, many_ranks):
     print(f"{layout_id(run)}: max |loss - one rank's| {loss_diff:.2e}, max |grad norm diff| {norm_diff:.2e}")
     assert len(set(round(x, 4) for x in reference["losses"])) > 1, "the loss does not depend on the weights"
     assert loss_diff < TOLERANCE and norm_diff < TOLERANCE
+    # Every statistic of the step line (token count, clip fraction, ratio maximum, ...) is the whole
+    # batch's, as one rank reports it: the replicas' parts are summed or maximised in one collective.
+    for step, (mine, theirs) in enumerate(zip(ours["stats"], reference["stats"], strict=True), start=1):
+        assert set(mine) == set(theirs), f"step {step}: statistics {sorted(set(mine) ^ set(theirs))}"
+        worst = {k: abs(mine[k] - theirs[k]) for k in mine if abs(mine[k] - theirs[k]) >= TOLERANCE}
+        assert not worst, f"step {step}: statistics differ from one rank's: {worst}"
 
 
 @pytest.mark.parametrize("run", LAYOUTS, ids=layout_id)

@@ -133,6 +133,8 @@ def test_collate_aligns_logprobs_with_the_logits_that_predict_them():
     assert c.old_logprobs.flatten().tolist() == pytest.approx([0, 0, -0.1, -0.2, -0.3, 0, 0, 0])
     assert c.advantages.tolist() == [1.0, -1.0]
     assert c.num_tokens == 3
+    # What a data-parallel step counts for the whole batch without collating it.
+    assert grpo.response_tokens([a, b]) == c.num_tokens == 3
 
 
 def test_token_logprobs_apply_the_sampling_temperature():
