@@ -40,7 +40,6 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     import torch
     from trainer_step import make_batch
 
-    from rlfleet.trainer import collectives
     from rlfleet.trainer.base import build_trainer
     from rlfleet.trainer.parallel import ParallelLayout
     from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
@@ -55,7 +54,7 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     spent: dict[str, float] = {}
     trainer._forward_logits = timed(spent, "forward", trainer._forward_logits)  # type: ignore[method-assign]
     trainer._optimizer_step = timed(spent, "optimizer", trainer._optimizer_step)  # type: ignore[method-assign]
-    collectives.sum_gradients = timed(spent, "grad_allreduce", collectives.sum_gradients)
+    trainer._reduce_gradients = timed(spent, "grad_allreduce", trainer._reduce_gradients)  # type: ignore[method-assign]
     torch.Tensor.backward = timed(spent, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
     trainer._data_parallel_reduce = timed(spent, "plumbing", trainer._data_parallel_reduce)  # type: ignore[method-assign]
     trainer._data_parallel_reduce_stats = timed(  # type: ignore[method-assign]
@@ -88,8 +87,8 @@ def summarise(result: dict[str, Any]) -> dict[str, float]:
     step = med("step")
     optimizer = med("optimizer")
     allreduce = med("grad_allreduce")
-    compute = med("forward") + med("backward") + optimizer - allreduce
-    return {"step": step, "forward": med("forward"), "backward": med("backward"), "optimizer": optimizer - allreduce,
+    compute = med("forward") + med("backward") + optimizer
+    return {"step": step, "forward": med("forward"), "backward": med("backward"), "optimizer": optimizer,
             "grad_allreduce": allreduce, "other": step - compute - allreduce, "plumbing": med("plumbing"),
             "tokens_per_s": result["tokens"] / step}
 

@@ -104,6 +104,11 @@ class Trainer(abc.ABC):
     def _optimizer_step(self) -> float:
         """Clip, step, and return the gradient norm before clipping."""
 
+    def _reduce_gradients(self) -> None:
+        """Sum the data-parallel replicas' gradients (the step's first collective after the forward
+        passes, so the replicas meet here). One replica, or a backend whose optimizer step reduces
+        them itself, does nothing."""
+
     @abc.abstractmethod
     def _set_train(self, training: bool) -> None: ...
 
@@ -161,6 +166,7 @@ class Trainer(abc.ABC):
                     sums[key] = max(sums.get(key, 0.0), value)
                 elif key != "tokens":
                     sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
+        self._reduce_gradients()
         keys = sorted(k for k in sums if k != "ratio_max")
         maxima = ["ratio_max"] if "ratio_max" in sums else []
         (loss_sum, *summed), peaks = self._data_parallel_reduce_stats([loss_sum, *(sums[k] for k in keys)],

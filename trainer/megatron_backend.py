@@ -447,15 +447,23 @@ class MegatronTrainer(Trainer):
         self.optimizer.step()
         return norm
 
+    def _reduce_gradients(self) -> None:
+        # On CUDA megatron's DDP reduces them in its optimizer step (finish_grad_sync).
+        if self._gpu is None and self.layout.data > 1:
+            from megatron.core import parallel_state
+
+            from rlfleet.trainer.collectives import sum_gradients
+
+            sum_gradients(list(self.gpt.parameters()), parallel_state.get_data_parallel_group())
+
     def _clip_across_ranks(self, max_norm: float) -> float:
-        """Sum the replicas' gradients, then clip by the norm over every tensor-parallel shard."""
+        """Clip by the norm over every tensor-parallel shard and pipeline stage (the replicas' gradients
+        are summed already)."""
         from megatron.core import parallel_state
 
-        from rlfleet.trainer.collectives import clip_grad_norm, sum_gradients
+        from rlfleet.trainer.collectives import clip_grad_norm
 
         params = list(self.gpt.parameters())
-        if self.layout.data > 1:
-            sum_gradients(params, parallel_state.get_data_parallel_group())
         tied_copy = None
         if self.pipe is not None and self.arch.tied_embeddings:
             # The first stage's embedding and the last stage's copy of it take the same (summed) gradient.

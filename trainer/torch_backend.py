@@ -62,13 +62,15 @@ class TorchTrainer(Trainer):
         import torch
 
         max_norm = self.options.max_grad_norm or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        return float(norm)
+
+    def _reduce_gradients(self) -> None:
         if self.layout.data > 1:
             from rlfleet.trainer.collectives import sum_gradients
 
             sum_gradients(self.model.parameters(), None)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        return float(norm)
 
     def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
         if self.layout.data == 1:
