@@ -2,10 +2,12 @@
 
 Each layout runs in real torch.distributed ranks (gloo) started by the project's rank launcher, on the
 tiny model, with the quickstart's batch shape. Per step, rank 0 splits its wall time into forward,
-backward, optimizer step (with the gradient all-reduce shown apart) and the rest: what the rank
-plumbing adds is the rest minus the rest of one rank (commands, sharding, statistics reductions), as a
-share of the step. The baseline is one rank measured in the same run; speed-up is step time of one
-rank / step time of N. On a 2-core machine expect little speed-up: N ranks share the same cores.
+backward, optimizer step, the gradient all-reduce and the rest. The rank plumbing (rank 0 handing the
+batch to the ranks, the statistics' reductions) is timed on every rank: its cost is what it adds to
+the step's critical path, from the last rank entering each call to the last rank leaving it, as a
+share of the step; the time rank 0 waits in those calls for ranks still computing is shown apart
+(imbalance). The baseline is one rank measured in the same run; speed-up is step time of one rank /
+step time of N. On a 2-core machine expect little speed-up: N ranks share the same cores.
 
     python benchmarks/bench_trainer_ranks.py [--backend megatron|torch] [--steps 10] [--prompts 16 --group 16]
     python benchmarks/bench_trainer_ranks.py --layouts 1,1,1 2,1,1 1,1,2 2,1,2    # tensor,pipeline,data
@@ -34,34 +36,52 @@ def timed(holder: dict[str, float], key: str, fn: Any) -> Any:
     return wrapper
 
 
+def marked(marks: dict[str, list[tuple[float, float]]], kind: str, fn: Any) -> Any:
+    """fn, each call's (enter, leave) appended to marks[kind] (the machine's one monotonic clock, so the
+    ranks' marks compare)."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            marks.setdefault(kind, []).append((started, time.perf_counter()))
+
+    return wrapper
+
+
+PLUMBING = ("command", "tokens", "stats")  # rank 0 handing out the batch; the statistics' reductions
+
+
 def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, prompts: int,
-               group: int) -> dict[str, Any] | None:
-    """Every rank: build, warm up, train `steps` steps; rank 0 returns its per-step split of the time."""
+               group: int) -> dict[str, Any]:
+    """Every rank: build, warm up, train `steps` steps. Every rank returns when it entered and left each
+    plumbing call; rank 0 also its per-step split of the time."""
     import torch
     from trainer_step import make_batch
 
+    from rlfleet.trainer import ranks
     from rlfleet.trainer.base import build_trainer
     from rlfleet.trainer.parallel import ParallelLayout
-    from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
 
     parallel = ParallelLayout(*layout)
     if parallel.world > 1:
-        init_process_group("cpu")
+        ranks.init_process_group("cpu")
     trainer = build_trainer(backend, model_dir, lr=1e-3, seed=0, parallel=parallel)
-    if rank_env()[0] != 0:
-        follow(trainer)
-        return None
+    marks: dict[str, list[tuple[float, float]]] = {}
+    ranks._Commands.send = marked(marks, "command", ranks._Commands.send)  # type: ignore[method-assign]
+    ranks._Commands.receive = marked(marks, "command", ranks._Commands.receive)  # type: ignore[method-assign]
+    trainer._data_parallel_reduce = marked(marks, "tokens", trainer._data_parallel_reduce)  # type: ignore[method-assign]
+    trainer._data_parallel_reduce_stats = marked(  # type: ignore[method-assign]
+        marks, "stats", trainer._data_parallel_reduce_stats)
+    if ranks.rank_env()[0] != 0:
+        ranks.follow(trainer)
+        return {"marks": marks}
     spent: dict[str, float] = {}
     trainer._forward_logits = timed(spent, "forward", trainer._forward_logits)  # type: ignore[method-assign]
     trainer._optimizer_step = timed(spent, "optimizer", trainer._optimizer_step)  # type: ignore[method-assign]
     trainer._reduce_gradients = timed(spent, "grad_allreduce", trainer._reduce_gradients)  # type: ignore[method-assign]
     torch.Tensor.backward = timed(spent, "backward", torch.Tensor.backward)  # type: ignore[method-assign]
-    trainer._data_parallel_reduce = timed(spent, "plumbing", trainer._data_parallel_reduce)  # type: ignore[method-assign]
-    trainer._data_parallel_reduce_stats = timed(  # type: ignore[method-assign]
-        spent, "plumbing", trainer._data_parallel_reduce_stats)
-    lead: Any = LeadingTrainer(trainer) if parallel.world > 1 else trainer
-    if parallel.world > 1:
-        lead._commands.send = timed(spent, "plumbing", lead._commands.send)
+    lead: Any = ranks.LeadingTrainer(trainer) if parallel.world > 1 else trainer
     batch = make_batch(prompts, group, 0)
     tokens = sum(len(s.response_ids) for s in batch)
     try:
@@ -71,15 +91,37 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
             spent.clear()
             started = time.perf_counter()
             lead.train_step(batch)
-            rows.append({"step": time.perf_counter() - started, **spent})
+            rows.append({"step": time.perf_counter() - started, "at": (started, time.perf_counter()), **spent})
     finally:
         if parallel.world > 1:
             lead.close()
-    return {"rows": rows, "tokens": tokens, "samples": len(batch)}
+    return {"rows": rows, "tokens": tokens, "samples": len(batch), "marks": marks}
 
 
-def summarise(result: dict[str, Any]) -> dict[str, float]:
+def plumbing_of(by_rank: dict[int, dict[str, Any]], window: tuple[float, float]) -> tuple[float, float]:
+    """(cost, waits) of the plumbing calls inside one step's window of rank 0's clock.
+
+    A call's cost is from the moment the last rank entered it to the moment the last rank left it (the
+    time it adds to the step's critical path: pickling, the transfer, unpickling); the waits are what
+    rank 0 spent in it before the last rank arrived (the other ranks still computing: imbalance, not
+    plumbing)."""
+    start, end = window
+    cost = waits = 0.0
+    for kind in PLUMBING:
+        ours = [i for i, (enter, _) in enumerate(by_rank[0]["marks"].get(kind, [])) if start <= enter <= end]
+        for i in ours:
+            calls = [r["marks"][kind][i] for r in by_rank.values()]
+            arrived = max(enter for enter, _ in calls)
+            cost += max(leave for _, leave in calls) - arrived
+            waits += max(0.0, arrived - by_rank[0]["marks"][kind][i][0])
+    return cost, waits
+
+
+def summarise(by_rank: dict[int, dict[str, Any]]) -> dict[str, float]:
+    result = by_rank[0]
     rows = result["rows"]
+    for row in rows:
+        row["plumbing"], row["waits"] = plumbing_of(by_rank, row["at"]) if len(by_rank) > 1 else (0.0, 0.0)
 
     def med(key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows)
@@ -90,6 +132,7 @@ def summarise(result: dict[str, Any]) -> dict[str, float]:
     compute = med("forward") + med("backward") + optimizer
     return {"step": step, "forward": med("forward"), "backward": med("backward"), "optimizer": optimizer,
             "grad_allreduce": allreduce, "other": step - compute - allreduce, "plumbing": med("plumbing"),
+            "waits": med("waits"), "plumbing_share": statistics.median(r["plumbing"] / r["step"] for r in rows),
             "tokens_per_s": result["tokens"] / step}
 
 
@@ -117,23 +160,25 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             results = launch_ranks(rank_entry, (args.backend, model_dir, layout, args.steps, args.prompts, args.group),
                                    world=world, log_dir=Path(tmp) / f"logs-{tp}-{pp}-{dp}")
-            figures[layout] = summarise(results[0])
+            figures[layout] = summarise(results)
             print(f"  tp{tp} pp{pp} dp{dp} ({world} ranks): launched and ran in {time.perf_counter() - started:.1f} s",
                   file=sys.stderr)
     base = figures[layouts[0]]
     print(f"{args.backend} trainer, tiny model, global batch {args.prompts} x {args.group} samples, "
           f"median of {args.steps} steps (rank 0's view)")
     print(f"{'layout':<14}{'ranks':>6}{'step s':>9}{'tok/s':>9}{'speed-up':>10}{'fwd':>8}{'bwd':>8}{'opt':>8}"
-          f"{'allred':>8}{'other':>8}{'plumbing':>10}")
+          f"{'allred':>8}{'other':>8}{'waits':>8}{'plumbing':>10}{'share':>8}")
     for layout, f in figures.items():
         tp, pp, dp = layout
-        plumbing = f["plumbing"] / f["step"]
         print(f"{f'tp{tp} pp{pp} dp{dp}':<14}{tp * pp * dp:>6}{f['step']:>9.4f}{f['tokens_per_s']:>9.0f}"
               f"{base['step'] / f['step']:>9.2f}x{f['forward']:>8.4f}{f['backward']:>8.4f}{f['optimizer']:>8.4f}"
-              f"{f['grad_allreduce']:>8.4f}{f['other']:>8.4f}{plumbing:>9.1%}")
-    print("other = the step outside forward/backward/optimizer/gradient all-reduce (collation, loss, plumbing); "
-          "plumbing = rank 0 handing the batch to the ranks + the step statistics' reductions, as a share of the "
-          "step; goal <= 5%")
+              f"{f['grad_allreduce']:>8.4f}{f['other']:>8.4f}{f['waits']:>8.4f}{f['plumbing']:>10.4f}"
+              f"{f['plumbing_share']:>7.1%}")
+    print("seconds, median over the steps. other = the step outside forward/backward/optimizer/gradient all-reduce "
+          "(collation, loss, plumbing); plumbing = the rank plumbing on the step's critical path: rank 0 handing "
+          "the batch to the ranks and the statistics' reductions, each from the last rank's arrival to the last "
+          "rank's departure; share = plumbing / step, goal <= 5%; waits = rank 0's time in those calls before "
+          "the last rank arrived (ranks sharing cores: imbalance, not plumbing)")
     return 0
 
 

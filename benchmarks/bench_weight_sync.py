@@ -7,6 +7,9 @@ behind a real router, the orchestrator's own WeightSync. Per sync the phases are
   to hash it, validated with a full re-hash (`diskVerify: full`), loaded by every engine;
 - disk, after: the snapshot hashed while it is written, validated from the manifest (`diskVerify:
   manifest`), loaded by every engine;
+- for both, `sync` is what the weight sync itself takes once the snapshot is written (validate, pause,
+  every engine's load, read-back): its overhead is measured against the bare load; `total` adds the
+  trainer's export (and, before, the hashing);
 - broadcast: copied into the shared buffer (each bucket after the first while the one before is on the
   wire) and broadcast over the gloo update group into every engine (the group is built by a first,
   unmeasured sync), versions read back; then once more with the checksum verification on, to give its
@@ -170,6 +173,7 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             phases = await asyncio.to_thread(exporter, state(step), out)
             result = await runtime.sync_weights(out, step)
             rows[label] = {**phases, "validate": result.validate_s, "load": result.phases.get("load", 0.0),
+                           "sync": result.total_s,
                            "total": phases["export"] + phases["hash"] + result.total_s}
 
         weights.spec = spec
@@ -224,8 +228,10 @@ def report(figures: dict, raw_s: float) -> None:
             before = figures["rows"]["step, write then sync"]["total"]
             ratio = f"{row['total'] / before:.2f}x the write-then-sync step"
         elif label.startswith("disk"):
-            overhead = row["total"] / figures["bare_load_s"] - 1
-            ratio = f"overhead beyond the bare load {100 * overhead:.0f}% (goal <= 25%)"
+            overhead = row["sync"] / figures["bare_load_s"] - 1
+            with_export = row["total"] / figures["bare_load_s"]
+            ratio = (f"sync beyond the bare load {100 * overhead:.0f}% (goal <= 25%); "
+                     f"with the export and hashing {with_export:.1f}x the bare load")
         else:
             ratio = f"{row['total'] / raw_s:.2f}x the raw broadcast (goal <= 1.5x)"
         print(f"  {label:17s} {cells}  -> {ratio}")

@@ -13,6 +13,7 @@ export) lives here so the two backends cannot drift.
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import math
 import os
@@ -104,10 +105,16 @@ class Trainer(abc.ABC):
     def _optimizer_step(self) -> float:
         """Clip, step, and return the gradient norm before clipping."""
 
+    def _micro_batch(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """The context of one micro-batch's forward and backward pass; `last`: the step's last one. A
+        backend whose backward pass reduces the gradients (torch DDP) reduces them in the last only."""
+        return contextlib.nullcontext()
+
     def _reduce_gradients(self) -> None:
         """Sum the data-parallel replicas' gradients (the step's first collective after the forward
-        passes, so the replicas meet here). One replica, or a backend whose optimizer step reduces
-        them itself, does nothing."""
+        passes, so the replicas meet here). One replica, or a backend whose backward pass or optimizer
+        step reduces them itself, does nothing."""
+        return None
 
     @abc.abstractmethod
     def _set_train(self, training: bool) -> None: ...
@@ -151,15 +158,16 @@ class Trainer(abc.ABC):
         self._zero_grad()
         loss_sum = 0.0
         sums: dict[str, float] = {}
-        for c in collated:
+        for index, c in enumerate(collated):
             ref_logprobs = self._reference_logprobs(c.input_ids)
-            logits = self._forward_logits(c.input_ids)
-            new_logprobs = grpo.token_logprobs(logits, c.input_ids, self.options.loss.temperature)
-            loss, stats = grpo.policy_loss(
-                new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
-                normaliser=total_tokens, ref_logprobs=ref_logprobs,
-            )
-            loss.backward()
+            with self._micro_batch(last=index == len(collated) - 1):
+                logits = self._forward_logits(c.input_ids)
+                new_logprobs = grpo.token_logprobs(logits, c.input_ids, self.options.loss.temperature)
+                loss, stats = grpo.policy_loss(
+                    new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
+                    normaliser=total_tokens, ref_logprobs=ref_logprobs,
+                )
+                loss.backward()
             loss_sum += float(loss.item())
             for key, value in stats.items():
                 if key == "ratio_max":

@@ -1,17 +1,29 @@
 """The `torch` backend: a Hugging Face transformers causal LM with AdamW (CPU or GPUs).
 
 Data parallel (`options.parallel.data` > 1): the process is one replica of a torch.distributed group
-the launcher started (trainer/ranks.py); the replicas' gradients are summed before each step (the loss
-is normalised by the step's tokens over every replica), so every replica takes the same step.
+the launcher started (trainer/ranks.py), its model wrapped in torch's DistributedDataParallel: the
+backward pass of a step's last micro-batch all-reduces the gradients bucket by bucket while it runs
+(the earlier ones accumulate under `no_sync`). The hook sums instead of DDP's mean: the loss is
+normalised by the step's tokens over every replica, so the sum is the gradient of the whole batch
+and every replica takes the same step.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from typing import Any
 
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.parallel import check_layout
+
+
+def sum_gradients_hook(state, bucket):  # unannotated: DDP refuses any `bucket` annotation but its own class
+    """A DDP communication hook: the bucket's gradients summed over the replicas (DDP's own divides by
+    the world size)."""
+    import torch.distributed as dist
+
+    return dist.all_reduce(bucket.buffer(), group=state, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 class TorchTrainer(Trainer):
@@ -41,14 +53,26 @@ class TorchTrainer(Trainer):
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
         )
+        # The training forward runs through DDP; everything else (logits, export, checkpoints) uses the
+        # model itself, whose parameters DDP shares.
+        self._ddp: Any = None
+        if self.layout.data > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self._ddp = DistributedDataParallel(self.model, device_ids=[torch.device(device).index or 0]
+                                                if device.startswith("cuda") else None, forward_sync_buffers=False)
+            self._ddp.register_comm_hook(None, sum_gradients_hook)
 
     @property
     def param_dtype(self) -> Any:
         return self._dtype
 
     def _forward_logits(self, input_ids: Any) -> Any:
+        import torch
+
         # Right padding under a causal mask: pads only follow the tokens that are scored.
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        module = self._ddp if self._ddp is not None and torch.is_grad_enabled() else self.model
+        return module(input_ids=input_ids, use_cache=False).logits
 
     def _reference_logits(self, input_ids: Any) -> Any:
         if self.reference is None:
@@ -66,11 +90,10 @@ class TorchTrainer(Trainer):
         self.optimizer.step()
         return float(norm)
 
-    def _reduce_gradients(self) -> None:
-        if self.layout.data > 1:
-            from rlfleet.trainer.collectives import sum_gradients
-
-            sum_gradients(self.model.parameters(), None)
+    def _micro_batch(self, *, last: bool) -> contextlib.AbstractContextManager[Any]:
+        if self._ddp is None or last:
+            return contextlib.nullcontext()
+        return self._ddp.no_sync()  # accumulate: the last micro-batch's backward pass reduces the sum
 
     def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
         if self.layout.data == 1:
