@@ -173,24 +173,17 @@ class UpdateGroup:
     async def transfer(self, tensors: Mapping[str, Any], version: str) -> TransferTimes:
         """Broadcast every bucket into every member; the engines serve `version` afterwards.
 
-        The first bucket is copied into the shared buffer while the engines begin the update; each later
-        one while the one before it is on the wire (disjoint parts of the buffer). `fill_s` is the time
-        the copies held the transfer up."""
+        Only the first bucket is copied into the shared buffer before the update begins; each later one
+        is copied while the one before it is on the wire (disjoint parts of the buffer)."""
         times = TransferTimes(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
+        started = time.monotonic()
+        await self._fill(self.buckets[:1], tensors)
+        times.fill_s = time.monotonic() - started
         control = self.bounds.control_s
+
         t = time.monotonic()
-        fill_first = asyncio.ensure_future(self._fill(self.buckets[:1], tensors))
-        try:
-            await self._all(lambda m: self._client(m.url).begin_weight_update(control), "begin_weight_update",
-                            control)
-            times.begin_s = time.monotonic() - t
-        finally:
-            w = time.monotonic()
-            await asyncio.wait([fill_first])  # a copy in flight ends by itself, soon: nothing else touches the buffer
-            times.fill_s = time.monotonic() - w
-            copy_failed = fill_first.exception()  # retrieved even when the engines failed first
-        if copy_failed is not None:
-            raise copy_failed
+        await self._all(lambda m: self._client(m.url).begin_weight_update(control), "begin_weight_update", control)
+        times.begin_s = time.monotonic() - t
         t = time.monotonic()
         last = len(self.buckets) - 1
         for bucket in self.buckets:

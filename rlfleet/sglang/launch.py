@@ -18,10 +18,7 @@ BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERE
 # On a stop (SIGTERM to the group) SGLang treats its scheduler's exit as a crash and, by default, sleeps
 # 5 s "to let GPU activity settle" before a py-spy dump and a CUDA coredump. A CPU engine has no GPU
 # activity and no CUDA: without these every CPU engine stop (teardown, recreation) takes 5 s longer.
-# THP_MEM_ALLOC_ENABLE has torch back every CPU allocation of 2 MiB or more with transparent huge pages: a
-# broadcast weight update receives each bucket into a fresh buffer, and faulting it in 4 KiB pages took
-# ~3x as long as the copy itself (0.15 s vs 0.05 s per 512 MiB).
-CPU_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0", "THP_MEM_ALLOC_ENABLE": "1"}
+CPU_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 @dataclass(frozen=True)
