@@ -49,7 +49,7 @@ def marked(marks: dict[str, list[tuple[float, float]]], kind: str, fn: Any) -> A
     return wrapper
 
 
-PLUMBING = ("command", "tokens", "stats")  # rank 0 handing out the batch; the statistics' reductions
+PLUMBING = ("command", "stats")  # rank 0 handing out the batch; the statistics' reduction
 
 
 def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, prompts: int,
@@ -70,9 +70,13 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     marks: dict[str, list[tuple[float, float]]] = {}
     ranks._Commands.send = marked(marks, "command", ranks._Commands.send)  # type: ignore[method-assign]
     ranks._Commands.receive = marked(marks, "command", ranks._Commands.receive)  # type: ignore[method-assign]
-    trainer._data_parallel_reduce = marked(marks, "tokens", trainer._data_parallel_reduce)  # type: ignore[method-assign]
-    trainer._data_parallel_reduce_stats = marked(  # type: ignore[method-assign]
-        marks, "stats", trainer._data_parallel_reduce_stats)
+    start_stats = trainer._start_stats_reduction
+
+    def marked_stats_reduction(sums: list[float], maxima: list[float]) -> Any:
+        # Both its start and its wait are plumbing (the wait is what it adds after the backward pass).
+        return marked(marks, "stats", marked(marks, "stats", start_stats)(sums, maxima))
+
+    trainer._start_stats_reduction = marked_stats_reduction  # type: ignore[method-assign]
     if ranks.rank_env()[0] != 0:
         ranks.follow(trainer)
         return {"marks": marks}
@@ -98,30 +102,33 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     return {"rows": rows, "tokens": tokens, "samples": len(batch), "marks": marks}
 
 
-def plumbing_of(by_rank: dict[int, dict[str, Any]], window: tuple[float, float]) -> tuple[float, float]:
-    """(cost, waits) of the plumbing calls inside one step's window of rank 0's clock.
+def plumbing_of(by_rank: dict[int, dict[str, Any]], window: tuple[float, float]) -> tuple[dict[str, float], float]:
+    """(cost per kind of call, waits) of the plumbing calls inside one step's window of rank 0's clock.
 
     A call's cost is from the moment the last rank entered it to the moment the last rank left it (the
     time it adds to the step's critical path: pickling, the transfer, unpickling); the waits are what
     rank 0 spent in it before the last rank arrived (the other ranks still computing: imbalance, not
     plumbing)."""
     start, end = window
-    cost = waits = 0.0
+    costs = dict.fromkeys(PLUMBING, 0.0)
+    waits = 0.0
     for kind in PLUMBING:
         ours = [i for i, (enter, _) in enumerate(by_rank[0]["marks"].get(kind, [])) if start <= enter <= end]
         for i in ours:
             calls = [r["marks"][kind][i] for r in by_rank.values()]
             arrived = max(enter for enter, _ in calls)
-            cost += max(leave for _, leave in calls) - arrived
+            costs[kind] += max(leave for _, leave in calls) - arrived
             waits += max(0.0, arrived - by_rank[0]["marks"][kind][i][0])
-    return cost, waits
+    return costs, waits
 
 
 def summarise(by_rank: dict[int, dict[str, Any]]) -> dict[str, float]:
     result = by_rank[0]
     rows = result["rows"]
     for row in rows:
-        row["plumbing"], row["waits"] = plumbing_of(by_rank, row["at"]) if len(by_rank) > 1 else (0.0, 0.0)
+        costs, row["waits"] = plumbing_of(by_rank, row["at"]) if len(by_rank) > 1 else ({}, 0.0)
+        row["plumbing"] = sum(costs.values())
+        row.update({f"plumbing_{kind}": cost for kind, cost in costs.items()})
 
     def med(key: str) -> float:
         return statistics.median(r.get(key, 0.0) for r in rows)
@@ -132,6 +139,7 @@ def summarise(by_rank: dict[int, dict[str, Any]]) -> dict[str, float]:
     compute = med("forward") + med("backward") + optimizer
     return {"step": step, "forward": med("forward"), "backward": med("backward"), "optimizer": optimizer,
             "grad_allreduce": allreduce, "other": step - compute - allreduce, "plumbing": med("plumbing"),
+            **{f"plumbing_{kind}": med(f"plumbing_{kind}") for kind in PLUMBING},
             "waits": med("waits"), "plumbing_share": statistics.median(r["plumbing"] / r["step"] for r in rows),
             "tokens_per_s": result["tokens"] / step}
 
@@ -167,17 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.backend} trainer, tiny model, global batch {args.prompts} x {args.group} samples, "
           f"median of {args.steps} steps (rank 0's view)")
     print(f"{'layout':<14}{'ranks':>6}{'step s':>9}{'tok/s':>9}{'speed-up':>10}{'fwd':>8}{'bwd':>8}{'opt':>8}"
-          f"{'allred':>8}{'other':>8}{'waits':>8}{'plumbing':>10}{'share':>8}")
+          f"{'allred':>8}{'other':>8}{'waits':>8}{'plumbing':>10}{'(cmd':>8}{'stats)':>8}{'share':>8}")
     for layout, f in figures.items():
         tp, pp, dp = layout
         print(f"{f'tp{tp} pp{pp} dp{dp}':<14}{tp * pp * dp:>6}{f['step']:>9.4f}{f['tokens_per_s']:>9.0f}"
               f"{base['step'] / f['step']:>9.2f}x{f['forward']:>8.4f}{f['backward']:>8.4f}{f['optimizer']:>8.4f}"
               f"{f['grad_allreduce']:>8.4f}{f['other']:>8.4f}{f['waits']:>8.4f}{f['plumbing']:>10.4f}"
+              f"{f.get('plumbing_command', 0.0):>8.4f}{f.get('plumbing_stats', 0.0):>8.4f}"
               f"{f['plumbing_share']:>7.1%}")
     print("seconds, median over the steps. other = the step outside forward/backward/optimizer/gradient all-reduce "
           "(collation, loss, plumbing); plumbing = the rank plumbing on the step's critical path: rank 0 handing "
-          "the batch to the ranks and the statistics' reductions, each from the last rank's arrival to the last "
-          "rank's departure; share = plumbing / step, goal <= 5%; waits = rank 0's time in those calls before "
+          "the batch to the ranks (cmd) and the statistics' reduction (stats, its start and its wait), each from "
+          "the last rank's arrival to the last rank's departure; share = plumbing / step, goal <= 5%; "
+          "waits = rank 0's time in those calls before "
           "the last rank arrived (ranks sharing cores: imbalance, not plumbing)")
     return 0
 

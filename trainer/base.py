@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
-from rlfleet.trainer import grpo
+from rlfleet.trainer import collectives, grpo
 from rlfleet.trainer.hf_export import hf_state_for_save
 from rlfleet.trainer.parallel import ParallelLayout
 
@@ -136,9 +136,9 @@ class Trainer(abc.ABC):
     def train_step(self, batch: Sequence[grpo.Sample], *, step_tokens: int | None = None) -> dict[str, float]:
         """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics.
 
-        `step_tokens`: the response tokens of the whole step over every data-parallel replica, when the
-        caller that split the batch knows them (it saves the replicas a collective before the forward
-        pass); None counts this rank's and sums them over the replicas.
+        `step_tokens`: the response tokens of the whole step over every data-parallel replica (the caller
+        that split the batch knows them, so the replicas need no collective before the forward pass);
+        None: `batch` is the whole step (one replica).
         """
         if not batch:
             raise ValueError("train_step needs at least one sample")
@@ -149,7 +149,10 @@ class Trainer(abc.ABC):
         # The loss is normalised by the step's tokens over every data-parallel replica, so the replicas'
         # summed gradients are the gradient of the whole batch.
         if step_tokens is None:
-            (total_tokens,) = self._data_parallel_reduce([float(sum(c.num_tokens for c in collated))], "sum")
+            if self.options.parallel.data > 1:
+                raise ValueError(f"a replica of dataParallelSize {self.options.parallel.data} needs the step's "
+                                 "step_tokens (train_part passes them)")
+            total_tokens = float(sum(c.num_tokens for c in collated))
         else:
             total_tokens = float(step_tokens)
         if total_tokens == 0:
@@ -159,26 +162,31 @@ class Trainer(abc.ABC):
         loss_sum = 0.0
         sums: dict[str, float] = {}
         for index, c in enumerate(collated):
+            last = index == len(collated) - 1
             ref_logprobs = self._reference_logprobs(c.input_ids)
-            with self._micro_batch(last=index == len(collated) - 1):
+            with self._micro_batch(last=last):
                 logits = self._forward_logits(c.input_ids)
                 new_logprobs = grpo.token_logprobs(logits, c.input_ids, self.options.loss.temperature)
                 loss, stats = grpo.policy_loss(
                     new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
                     normaliser=total_tokens, ref_logprobs=ref_logprobs,
                 )
+                loss_sum += float(loss.item())
+                for key, value in stats.items():
+                    if key == "ratio_max":
+                        sums[key] = max(sums.get(key, 0.0), value)
+                    elif key != "tokens":
+                        sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
+                if last:
+                    # The statistics are complete before the last backward pass: their reduction over the
+                    # replicas travels beside it (and the gradients' own) instead of after them.
+                    keys = sorted(k for k in sums if k != "ratio_max")
+                    maxima = ["ratio_max"] if "ratio_max" in sums else []
+                    reduced_stats = self._start_stats_reduction([loss_sum, *(sums[k] for k in keys)],
+                                                                [sums[k] for k in maxima])
                 loss.backward()
-            loss_sum += float(loss.item())
-            for key, value in stats.items():
-                if key == "ratio_max":
-                    sums[key] = max(sums.get(key, 0.0), value)
-                elif key != "tokens":
-                    sums[key] = sums.get(key, 0.0) + value * stats["tokens"] / total_tokens
         self._reduce_gradients()
-        keys = sorted(k for k in sums if k != "ratio_max")
-        maxima = ["ratio_max"] if "ratio_max" in sums else []
-        (loss_sum, *summed), peaks = self._data_parallel_reduce_stats([loss_sum, *(sums[k] for k in keys)],
-                                                                      [sums[k] for k in maxima])
+        (loss_sum, *summed), peaks = reduced_stats()
         sums.update(zip(keys, summed, strict=True))
         sums.update(zip(maxima, peaks, strict=True))
         if not math.isfinite(loss_sum):
@@ -197,15 +205,11 @@ class Trainer(abc.ABC):
             **sums,
         }
 
-    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
-        """`values` summed ("sum") or maximised ("max") over the data-parallel replicas; a single
-        replica returns them as they are. Backends that run data parallel override it."""
-        return values
-
-    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
-        """`sums` summed and `maxima` maximised over the data-parallel replicas, in one collective; a
-        single replica returns them as they are. Backends that run data parallel override it."""
-        return sums, maxima
+    def _start_stats_reduction(self, sums: list[float], maxima: list[float]) -> collectives.StatsReduction:
+        """Start summing `sums` and maximising `maxima` over the data-parallel replicas (one collective,
+        in flight while the caller goes on); calling the result waits for it. A single replica's are
+        its own. Backends that run data parallel override it."""
+        return lambda: (sums, maxima)
 
     def _reference_logprobs(self, input_ids: Any) -> Any:
         """Per-token log-probs of the initial weights (no grad), or None when the KL penalty is off."""

@@ -1,7 +1,6 @@
 """The collectives a multi-rank training step needs, over torch.distributed groups (gloo or NCCL).
 
-- `reduce_scalars`: values summed (or maximised) over the data-parallel replicas;
-- `reduce_stats`: a step's statistics, some summed and some maximised, in one collective;
+- `start_reduce_stats`: a step's statistics, some summed and some maximised, in one asynchronous collective;
 - `sum_gradients`: every replica's gradients summed, coalesced into one flat buffer per dtype (the loss
   is normalised by the whole step's tokens, so the sum is the gradient of the whole batch);
 - `clip_grad_norm`: torch's clip_grad_norm_ with the norm taken over every shard of the model
@@ -12,37 +11,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-
-def reduce_scalars(values: list[float], op: str, group: Any) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    if not values:
-        return values
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-    if op not in ops:
-        raise ValueError(f"unknown reduction {op!r}")
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=ops[op], group=group)
-    return [float(v) for v in tensor.cpu().tolist()]
+# Waits for a started reduction of a step's statistics; returns (sums, maxima).
+StatsReduction = Callable[[], tuple[list[float], list[float]]]
 
 
-def reduce_stats(sums: list[float], maxima: list[float], group: Any) -> tuple[list[float], list[float]]:
-    """`sums` summed and `maxima` maximised over `group` in one all-gather (a step's statistics, one
-    collective instead of one per operation); every rank reduces the gathered rows in the same order."""
+def start_reduce_stats(sums: list[float], maxima: list[float], group: Any) -> StatsReduction:
+    """Start summing `sums` and maximising `maxima` over `group` in one all-gather (a step's statistics,
+    one collective instead of one per operation, asynchronous so it travels beside the backward pass);
+    every rank reduces the gathered rows in the same order when the returned waiter is called."""
     import torch
     import torch.distributed as dist
 
     if not sums and not maxima:
-        return sums, maxima
+        return lambda: (sums, maxima)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.tensor([*sums, *maxima], dtype=torch.float64, device=device)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows).cpu()
-    return ([float(v) for v in table[:, :len(sums)].sum(dim=0).tolist()],
-            [float(v) for v in table[:, len(sums):].amax(dim=0).tolist()])
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+
+    def wait() -> tuple[list[float], list[float]]:
+        work.wait()
+        table = torch.stack(rows).cpu()
+        return ([float(v) for v in table[:, :len(sums)].sum(dim=0).tolist()],
+                [float(v) for v in table[:, len(sums):].amax(dim=0).tolist()])
+
+    return wait
 
 
 def sum_gradients(params: Iterable[Any], group: Any) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rlfleet.trainer import collectives
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.hf_export import Architecture, hf_to_megatron, megatron_to_hf
 from rlfleet.trainer.parallel import ParallelLayout, check_layout
@@ -327,23 +328,12 @@ class MegatronTrainer(Trainer):
         # Buffers and extra state megatron keeps beside the parameters load as they are.
         return {**{k: v for k, v in full.items() if k not in self._plan.dims}, **part}
 
-    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
+    def _start_stats_reduction(self, sums: list[float], maxima: list[float]) -> collectives.StatsReduction:
         if self.layout.data == 1:
-            return values
+            return super()._start_stats_reduction(sums, maxima)
         from megatron.core import parallel_state
 
-        from rlfleet.trainer.collectives import reduce_scalars
-
-        return reduce_scalars(values, op, parallel_state.get_data_parallel_group())
-
-    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
-        if self.layout.data == 1:
-            return sums, maxima
-        from megatron.core import parallel_state
-
-        from rlfleet.trainer.collectives import reduce_stats
-
-        return reduce_stats(sums, maxima, parallel_state.get_data_parallel_group())
+        return collectives.start_reduce_stats(sums, maxima, parallel_state.get_data_parallel_group())
 
     def _full_state(self) -> dict[str, Any]:
         """Every parameter whole, under the whole model's names: the tensor-parallel shards gathered (a

@@ -15,6 +15,7 @@ snapshot. The other ranks run `follow` until rank 0 says stop.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -56,27 +57,57 @@ def init_process_group(device: str) -> str:
 
 
 class _Commands:
-    """The broadcast channel from rank 0 to every rank (a gloo group, whatever the training backend)."""
+    """The broadcast channel from rank 0 to every rank (a gloo group, whatever the training backend).
+
+    A command is pickled into a fixed-capacity frame (its length, then its bytes): one broadcast
+    carries a step's batch, where `broadcast_object_list` makes two (the size, then the bytes). A
+    command larger than the frame sends its remainder in a second broadcast.
+    """
+
+    FRAME = 64 * 1024  # bytes; a quickstart-sized batch pickles to ~30 KiB
+    _LENGTH = 8  # the frame's header: the pickle's length, little-endian
 
     def __init__(self) -> None:
+        import torch
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
         if not isinstance(group, dist.ProcessGroup):  # new_group's non-member marker; every rank is a member
             raise RuntimeError("this rank is not in the trainer's command group")
         self.group = group
+        self._frame = torch.zeros(self.FRAME, dtype=torch.uint8)
 
     def send(self, *command: Any) -> None:
+        import torch
         import torch.distributed as dist
 
-        dist.broadcast_object_list([command], src=0, group=self.group)
+        payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        room = self.FRAME - self._LENGTH
+        head, rest = payload[:room], payload[room:]
+        frame = self._frame.numpy()
+        frame[: self._LENGTH] = memoryview(len(payload).to_bytes(self._LENGTH, "little"))
+        frame[self._LENGTH : self._LENGTH + len(head)] = memoryview(head)
+        dist.broadcast(self._frame, src=0, group=self.group)
+        if rest:
+            dist.broadcast(torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=self.group)
 
     def receive(self) -> tuple[Any, ...]:
+        import torch
         import torch.distributed as dist
 
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        dist.broadcast(self._frame, src=0, group=self.group)
+        frame = self._frame.numpy()
+        size = int.from_bytes(frame[: self._LENGTH].tobytes(), "little")
+        room = self.FRAME - self._LENGTH
+        payload = frame[self._LENGTH : self._LENGTH + min(size, room)].tobytes()
+        if size > room:
+            rest = torch.empty(size - room, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.group)
+            payload += rest.numpy().tobytes()
+        command = pickle.loads(payload)
+        if not isinstance(command, tuple) or not command:
+            raise RuntimeError(f"malformed trainer command from rank 0 ({size} bytes)")
+        return command
 
 
 def train_part(trainer: Trainer, batch: Sequence[grpo.Sample]) -> dict[str, float]:

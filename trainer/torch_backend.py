@@ -14,6 +14,7 @@ import copy
 import os
 from typing import Any
 
+from rlfleet.trainer import collectives
 from rlfleet.trainer.base import Trainer, TrainerOptions, freeze_reference, resolve_dtype
 from rlfleet.trainer.parallel import check_layout
 
@@ -95,19 +96,10 @@ class TorchTrainer(Trainer):
             return contextlib.nullcontext()
         return self._ddp.no_sync()  # accumulate: the last micro-batch's backward pass reduces the sum
 
-    def _data_parallel_reduce(self, values: list[float], op: str) -> list[float]:
+    def _start_stats_reduction(self, sums: list[float], maxima: list[float]) -> collectives.StatsReduction:
         if self.layout.data == 1:
-            return values
-        from rlfleet.trainer.collectives import reduce_scalars
-
-        return reduce_scalars(values, op, None)
-
-    def _data_parallel_reduce_stats(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
-        if self.layout.data == 1:
-            return sums, maxima
-        from rlfleet.trainer.collectives import reduce_stats
-
-        return reduce_stats(sums, maxima, None)
+            return super()._start_stats_reduction(sums, maxima)
+        return collectives.start_reduce_stats(sums, maxima, None)
 
     def _set_train(self, training: bool) -> None:
         self.model.train(training)

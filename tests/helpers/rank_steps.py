@@ -137,3 +137,17 @@ def replay_run(manifest: str, batch_files: list[str], checkpoint_dir: str, moved
     if rank != 0:
         return None
     return {"steps": steps, "worst": float(figures[0]), "moved": float(figures[1])}
+
+
+def relay_commands(commands: list[tuple]) -> list[tuple] | None:
+    """Rank 0 sends each command over the trainer's command channel; every other rank returns what it
+    received, in order."""
+    from rlfleet.trainer import ranks
+
+    ranks.init_process_group("cpu")
+    channel = ranks._Commands()
+    if ranks.rank_env()[0] == 0:
+        for command in commands:
+            channel.send(*command)
+        return None
+    return [channel.receive() for _ in commands]

@@ -15,17 +15,19 @@ World 2 runs its four layouts one after another in the same ranks (one launch); 
 from __future__ import annotations
 
 import asyncio
+import pickle
 from pathlib import Path
 
 import aiohttp
 import pytest
 from safetensors.torch import load_file
 
-from helpers.rank_steps import train_layouts, train_steps
+from helpers.rank_steps import relay_commands, train_layouts, train_steps
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.trainer import grpo
 from rlfleet.trainer.launch import RankFailed, launch_ranks
+from rlfleet.trainer.ranks import _Commands
 
 STEPS = 4
 TOLERANCE = 1e-4
@@ -88,6 +90,25 @@ def test_export_is_one_snapshot_with_the_weights_of_one_rank(run, single_rank, m
     print(f"{layout_id(run)}: max |weight - one rank's| {worst:.2e} (the steps moved weights by up to {moved:.2e})")
     assert worst < TOLERANCE
     assert moved > 100 * TOLERANCE
+
+
+def blob_command(pickled_size: int) -> tuple:
+    """A ("blob", bytes) command whose pickle is exactly `pickled_size` bytes."""
+    for length in range(pickled_size, pickled_size - 64, -1):
+        command = ("blob", bytes(range(256)) * (length // 256) + bytes(length % 256))
+        if len(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)) == pickled_size:
+            return command
+    raise AssertionError(f"no blob pickles to {pickled_size} bytes")
+
+
+def test_commands_of_any_size_reach_every_rank_intact(tmp_path):
+    """Small commands, a pickle that fills the frame exactly, one a byte over it, one many frames long."""
+    room = _Commands.FRAME - _Commands._LENGTH
+    commands = [("stop",), ("logits", list(range(100))), blob_command(room), blob_command(room + 1),
+                blob_command(5 * room + 17), ("state",)]
+    by_rank = launch_ranks(relay_commands, (commands,), world=3, log_dir=tmp_path)
+    assert by_rank[0] is None
+    assert by_rank[1] == commands and by_rank[2] == commands
 
 
 def test_a_dying_rank_stops_the_group_and_is_named(tiny_model, tmp_path):
