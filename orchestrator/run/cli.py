@@ -19,6 +19,7 @@ import time
 import warnings
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from rlfleet.crds.loader import FieldError, ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
@@ -318,6 +319,29 @@ class Terminated(Exception):
         self.signum = signum
 
 
+def _await_chain(awaitable: Any) -> list[Any]:
+    """The frames of a suspended coroutine chain, outermost first (following what each one awaits)."""
+    frames = []
+    while awaitable is not None:
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is not None:
+            frames.append(frame)
+        awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "gi_yieldfrom", None)
+    return frames
+
+
+def _still_running(loop: asyncio.AbstractEventLoop, most: int = 20) -> str:
+    """The loop's unfinished tasks, each with the chain of calls it waits in (innermost last): what held
+    a stop up. Read from another thread while the loop is stuck or busy: a best-effort snapshot."""
+    lines = []
+    for task in sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name())[:most]:
+        frames = _await_chain(task.get_coro())
+        chain = " -> ".join(f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
+                            for f in frames[-6:])
+        lines.append(f"  {task.get_name()}: {chain or 'not started'}")
+    return "rlfleet run: still running at the bound:\n" + "\n".join(lines)
+
+
 async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
                         stop_bound_s: float = STOP_BOUND_S) -> RunSummary:
     """Run `execute()`; the first SIGTERM/SIGHUP/SIGINT cancels it (engines, routers and scratch volumes
@@ -333,6 +357,10 @@ async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_s
     def force(signum: int) -> None:
         print(f"rlfleet run: stop took longer than {stop_bound_s:g} s; killing what is left of the run",
               file=sys.stderr, flush=True)
+        try:
+            print(_still_running(loop), file=sys.stderr, flush=True)
+        except Exception:  # a report on a stuck loop must never keep the process alive
+            pass
         try:
             if force_stop is not None:
                 force_stop()

@@ -64,6 +64,8 @@ def test_a_hanging_cleanup_is_cut_off_at_the_bound(tmp_path: Path, sig: int):
     assert rc == 128 + sig, output
     assert "stop took longer than 1 s" in output
     assert (tmp_path / "forced").read_text() == "forced"  # what was left of the run was killed
+    # What held the stop up is named: the run's task, waiting in the stubborn cleanup.
+    assert "still running at the bound:" in output and "stubborn (<string>:" in output, output
     assert took < 10, took
 
 
