@@ -123,11 +123,15 @@ def staleness_of(versions: list[str], current_step: int) -> dict[str, int]:
     return out
 
 
+STEP_LINE_PHASES = ("rollout_wait", "train")  # every step has them: shown even at 0.00 s (a batch already waiting)
+
+
 def format_phases(phases: dict[str, float]) -> str:
-    """`rollout 1.2 s, train 0.8 s, ...` for the step line (phases under 5 ms are left out)."""
+    """`rollout 1.2 s, train 0.8 s, ...` for the step line (other phases under 5 ms are left out)."""
     names = {"rollout_wait": "rollout", "train": "train", "export": "export", "weight_sync": "sync",
              "eval_held": "eval", "checkpoint": "ckpt"}
-    return ", ".join(f"{names[k]} {phases[k]:.2f} s" for k in PHASES if phases.get(k, 0.0) >= 0.005)
+    return ", ".join(f"{names[k]} {phases.get(k, 0.0):.2f} s" for k in PHASES
+                     if k in STEP_LINE_PHASES or phases.get(k, 0.0) >= 0.005)
 
 
 @dataclass

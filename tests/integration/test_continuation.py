@@ -196,7 +196,7 @@ async def test_greedy_rollouts_continue_on_the_surviving_engine_token_for_token(
 
 
 async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_path, tiny_model):
-    """`rlfleet run` (temperature 1) with one of two engines SIGKILLed while the first step rolls out: the
+    """`rlfleet run` (temperature 1) with the busier of two engines SIGKILLed while the first step rolls out: the
     run completes, its continuations are in the summary and the metrics, and every stitched sample's
     per-token logprobs are the trainer's recomputation within tolerance."""
     run = load_training_run(EXAMPLES / "quickstart.yaml")
@@ -214,7 +214,13 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
             assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
             await asyncio.sleep(0.05)
     assert not local.summary.steps
-    local.backend.process(local.backend.engines()[0].slot).signal_group(signal.SIGKILL)
+    # The router may place every sample on one engine (they share their prompts' prefixes): the engine
+    # killed is the one that holds the most requests, read from each engine's own metrics.
+    engines = [e for e in local.backend.engines() if e.url]
+    async with aiohttp.ClientSession() as session:
+        held = [await running_requests(session, e.url) for e in engines]
+    assert max(held) > 0, f"no engine held a request at the kill: {held}"
+    local.backend.process(engines[held.index(max(held))].slot).signal_group(signal.SIGKILL)
     summary = await asyncio.wait_for(task, 900)
 
     assert summary.failure is None and len(summary.steps) == 2, log.getvalue()

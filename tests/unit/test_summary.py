@@ -74,6 +74,9 @@ def test_step_line_phases():
 
     text = format_phases({"rollout_wait": 1.234, "train": 0.5, "export": 0.001, "weight_sync": 0.05})
     assert text == "rollout 1.23 s, train 0.50 s, sync 0.05 s"
+    # A batch that was already waiting still shows its rollout wait (the step line's shape never changes).
+    assert format_phases({"rollout_wait": 0.001, "train": 0.5, "weight_sync": 0.05}) == \
+        "rollout 0.00 s, train 0.50 s, sync 0.05 s"
 
 
 def test_record_survives_a_checkpoint():
