@@ -70,6 +70,8 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     marks: dict[str, list[tuple[float, float]]] = {}
     ranks._Commands.send = marked(marks, "command", ranks._Commands.send)  # type: ignore[method-assign]
     ranks._Commands.receive = marked(marks, "command", ranks._Commands.receive)  # type: ignore[method-assign]
+    # A rank unpickles its replica's part of the batch after the command arrived: part of handing it out.
+    ranks.BatchShards.part = marked(marks, "command", ranks.BatchShards.part)  # type: ignore[method-assign]
     start_stats = trainer._start_stats_reduction
 
     def marked_stats_reduction(sums: list[float], maxima: list[float]) -> Any:

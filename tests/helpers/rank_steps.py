@@ -110,7 +110,7 @@ def replay_run(manifest: str, batch_files: list[str], checkpoint_dir: str, moved
     from rlfleet.orchestrator.run.trainer_setup import build_rank_trainer
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer import grpo
-    from rlfleet.trainer.ranks import rank_env, train_part
+    from rlfleet.trainer.ranks import BatchShards, rank_env, train_part
 
     spec = load_training_run(manifest).spec
     trainer: Any = build_rank_trainer(spec, resolve_model_dir(spec.model_path))
@@ -121,7 +121,7 @@ def replay_run(manifest: str, batch_files: list[str], checkpoint_dir: str, moved
         samples = [grpo.Sample(**{**s, "prompt_ids": tuple(s["prompt_ids"]), "response_ids": tuple(s["response_ids"]),
                                   "sampling_logprobs": tuple(s["sampling_logprobs"])})
                    for s in json.loads(Path(path).read_text())["samples"]]
-        stats = train_part(trainer, samples)
+        stats = train_part(trainer, BatchShards(samples, trainer.options.parallel.data))
         steps.append((stats["loss"], stats["grad_norm"]))
         if step == moved_since:
             before = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
