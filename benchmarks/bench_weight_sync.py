@@ -21,10 +21,13 @@ Floors measured in the same run: the bare `update_weights_from_disk` of an unval
 in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
 processes. Goals: broadcast sync <= 1.5x the raw broadcast; disk sync beyond the bare load <= 25%.
 
-Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--bucket-mb N] [--json]
-(`--bucket-mb`: the broadcast's bucketMegabytes, default the field's default). Each broadcast row also
-gives rank 0's own collective seconds (`rank0`): the rest of `broadcast` is the engines' handling of
-the buckets (receive buffer, loading into the model) and the HTTP calls around them.
+Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--bucket-mb N]
+[--malloc both|jemalloc|glibc] [--json] (`--bucket-mb`: the broadcast's bucketMegabytes, default the
+field's default; `--malloc`: the engines' allocator, by default every engine count is measured with
+glibc's malloc, the baseline, then with jemalloc, which CPU engines run with where the machine has
+it). Each broadcast row also gives rank 0's own collective seconds (`rank0`): the rest of `broadcast`
+is the engines' handling of the buckets (receive buffer, loading into the model) and the HTTP calls
+around them.
 """
 from __future__ import annotations
 
@@ -120,7 +123,7 @@ def raw_broadcast_s(nbytes: int) -> float:
 
 
 async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: int,
-                  bucket_mb: int | None = None) -> dict:
+                  bucket_mb: int | None = None, malloc: str = "jemalloc") -> dict:
     import torch
 
     from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
@@ -130,12 +133,16 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
     from rlfleet.snapshot.writer import ExportState, config_with_dtype, write_hf_snapshot
     from rlfleet.trainer.base import read_hf_config
 
-    run_dir = work / f"fleet-{engines}"
+    run_dir = work / f"fleet-{engines}-{malloc}"
     router = LocalRouter(run_dir)
     await router.start()
     backend = LocalBackend(engine=EngineSpec(model_path=str(model), device="cpu", max_total_tokens=2048),
                            replicas=engines, recovery=RecoverySpec(wait_all_alive_timeout_seconds=900),
                            run_dir=run_dir, startup_timeout_s=900)
+    if malloc == "glibc":  # what the engines ran with before (and where the machine has no jemalloc)
+        backend.malloc_library = None
+    elif backend.malloc_library is None:
+        raise SystemExit("no libjemalloc.so.2 on this machine (scripts/setup.sh installs it): use --malloc glibc")
     spec = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=900, verify_every=0,
                           **({"bucket_megabytes": bucket_mb} if bucket_mb else {}))
     runtime = FleetRuntime(backend, router.url, health=HealthSpec(interval_seconds=30, timeout_seconds=60,
@@ -219,7 +226,8 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
 def report(figures: dict, raw_s: float) -> None:
     engines = figures["engines"]
     gib = figures["bytes"] / 2**30
-    print(f"\n== {engines} engine(s), {gib:.2f} GiB float32, buckets of {figures['bucket_mb']} MiB ==")
+    print(f"\n== {engines} engine(s), {gib:.2f} GiB float32, buckets of {figures['bucket_mb']} MiB, "
+          f"engines on {figures['malloc']} malloc ==")
     print(f"floor: bare update_weights_from_disk (page cache) {figures['bare_load_s']:.2f} s; "
           f"raw gloo broadcast of the same bytes (2 processes) {raw_s:.2f} s")
     for label, row in figures["rows"].items():
@@ -242,6 +250,8 @@ def main() -> int:
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--bucket-mb", type=int, default=None)
+    parser.add_argument("--malloc", choices=("both", "jemalloc", "glibc"), default="both",
+                        help="the engines' allocator; both: glibc first (the baseline), then jemalloc")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -254,11 +264,18 @@ def main() -> int:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         raw_s = raw_broadcast_s(nbytes)
         results = []
+        mallocs = ("glibc", "jemalloc") if args.malloc == "both" else (args.malloc,)
         for engines in args.engines:
-            figures = asyncio.run(measure(model, work, engines, tensors, nbytes, args.bucket_mb))
-            figures["raw_broadcast_s"] = raw_s
-            report(figures, raw_s)
-            results.append(figures)
+            for malloc in mallocs:
+                figures = asyncio.run(measure(model, work, engines, tensors, nbytes, args.bucket_mb, malloc))
+                figures["raw_broadcast_s"] = raw_s
+                figures["malloc"] = malloc
+                report(figures, raw_s)
+                results.append(figures)
+            if len(mallocs) == 2:
+                glibc, jemalloc = (r["rows"]["broadcast"]["total"] for r in results[-2:])
+                print(f"  broadcast sync with jemalloc in the engines: {jemalloc:.2f} s vs {glibc:.2f} s with "
+                      f"glibc's malloc ({jemalloc / glibc:.2f}x)")
         if args.json:
             print(json.dumps(results, indent=2))
     return 0

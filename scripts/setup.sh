@@ -102,6 +102,14 @@ if ! command -v tmux >/dev/null; then
   apt-get install -y -qq tmux >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq tmux >/dev/null; }
 fi
 
+# jemalloc: CPU engines preload it, so a broadcast weight update's receive buffers reuse pages instead of
+# faulting fresh ones in every sync (rlfleet/util/allocator.py; a Debian package).
+if [ ! -f /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] && [ ! -f /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 ]; then
+  step "installing jemalloc (Debian package)"
+  apt-get install -y -qq libjemalloc2 >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq libjemalloc2 >/dev/null; } \
+    || echo "setup: could not install libjemalloc2; CPU engines receive broadcast weight updates slower without it" >&2
+fi
+
 step "tiny model"
 .venv/bin/python -m rlfleet.trainer.tiny "$CACHE/models/tiny-llama-seed0" --seed 0 --if-missing >/dev/null
 

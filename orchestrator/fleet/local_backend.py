@@ -26,6 +26,7 @@ from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import client_session
 from rlfleet.sglang.launch import build_engine_launch
+from rlfleet.util.allocator import find_jemalloc
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint
 from rlfleet.util.procs import ManagedProcess, shm_files_of_group
@@ -62,6 +63,10 @@ class LocalBackend(SlotFleetBackend):
         self.stop_grace_s = stop_grace_s
         self.python = python or python_executable()
         self.api_key = api_key  # engines start with --api-key: without the key they answer 401
+        self.malloc_library = find_jemalloc() if engine.device == "cpu" else None
+        if engine.device == "cpu" and self.malloc_library is None:
+            log.info("fleet %s: no libjemalloc.so.2 on this machine: CPU engines run with glibc's malloc, "
+                     "and receive a broadcast weight update ~3x slower", fleet)
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self, url: str) -> EngineClient:
@@ -77,7 +82,7 @@ class LocalBackend(SlotFleetBackend):
     async def _launch(self, rec: SlotRecord) -> None:
         host, port = allocate_endpoint()
         launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version,
-                                     api_key=self.api_key)
+                                     api_key=self.api_key, malloc_library=self.malloc_library)
         log_path = self.log_path(rec.slot, rec.incarnation)
         process = ManagedProcess(f"{self.fleet}-slot{rec.slot}-inc{rec.incarnation}", launch.argv(self.python),
                                  log_path=log_path, env=launch.env,

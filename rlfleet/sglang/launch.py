@@ -19,6 +19,12 @@ BASE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERE
 # 5 s "to let GPU activity settle" before a py-spy dump and a CUDA coredump. A CPU engine has no GPU
 # activity and no CUDA: without these every CPU engine stop (teardown, recreation) takes 5 s longer.
 CPU_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+# With a preloaded jemalloc (`malloc_library`): freed pages stay with the process, so the next weight
+# update's buffers reuse them instead of faulting fresh pages in (rlfleet.util.allocator). Never purging
+# is what holds them: with any finite decay jemalloc serves allocations over 8 MiB from an arena that
+# purges at once (a 512 MiB buffer then faulted in as slowly as under glibc, measured). An engine's
+# memory is bounded by its KV cache and its largest update bucket either way.
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
 
 @dataclass(frozen=True)
@@ -41,13 +47,16 @@ def build_engine_launch(
     weight_version: str = "0",
     enable_metrics: bool = True,
     api_key: str | None = None,
+    malloc_library: str | None = None,
 ) -> EngineLaunch:
     """Build the `python -m sglang.launch_server ...` arguments for one engine slot.
 
     `model_path` overrides the spec's (a replacement engine starts from the current snapshot);
     `weight_version` labels the weights it starts with, so read-back is meaningful from the start;
     `api_key` (a value, or `$(RLFLEET_API_KEY)` in a pod) makes every route but /health*, /ready* and
-    /metrics require `Authorization: Bearer <key>`. Environment variables with `valueFrom` are not in
+    /metrics require `Authorization: Bearer <key>`; `malloc_library` (a CPU engine: a jemalloc the
+    engine's machine has, see `rlfleet.util.allocator`) is preloaded into every engine process, unless
+    the spec's `env` sets LD_PRELOAD itself. Environment variables with `valueFrom` are not in
     `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
     """
     f = EngineFlags
@@ -92,6 +101,8 @@ def build_engine_launch(
     args.append(f.INCREMENTAL_STREAMING_OUTPUT.flag)
     args += list(engine.extra_args)
     env = dict(BASE_ENV) | (CPU_ENV if engine.device == "cpu" else {})
+    if engine.device == "cpu" and malloc_library:
+        env |= {"LD_PRELOAD": malloc_library, "MALLOC_CONF": JEMALLOC_CONF}
     env.update({e.name: e.value for e in engine.env if e.value is not None})
     return EngineLaunch(args=tuple(args), env=env)
 

@@ -20,6 +20,7 @@ import aiohttp
 from rlfleet.crds.specs import EngineSpec
 from rlfleet.orchestrator.fleet.local_router import ROUTER_STOP_GRACE_S
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
+from rlfleet.util.allocator import find_jemalloc
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint, free_port
 from rlfleet.util.procs import (
@@ -167,7 +168,9 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     host, port = allocate_endpoint()
     spec = EngineSpec(model_path=str(model_path), device="cpu", port=port,
                       max_total_tokens=max_total_tokens, extra_args=list(extra_args))
-    launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version, api_key=api_key)
+    # The allocator `rlfleet run` gives its CPU engines (LocalBackend), so these engines are the same.
+    launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version, api_key=api_key,
+                                 malloc_library=find_jemalloc())
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(
         name, [a for a in launch.argv(python_executable()) if a not in drop_args],

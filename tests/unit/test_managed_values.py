@@ -141,3 +141,24 @@ def test_the_api_knows_exactly_the_trainers_built_in_tasks():
     assert errors(RUN + "  trainer: {task: reverse}\n") == []
     assert errors(RUN + "  trainer: {task: my.tasks:Words}\n") == []
     assert [p for p, _ in errors(RUN + "  trainer: {task: revers}\n")] == ["spec.trainer.task"]
+
+
+def test_a_cpu_engine_preloads_the_malloc_library_it_is_given_and_a_users_ld_preload_wins(tmp_path):
+    from rlfleet.sglang.launch import JEMALLOC_CONF
+    from rlfleet.util.allocator import find_jemalloc
+
+    cpu = EngineSpec.model_validate({"modelPath": "/m", "device": "cpu"})
+    env = build_engine_launch(cpu, host="h", malloc_library="/lib/libjemalloc.so.2").env
+    assert env["LD_PRELOAD"] == "/lib/libjemalloc.so.2" and env["MALLOC_CONF"] == JEMALLOC_CONF
+    assert "LD_PRELOAD" not in build_engine_launch(cpu, host="h").env  # none on this machine: glibc's
+    gpu = EngineSpec.model_validate({"modelPath": "/m", "device": "cuda"})
+    assert "LD_PRELOAD" not in build_engine_launch(gpu, host="h", malloc_library="/lib/libjemalloc.so.2").env
+    own = EngineSpec.model_validate({"modelPath": "/m", "device": "cpu",
+                                     "env": [{"name": "LD_PRELOAD", "value": "/opt/libtcmalloc.so"}]})
+    assert build_engine_launch(own, host="h", malloc_library="/lib/libjemalloc.so.2").env["LD_PRELOAD"] == \
+        "/opt/libtcmalloc.so"
+
+    present = tmp_path / "libjemalloc.so.2"
+    present.write_bytes(b"")
+    assert find_jemalloc((str(tmp_path / "missing.so"), str(present))) == str(present)
+    assert find_jemalloc((str(tmp_path / "missing.so"),)) is None
