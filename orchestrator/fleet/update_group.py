@@ -23,6 +23,7 @@ from rlfleet.orchestrator.fleet.broadcast_plan import LOAD_FORMAT, Bucket, StepB
 from rlfleet.orchestrator.fleet.broadcaster import Broadcaster, BroadcastError, check_listen_address
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError, FailureKind
+from rlfleet.util.aio import settle
 from rlfleet.util.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -170,20 +171,34 @@ class UpdateGroup:
             self.broken = True
             raise TransferFailed(f"copying the weights for the broadcast failed: {exc}") from exc
 
-    async def transfer(self, tensors: Mapping[str, Any], version: str) -> TransferTimes:
+    def fill_first(self, tensors: Mapping[str, Any]) -> asyncio.Future[None]:
+        """Start copying the first bucket into the shared buffer. The copy touches no engine, so the
+        caller starts it before pausing the engines and `transfer(first_filled=...)` waits for it after
+        `begin_weight_update`: pause and begin hide (part of) it."""
+        return asyncio.ensure_future(self._fill(self.buckets[:1], tensors))
+
+    async def transfer(self, tensors: Mapping[str, Any], version: str,
+                       first_filled: asyncio.Future[None] | None = None) -> TransferTimes:
         """Broadcast every bucket into every member; the engines serve `version` afterwards.
 
-        Only the first bucket is copied into the shared buffer before the update begins; each later one
-        is copied while the one before it is on the wire (disjoint parts of the buffer)."""
+        The first bucket is copied into the shared buffer beside `begin_weight_update` (and, started by
+        the caller with `fill_first`, beside the pause); each later one is copied while the one before it
+        is on the wire (disjoint parts of the buffer). `fill_s`: the copying not hidden that way."""
         times = TransferTimes(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
-        started = time.monotonic()
-        await self._fill(self.buckets[:1], tensors)
-        times.fill_s = time.monotonic() - started
+        first = first_filled if first_filled is not None else self.fill_first(tensors)
         control = self.bounds.control_s
 
         t = time.monotonic()
-        await self._all(lambda m: self._client(m.url).begin_weight_update(control), "begin_weight_update", control)
+        try:
+            await self._all(lambda m: self._client(m.url).begin_weight_update(control), "begin_weight_update",
+                            control)
+        except BaseException:
+            await settle(first)  # the begin's failure is the one that counts
+            raise
         times.begin_s = time.monotonic() - t
+        t = time.monotonic()
+        await first
+        times.fill_s = time.monotonic() - t
         t = time.monotonic()
         last = len(self.buckets) - 1
         for bucket in self.buckets:

@@ -36,6 +36,7 @@ from rlfleet.orchestrator.fleet.update_group import TransferFailed, UpdateGroup,
 from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
+from rlfleet.util.aio import settle
 
 log = logging.getLogger(__name__)
 
@@ -290,10 +291,15 @@ class WeightSync:
         try:
             group = await self._ensure_group(alive, tensors, result)
             reason = "transfer"
+            first_filled = group.fill_first(tensors)  # beside the pause: it touches no engine
             t = time.monotonic()
-            await self._pause_all(alive, bounds, paused)
+            try:
+                await self._pause_all(alive, bounds, paused)
+            except BaseException:
+                await settle(first_filled)  # the pause's failure is the one that counts
+                raise
             result.phases["pause"] = time.monotonic() - t
-            times = await group.transfer(tensors, version)
+            times = await group.transfer(tensors, version, first_filled)
             result.phases.update(fill=times.fill_s, begin=times.begin_s, broadcast=times.broadcast_s, end=times.end_s)
             result.bytes_broadcast = times.bytes
             result.rank0_s = sum(times.rank0_s)

@@ -28,3 +28,11 @@ async def stop_task(task: asyncio.Future[Any] | None) -> None:
     exc = task.exception()
     if exc is not None:
         raise exc
+
+
+async def settle(future: asyncio.Future[Any]) -> BaseException | None:
+    """Wait until `future` is done without cancelling it (work in a thread ends by itself) and return
+    its exception, retrieved, or None; for cleanup paths where another error is the one that counts."""
+    if not future.done():
+        await asyncio.wait((future,))
+    return None if future.cancelled() else future.exception()

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from rlfleet.util.aio import stop_task
+from rlfleet.util.aio import settle, stop_task
 
 pytestmark = pytest.mark.looptime
 
@@ -111,3 +111,25 @@ async def test_plain_futures_are_stopped_too():
     future = asyncio.get_running_loop().create_future()
     await stop_task(future)
     assert future.cancelled()
+
+
+async def test_settle_waits_without_cancelling_and_hands_back_the_error():
+    import threading
+
+    release = threading.Event()
+
+    def copy() -> None:  # work in a thread: cancelling its future would not stop it
+        release.wait(5)
+        raise OSError("copy failed")
+
+    running = asyncio.ensure_future(asyncio.to_thread(copy))
+    asyncio.get_running_loop().call_later(0.05, release.set)
+    error = await settle(running)
+    assert isinstance(error, OSError) and str(error) == "copy failed" and release.is_set()
+    assert await settle(running) is error  # settled already: at once, the same error
+
+    done = asyncio.ensure_future(asyncio.sleep(0))
+    assert await settle(done) is None
+    cancelled = asyncio.ensure_future(asyncio.sleep(10))
+    cancelled.cancel()
+    assert await settle(cancelled) is None
