@@ -14,6 +14,9 @@ behind a real router, the orchestrator's own WeightSync. Per sync the phases are
   wire) and broadcast over the gloo update group into every engine (the group is built by a first,
   unmeasured sync), versions read back; then once more with the checksum verification on, to give its
   cost;
+- the trainer's export (a copy of its weights) and the broadcast: exported into tensors of its own, then
+  copied into the broadcast's shared buffer, against exported straight into the buffer (the run loop's
+  way once the group exists);
 - a broadcast step's export and sync: the snapshot written, then the broadcast, against the snapshot
   written beside the broadcast (what the run loop does).
 
@@ -112,6 +115,19 @@ def export_after(state, out: Path) -> dict[str, float]:
     return {"export": time.perf_counter() - t, "hash": 0.0}  # hashed while written
 
 
+def export_copy(tensors: dict, into: dict | None) -> dict:
+    """The trainer's export of weights it holds on the CPU (`Trainer.state_for_export`): a copy of each,
+    into `into`'s tensor of that name where one fits."""
+    out = {}
+    for name, t in tensors.items():
+        target = (into or {}).get(name)
+        if target is not None and target.shape == t.shape and target.dtype == t.dtype:
+            out[name] = target.copy_(t)
+        else:
+            out[name] = t.to("cpu", copy=True)
+    return out
+
+
 def raw_broadcast_s(nbytes: int) -> float:
     from rlfleet.util.ports import free_port
 
@@ -199,6 +215,27 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             rows[label] = {"fill": p.get("fill", 0.0), "broadcast": p.get("begin", 0) + p.get("broadcast", 0) +
                            p.get("end", 0), "rank0": result.rank0_s, "read_back": p.get("read_back", 0.0),
                            "verify": p.get("verify", 0.0), "total": result.total_s - result.validate_s}
+
+        # The trainer's export (its copy of the weights off the device) and the broadcast: into tensors of
+        # its own, which the broadcast then copies into its shared buffer, against straight into the
+        # buffer's views (what the run loop does once the group exists: no copy left for the broadcast).
+        weights.spec = spec
+        for label, into_buffer in (("export, broadcast", False), ("export into buffer", True)):
+            step += 1
+            out = work / f"bcast-{engines}-{step}"
+            await asyncio.to_thread(export_after, state(step), out)
+            t = time.perf_counter()
+            views = weights.export_views() if into_buffer else None
+            assert (views is not None) is into_buffer, "the group is built"
+            exported = await asyncio.to_thread(export_copy, tensors, views)
+            export_s = time.perf_counter() - t
+            result = await runtime.sync_weights(out, step, tensors=exported)
+            assert result.mode == "broadcast", result.fallback_reason
+            del exported
+            p = result.phases
+            rows[label] = {"export": export_s, "fill": p.get("fill", 0.0),
+                           "broadcast": p.get("begin", 0) + p.get("broadcast", 0) + p.get("end", 0),
+                           "rank0": result.rank0_s, "total": export_s + result.total_s - result.validate_s}
 
         # A training step's export and sync in broadcast mode: the snapshot written first, then broadcast
         # (as before), against the snapshot written beside the broadcast (the run loop's way now).

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,16 +245,24 @@ class Trainer(abc.ABC):
                 break
         return out
 
-    def state_for_export(self) -> ExportState:
-        """Copy the weights off the device under HF names; the copy is the trainer's no longer."""
+    def state_for_export(self, into: Mapping[str, Any] | None = None) -> ExportState:
+        """Copy the weights off the device under HF names; the copy is the trainer's no longer.
+
+        `into`: CPU tensors to copy into, by HF name (a broadcast weight sync's shared buffer, so the
+        weights need no second copy into it); a name not there, or there with another shape or dtype,
+        gets a tensor of its own."""
         import torch
 
         tied = bool(self.hf_config.get("tie_word_embeddings", False))
+        into = into or {}
+        tensors: dict[str, Any] = {}
         with torch.no_grad():
-            tensors = {
-                name: t.detach().to("cpu", copy=True).contiguous()
-                for name, t in hf_state_for_save(self.hf_state_dict(), tied).items()
-            }
+            for name, t in hf_state_for_save(self.hf_state_dict(), tied).items():
+                target = into.get(name)
+                if target is not None and target.shape == t.shape and target.dtype == t.dtype:
+                    tensors[name] = target.copy_(t.detach())
+                else:
+                    tensors[name] = t.detach().to("cpu", copy=True).contiguous()
         return ExportState(
             step=self.step,
             tensors=tensors,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -186,10 +186,10 @@ class LeadingTrainer:
             self._commands.send("train", shards)
             return train_part(self.local, shards)
 
-    def state_for_export(self) -> ExportState:
+    def state_for_export(self, into: Mapping[str, Any] | None = None) -> ExportState:
         with self._lock:
             self._commands.send("state")
-            return self.local.state_for_export()
+            return self.local.state_for_export(into)  # the other ranks' part of the gather: theirs to drop
 
     def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Path:
         state = self.state_for_export()

@@ -76,17 +76,36 @@ class Broadcaster:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
         await self._command({"op": "hello"}, START_TIMEOUT_S)
 
-    def fill(self, buckets, tensors) -> None:
-        """Copy each bucket's tensors into the buffer (blocking: call it in a thread)."""
+    def views(self, buckets) -> dict[str, Any]:
+        """Each tensor of `buckets` as a view of its place in the buffer (name -> tensor of its dtype and
+        shape): a trainer that exports into these leaves `fill` nothing to copy."""
         import torch
 
         assert self.buffer is not None, "Broadcaster not started"
+        views: dict[str, Any] = {}
+        for bucket in buckets:
+            offset = bucket.start  # a bucket holds one dtype and starts 64-byte aligned: views line up
+            for spec in bucket.tensors:
+                part = self.buffer[offset:offset + spec.nbytes]
+                views[spec.name] = part.view(getattr(torch, spec.dtype)).view(spec.shape)
+                offset += spec.nbytes
+        return views
+
+    def fill(self, buckets, tensors) -> None:
+        """Copy each bucket's tensors into the buffer (blocking: call it in a thread); a tensor that
+        already is its place in the buffer (exported into `views`) is not copied."""
+        import torch
+
+        assert self.buffer is not None, "Broadcaster not started"
+        base = self.buffer.data_ptr()
         for bucket in buckets:
             offset = bucket.start
             for spec in bucket.tensors:
                 src = tensors[spec.name].detach()
-                flat = src.contiguous().reshape(-1).view(torch.uint8)
-                self.buffer[offset:offset + spec.nbytes].copy_(flat.cpu())
+                in_place = src.device.type == "cpu" and src.is_contiguous() and src.data_ptr() == base + offset
+                if not in_place:
+                    flat = src.contiguous().reshape(-1).view(torch.uint8)
+                    self.buffer[offset:offset + spec.nbytes].copy_(flat.cpu())
                 offset += spec.nbytes
 
     async def join(self, *, address: str, port: int, world_size: int, group_name: str, backend: str,

@@ -154,6 +154,10 @@ class FleetRuntime:
                 admitted.append(engine.slot)
         return admitted
 
+    def export_views(self) -> dict[str, Any] | None:
+        """Where the trainer may export the next step's weights for the broadcast (see WeightSync)."""
+        return self.weights.export_views() if self.weights is not None else None
+
     async def sync_weights(self, snapshot_dir: str | Path, step: int, *, tensors: Mapping[str, Any] | None = None,
                            snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
         """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast, while

@@ -171,6 +171,10 @@ class UpdateGroup:
             self.broken = True
             raise TransferFailed(f"copying the weights for the broadcast failed: {exc}") from exc
 
+    def views(self) -> dict[str, Any]:
+        """Every tensor's place in the shared buffer (name -> view), for the trainer to export into."""
+        return self.broadcaster.views(self.buckets)
+
     def fill_first(self, tensors: Mapping[str, Any]) -> asyncio.Future[None]:
         """Start copying the first bucket into the shared buffer. The copy touches no engine, so the
         caller starts it before pausing the engines and `transfer(first_filled=...)` waits for it after

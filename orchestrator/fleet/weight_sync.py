@@ -149,6 +149,16 @@ class WeightSync:
     def groups_built(self) -> int:
         return self._groups_built
 
+    def export_views(self) -> dict[str, Any] | None:
+        """Where the trainer may export the next step's weights (broadcast mode, once a group is built and
+        usable): views of the group's shared buffer by HF name, so the broadcast copies nothing; None
+        otherwise. Exported there, the weights must not be needed past the sync (the next export
+        overwrites them); a group rebuilt meanwhile copies them into its own buffer as any tensors."""
+        group = self._group
+        if self.spec.mode != "broadcast" or group is None or group.broken or not group.broadcaster.alive:
+            return None
+        return group.views()
+
     async def _validated(self, snapshot_dir: Path, step: int, written: Awaitable[Any] | None = None) -> Manifest:
         """The snapshot's manifest once it is written (`written`) and valid; SnapshotInvalid otherwise."""
         if written is not None:

@@ -470,7 +470,9 @@ class RunLoop:
         assert self.fleet is not None, "the rollout fleet starts before training"
         clock = asyncio.get_running_loop().time
         began = clock()
-        state = await asyncio.to_thread(trainer.state_for_export)  # off the device: the copy all three read
+        # Off the device, straight into the broadcast's shared buffer once its group exists: the one copy
+        # the broadcast, the snapshot writer and the checksum verification all read.
+        state = await asyncio.to_thread(trainer.state_for_export, self.fleet.export_views())
         state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
         phases["export"] = clock() - began
         written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, snapshot_dir(self.snapshots, step)))

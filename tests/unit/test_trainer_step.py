@@ -45,3 +45,46 @@ def test_empty_batch_is_refused(tiny_model):
     trainer = build_trainer("torch", tiny_model, lr=1e-3)
     with pytest.raises(ValueError, match="at least one sample"):
         trainer.train_step([])
+
+
+@pytest.mark.parametrize("backend", ["torch", "megatron"])
+def test_an_export_into_the_broadcast_buffer_leaves_the_fill_nothing_to_copy(backend, tiny_model, monkeypatch):
+    """The weights exported into the views of a broadcast's shared buffer are the trainer's weights, in
+    the bucket layout the engines receive; `fill` then copies none of them (and any other tensor still)."""
+    from rlfleet.orchestrator.fleet import broadcast_plan as plan
+    from rlfleet.orchestrator.fleet.broadcaster import Broadcaster
+
+    trainer = build_trainer(backend, tiny_model, lr=1e-2, seed=0)
+    trainer.train_step(batch(trainer))
+    fresh = trainer.state_for_export().tensors
+    buckets = plan.plan_buckets(plan.tensor_specs(fresh), 64 * 1024)
+    assert len(buckets) > 1
+    broadcaster = Broadcaster(plan.buffer_bytes(buckets))
+    broadcaster.buffer = torch.zeros(broadcaster.nbytes, dtype=torch.uint8)  # as start() maps it, no process
+    views = broadcaster.views(buckets)
+    skipped = "model.norm.weight"
+    exported = trainer.state_for_export({n: v for n, v in views.items() if n != skipped}).tensors
+    assert set(exported) == set(fresh)
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, fresh[name]), name
+        assert (tensor.data_ptr() == views[name].data_ptr()) is (name != skipped), name
+
+    copies: list[int] = []
+    real_copy = torch.Tensor.copy_
+
+    def counted_copy(self, src, *args, **kwargs):
+        copies.append(src.numel() * src.element_size())
+        return real_copy(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    broadcaster.fill(buckets, exported)  # only the one tensor not exported in place is copied
+    monkeypatch.undo()
+    assert copies == [fresh[skipped].nbytes]
+    for bucket in buckets:  # the buffer: each bucket's tensors back to back, as SGLang reconstructs them
+        offset = bucket.start
+        for spec in bucket.tensors:
+            raw = broadcaster.buffer[offset:offset + spec.nbytes]
+            assert torch.equal(raw.view(fresh[spec.name].dtype).view(fresh[spec.name].shape), fresh[spec.name])
+            offset += spec.nbytes
+    mismatched = {skipped: torch.zeros(3)}  # another shape: a tensor of its own
+    assert torch.equal(trainer.state_for_export(mismatched).tensors[skipped], fresh[skipped])
