@@ -49,6 +49,9 @@ class EngineFlags:
     ENABLE_METRICS = ManagedFlag("--enable-metrics")
     API_KEY = ManagedFlag("--api-key")
     INCREMENTAL_STREAMING_OUTPUT = ManagedFlag("--incremental-streaming-output")
+    # A local CUDA engine's first GPU (rlfleet places the trainer and every engine on GPUs of their own);
+    # a pod's engine sees only its own GPUs and starts at 0.
+    BASE_GPU_ID = ManagedFlag("--base-gpu-id")
 
 
 # Set by the builder only when extraArgs do not (a CPU engine defaults to float32): the user may set it.

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -52,7 +53,8 @@ class LocalBackend(SlotFleetBackend):
     def __init__(self, *, engine: EngineSpec, replicas: int, recovery: RecoverySpec, run_dir: str | os.PathLike,
                  fleet: str = "rollout", min_ready: int | None = None, weight_version: str = "0",
                  startup_timeout_s: float = 600.0, ready_poll_s: float = 0.25, ready_probe_timeout_s: float = 10.0,
-                 stop_grace_s: float = 8.0, python: str | None = None, api_key: str | None = None):
+                 stop_grace_s: float = 8.0, python: str | None = None, api_key: str | None = None,
+                 gpu_bases: Sequence[int] = ()):
         super().__init__(fleet=fleet, replicas=replicas, recovery=recovery, min_ready=min_ready)
         self.engine = engine
         self.run_dir = Path(run_dir)
@@ -63,6 +65,11 @@ class LocalBackend(SlotFleetBackend):
         self.stop_grace_s = stop_grace_s
         self.python = python or python_executable()
         self.api_key = api_key  # engines start with --api-key: without the key they answer 401
+        # CUDA engines: slot i's first GPU (`--base-gpu-id`), so engines and the trainer share none
+        # (rlfleet.orchestrator.run.local_gpus); empty: SGLang's default, GPU 0.
+        self.gpu_bases = tuple(gpu_bases)
+        if self.gpu_bases and len(self.gpu_bases) < replicas:
+            raise ValueError(f"fleet {fleet}: {replicas} engine slots but GPUs planned for {len(self.gpu_bases)}")
         self.malloc_library = find_jemalloc() if engine.device == "cpu" else None
         if engine.device == "cpu" and self.malloc_library is None:
             log.info("fleet %s: no libjemalloc.so.2 on this machine: CPU engines run with glibc's malloc, "
@@ -82,7 +89,8 @@ class LocalBackend(SlotFleetBackend):
     async def _launch(self, rec: SlotRecord) -> None:
         host, port = allocate_endpoint()
         launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version,
-                                     api_key=self.api_key, malloc_library=self.malloc_library)
+                                     api_key=self.api_key, malloc_library=self.malloc_library,
+                                     base_gpu_id=self.gpu_bases[rec.slot] if self.gpu_bases else None)
         log_path = self.log_path(rec.slot, rec.incarnation)
         process = ManagedProcess(f"{self.fleet}-slot{rec.slot}-inc{rec.incarnation}", launch.argv(self.python),
                                  log_path=log_path, env=launch.env,

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -280,15 +280,19 @@ def heat_slot(fleet: str, slot: int) -> str:
 
 
 def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
+                   gpu_bases: Sequence[int] = (),
                    on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
     """A heat guard for a started fleet's alive engines (run it as a task; cancelling it resumes what it
-    paused). While it holds an engine paused, the fleet's monitor holds that engine's probes."""
+    paused). While it holds an engine paused, the fleet's monitor holds that engine's probes.
+
+    `gpu_bases`: each slot's first GPU where the run placed them (a local run); else slot n is taken to
+    run on GPUs n*gpusPerEngine.. . NVML reads the first one."""
     assert runtime.session is not None and runtime.monitor is not None, "FleetRuntime not started"
     backend, session, monitor = runtime.backend, runtime.session, runtime.monitor
     slots = {heat_slot(runtime.fleet, slot): slot for slot in range(backend.replicas)}
-    # NVML: slot n is taken to run on GPUs n*gpusPerEngine.. (the first one is read).
+    first_gpu = {slot: gpu_bases[slot] if gpu_bases else slot * max(1, gpus_per_engine) for slot in slots.values()}
     source = build_source(spec.source, session=session,
-                          slot_by_gpu_index={slot * max(1, gpus_per_engine): name for name, slot in slots.items()})
+                          slot_by_gpu_index={first_gpu[slot]: name for name, slot in slots.items()})
     if source is None:
         raise ValueError("an enabled heat guard needs a temperature source other than none")
 

@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         errors = [FieldError(m.field, m.why, "installed") for m in not_installed]
         print(f"rlfleet run: {args.file} cannot run here:\n{ManifestError(args.file, errors)}", file=sys.stderr)
         return 2
+    if gpu_problems := _local_gpu_problems(run):
+        print(f"rlfleet run: {args.file} cannot run here: {'; '.join(gpu_problems)}", file=sys.stderr)
+        return 2
     if args.steps is not None:
         run.spec.trainer.steps = args.steps
     if args.resume and run.spec.checkpoint is None:
@@ -126,6 +129,19 @@ def main(argv: list[str] | None = None) -> int:
                    force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None),
                    report=report_path_for(args.summary) if args.summary else run_dir / "report.html",
                    so_far=lambda: local.summary)
+
+
+def _local_gpu_problems(run: TrainingRun) -> list[str]:
+    """Before anything starts: the trainer and the CUDA engines need GPUs of their own on this machine."""
+    from rlfleet.crds.derive import eval_fleet_spec
+    from rlfleet.orchestrator.run.local_gpus import local_gpu_problems, plan_local_gpus
+
+    plan = plan_local_gpus(run.spec, eval_fleet_spec(run.metadata.name or "", run.spec))
+    if plan.needed == 0:
+        return []
+    import torch
+
+    return local_gpu_problems(plan, torch.cuda.device_count())
 
 
 def _launch_ranks(run: TrainingRun, argv: list[str], run_dir: Path) -> int:

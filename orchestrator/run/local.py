@@ -19,6 +19,7 @@ from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter, RouterSupervisor
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.run.local_gpus import plan_local_gpus
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
 from rlfleet.sglang.http import new_api_key
 from rlfleet.sglang.launch import served_dtype
@@ -41,6 +42,8 @@ class LocalRun(RunLoop):
         self.supervisors: dict[str, RouterSupervisor] = {}
         # A fresh key per run: the local engines and routers listen on this machine's ports.
         self.api_key = new_api_key()
+        # The trainer and every CUDA engine on GPUs of their own (`rlfleet run` checked they are there).
+        self.gpus = plan_local_gpus(run.spec, eval_fleet_spec(self.name or "", run.spec))
 
     async def _start_rollout(self, stack: contextlib.AsyncExitStack) -> str:
         spec = self.spec
@@ -56,7 +59,8 @@ class LocalRun(RunLoop):
         engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
         self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
-                                    weight_version=self.launch_version, api_key=self.api_key)
+                                    weight_version=self.launch_version, api_key=self.api_key,
+                                    gpu_bases=self.gpus.rollout)
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
                                   api_key=self.api_key,
@@ -86,7 +90,7 @@ class LocalRun(RunLoop):
             fleet, router = await start_local_eval_fleet(self.name, self.spec, launch_model=launch_model,
                                                          run_dir=self.options.run_dir,
                                                          python=self.options.eval_engine_python,
-                                                         api_key=self.api_key)
+                                                         api_key=self.api_key, gpu_bases=self.gpus.evaluation)
             assert isinstance(router, LocalRouter)
             self.eval_router, self.eval_runtime = router, fleet.runtime
             return fleet, router
@@ -105,6 +109,9 @@ class LocalRun(RunLoop):
         if self.options.chaos:
             tasks.append(self._chaos())
         return tasks
+
+    def _rollout_gpu_bases(self) -> tuple[int, ...]:
+        return self.gpus.rollout
 
     def _supervise(self, fleet: str, router: LocalRouter, runtime: FleetRuntime, max_restarts: int, recovery):
         supervisor = RouterSupervisor(router, fleet=fleet, max_restarts=max_restarts, recovery=recovery,

@@ -313,6 +313,7 @@ class RunLoop:
             if spec.heat_guard.enabled:
                 self.heat = heat_guard_for(self.fleet, spec.heat_guard,
                                            gpus_per_engine=spec.rollout.engine.gpus_per_engine,
+                                           gpu_bases=self._rollout_gpu_bases(),
                                            on_event=self._on_heat_event)
 
             async with asyncio.TaskGroup() as tasks:
@@ -559,6 +560,10 @@ class RunLoop:
     def _background(self) -> list:
         """Extra coroutines to run beside the training loop (cancelled when it ends)."""
         return []
+
+    def _rollout_gpu_bases(self) -> tuple[int, ...]:
+        """Each rollout engine slot's first GPU where this platform placed them; () where a pod has its own."""
+        return ()
 
     def _engine_logs(self) -> dict[str, list[str]]:
         """The engines' (and routers') last log lines, for the watchdog's failure message."""

@@ -48,6 +48,7 @@ def build_engine_launch(
     enable_metrics: bool = True,
     api_key: str | None = None,
     malloc_library: str | None = None,
+    base_gpu_id: int | None = None,
 ) -> EngineLaunch:
     """Build the `python -m sglang.launch_server ...` arguments for one engine slot.
 
@@ -56,7 +57,8 @@ def build_engine_launch(
     `api_key` (a value, or `$(RLFLEET_API_KEY)` in a pod) makes every route but /health*, /ready* and
     /metrics require `Authorization: Bearer <key>`; `malloc_library` (a CPU engine: a jemalloc the
     engine's machine has, see `rlfleet.util.allocator`) is preloaded into every engine process, unless
-    the spec's `env` sets LD_PRELOAD itself. Environment variables with `valueFrom` are not in
+    the spec's `env` sets LD_PRELOAD itself; `base_gpu_id` (a CUDA engine on a machine it shares with the
+    trainer and other engines) is the first of the GPUs it runs on. Environment variables with `valueFrom` are not in
     `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
     """
     f = EngineFlags
@@ -85,8 +87,11 @@ def build_engine_launch(
             # SGLang's default halves float32 weights to float16, which on CPU is ~3.4x slower and
             # returns less exact logprobs than the trainer computes.
             args += [dtype, "float32"]
-    elif engine.max_total_tokens is not None:
-        args += [f.MAX_TOTAL_TOKENS.flag, str(engine.max_total_tokens)]
+    else:
+        if engine.max_total_tokens is not None:
+            args += [f.MAX_TOTAL_TOKENS.flag, str(engine.max_total_tokens)]
+        if base_gpu_id is not None:
+            args += [f.BASE_GPU_ID.flag, str(base_gpu_id)]
     if engine.mem_fraction_static is not None:
         args += [f.MEM_FRACTION_STATIC.flag, str(engine.mem_fraction_static)]
     if engine.attention_backend:

@@ -31,7 +31,8 @@ def test_the_managed_flags_are_exactly_what_the_command_builder_sets():
             **({"maxTotalTokens": 100, "memFractionStatic": 0.5, "attentionBackend": "torch_native"}
                if optional else {}),
         })
-        launch = build_engine_launch(engine, host="h", enable_metrics=metrics, api_key="k" if optional else None)
+        launch = build_engine_launch(engine, host="h", enable_metrics=metrics, api_key="k" if optional else None,
+                                     base_gpu_id=2 if optional else None)
         seen |= _flags(launch.args)
     assert seen == {f.flag for f in ENGINE_FLAGS} | set(USER_SETTABLE_ENGINE_FLAGS)
 

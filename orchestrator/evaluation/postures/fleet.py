@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -217,8 +218,8 @@ class PinnedEvalFleet:
 
 
 async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run_dir: Path,
-                                 python: str | None = None,
-                                 api_key: str | None = None) -> tuple[PinnedEvalFleet, object]:
+                                 python: str | None = None, api_key: str | None = None,
+                                 gpu_bases: Sequence[int] = ()) -> tuple[PinnedEvalFleet, object]:
     """Start the eval router and the eval engines as local processes (not waited for: the first pin
     waits). Returns the fleet and the router (stop both: fleet.close(), router.stop())."""
     from rlfleet.crds.derive import eval_fleet_spec
@@ -238,7 +239,7 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
         backend = LocalBackend(engine=engine, replicas=fleet_spec.replicas, recovery=fleet_spec.recovery,
                                run_dir=eval_dir, fleet="eval", min_ready=fleet_spec.min_ready_engines,
                                weight_version="0", startup_timeout_s=fleet_spec.health.startup_timeout_seconds,
-                               python=python, api_key=api_key)
+                               python=python, api_key=api_key, gpu_bases=gpu_bases)
         runtime = FleetRuntime(backend, router_url, health=fleet_spec.health, weight_sync=spec.weight_sync,
                                api_key=api_key)
         await runtime.start()
