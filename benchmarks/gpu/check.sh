@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# The GPU check: one command, one GPU, under 8 minutes. Prints each figure as it is measured:
+# The GPU check: one command, under 8 minutes. Prints each figure as it is measured:
 #   1. the megatron backend on CUDA (megatron DDP + distributed optimizer, bf16), a few GRPO steps;
 #   2. the export of the trained weights as an HF snapshot;
-#   3. a CUDA SGLang engine on the same model, a disk weight sync of that snapshot, the version read
-#      back from the engine, and its greedy tokens against the trainer's.
+#   3. a CUDA SGLang engine on the same model behind the router (the local fleet backend), a disk
+#      weight sync of that snapshot, the version read back, its greedy tokens against the trainer's;
+#   4. with 2 or more GPUs: a broadcast weight sync over NCCL (trainer and broadcast on GPU 0, the
+#      engine on GPU 1), the served weights' checksum against the trainer's. With one GPU it says
+#      that this was not run (NCCL needs a GPU per rank).
 #
 #   benchmarks/gpu/check.sh                      # the tiny model (generated offline), the default
 #   MODEL=tiny://qwen3 benchmarks/gpu/check.sh   # or any local HF directory of a supported family
+#   benchmarks/gpu/check.sh --device cpu         # the same steps on CPU (gloo): a check of the check
 #
-# Exit status 0 when every check passed. Needs the project's environment (.venv) and one CUDA GPU.
+# Exit status 0 when every check passed. Needs the project's environment (.venv) and a CUDA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-.venv/bin/python}"
-if ! command -v nvidia-smi >/dev/null 2>&1; then
-  echo "check.sh: no nvidia-smi: this check needs a CUDA GPU" >&2
-  exit 2
+if [[ " $* " != *" --device cpu "* ]]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "check.sh: no nvidia-smi: this check needs a CUDA GPU (or --device cpu)" >&2
+    exit 2
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 exec timeout --signal=TERM --kill-after=20 "${CHECK_TIMEOUT_S:-480}" \
   "$PYTHON" -P benchmarks/gpu/check.py --model "${MODEL:-tiny://llama?seed=0}" --steps "${STEPS:-4}" "$@"
