@@ -279,20 +279,26 @@ def heat_slot(fleet: str, slot: int) -> str:
     return f"{fleet}-{slot}"
 
 
+def slot_by_gpu_index(fleet: str, replicas: int, *, gpus_per_engine: int = 1,
+                      gpu_bases: Sequence[int] = ()) -> dict[int, str]:
+    """The GPU NVML reads for each slot (its first), by index: `gpu_bases` where the run placed the engines
+    (a local run), else slot n on GPUs n*gpusPerEngine.. ."""
+    return {gpu_bases[slot] if gpu_bases else slot * max(1, gpus_per_engine): heat_slot(fleet, slot)
+            for slot in range(replicas)}
+
+
 def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
                    gpu_bases: Sequence[int] = (),
                    on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
     """A heat guard for a started fleet's alive engines (run it as a task; cancelling it resumes what it
     paused). While it holds an engine paused, the fleet's monitor holds that engine's probes.
-
-    `gpu_bases`: each slot's first GPU where the run placed them (a local run); else slot n is taken to
-    run on GPUs n*gpusPerEngine.. . NVML reads the first one."""
+    `gpu_bases`, `gpus_per_engine`: where NVML finds each slot's GPU (`slot_by_gpu_index`)."""
     assert runtime.session is not None and runtime.monitor is not None, "FleetRuntime not started"
     backend, session, monitor = runtime.backend, runtime.session, runtime.monitor
     slots = {heat_slot(runtime.fleet, slot): slot for slot in range(backend.replicas)}
-    first_gpu = {slot: gpu_bases[slot] if gpu_bases else slot * max(1, gpus_per_engine) for slot in slots.values()}
     source = build_source(spec.source, session=session,
-                          slot_by_gpu_index={first_gpu[slot]: name for name, slot in slots.items()})
+                          slot_by_gpu_index=slot_by_gpu_index(runtime.fleet, backend.replicas,
+                                                              gpus_per_engine=gpus_per_engine, gpu_bases=gpu_bases))
     if source is None:
         raise ValueError("an enabled heat guard needs a temperature source other than none")
 

@@ -56,6 +56,8 @@ class LocalRun(RunLoop):
         self.router = router
 
         self._phase(f"starting {spec.rollout.replicas} engines")
+        if self.gpus.needed:
+            self.progress.event(f"run {self.name}: {self.gpus.describe()}")
         engine = rollout_engine(spec).model_copy(update={"model_path": str(self.current_snapshot)})
         self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,

@@ -7,6 +7,7 @@ import pytest
 from rlfleet.crds.derive import eval_fleet_spec
 from rlfleet.crds.loader import load_training_run
 from rlfleet.crds.specs import EngineSpec
+from rlfleet.orchestrator.guards.heat_guard import slot_by_gpu_index
 from rlfleet.orchestrator.run.cli import main
 from rlfleet.orchestrator.run.local_gpus import check_local_gpus, plan_local_gpus
 from rlfleet.sglang.launch import build_engine_launch
@@ -66,3 +67,11 @@ def test_rlfleet_run_refuses_a_run_this_machine_has_too_few_gpus_for(tmp_path, c
             f"{visible + 2} GPUs, "
             f"but this machine has {visible} visible") in err
     assert not (tmp_path / "out").exists()  # refused before anything started
+
+
+def test_the_heat_guard_reads_each_engines_planned_gpu():
+    plan = _plan("examples/gpu-megatron.yaml")
+    assert slot_by_gpu_index("rollout", 2, gpus_per_engine=2, gpu_bases=plan.rollout) == {2: "rollout-0",
+                                                                                           4: "rollout-1"}
+    # Without a plan (pods: each engine's GPUs counted from 0 on its node), slot n on GPUs n*gpusPerEngine..
+    assert slot_by_gpu_index("rollout", 2, gpus_per_engine=2) == {0: "rollout-0", 2: "rollout-1"}
