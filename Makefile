@@ -8,9 +8,13 @@ PYTEST := $(PY) -P -m pytest
 setup:
 	scripts/setup.sh
 
+# Two workers: most of the suite waits on engines, pods and timeouts. A cluster test, or a module's tests,
+# stay on one worker (tests/conftest.py: worker_group). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(MAKE) --no-print-directory lint
-	$(PYTEST) tests --durations=30
+	$(PYTEST) tests -n $(TEST_WORKERS) --dist loadgroup --durations=30
 
 # ruff, mypy and the layer contract (scripts/check_layers.py); `make test` runs them first.
 lint:

@@ -24,12 +24,22 @@ TESTS_DIR = Path(__file__).parent
 SESSION_LOOP_DIRS = (TESTS_DIR / "integration", TESTS_DIR / "e2e")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Engines and routers live in the session loop: tests that talk to them must run in it too.
     session_loop = pytest.mark.asyncio(loop_scope="session")
     for item in items:
         if pytest_asyncio.is_async_test(item) and any(Path(item.path).is_relative_to(d) for d in SESSION_LOOP_DIRS):
             item.add_marker(session_loop, append=False)
+        item.add_marker(pytest.mark.xdist_group(worker_group(Path(item.path))))
+
+
+def worker_group(path: Path) -> str:
+    """Which tests share a worker under `pytest -n N --dist loadgroup` (make test): every cluster test
+    (one control plane per session), otherwise a module's tests (its module-scoped engines start once)."""
+    if path.is_relative_to(TESTS_DIR / "e2e"):
+        return "cluster"
+    return path.relative_to(TESTS_DIR).as_posix()
 
 
 @pytest.fixture(scope="session")
