@@ -24,22 +24,33 @@ TESTS_DIR = Path(__file__).parent
 SESSION_LOOP_DIRS = (TESTS_DIR / "integration", TESTS_DIR / "e2e")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Engines and routers live in the session loop: tests that talk to them must run in it too.
     session_loop = pytest.mark.asyncio(loop_scope="session")
     for item in items:
         if pytest_asyncio.is_async_test(item) and any(Path(item.path).is_relative_to(d) for d in SESSION_LOOP_DIRS):
             item.add_marker(session_loop, append=False)
-        item.add_marker(pytest.mark.xdist_group(worker_group(Path(item.path))))
 
 
-def worker_group(path: Path) -> str:
+def worker_group(nodeid: str) -> str:
     """Which tests share a worker under `pytest -n N --dist loadgroup` (make test): every cluster test
     (one control plane per session), otherwise a module's tests (its module-scoped engines start once)."""
-    if path.is_relative_to(TESTS_DIR / "e2e"):
-        return "cluster"
-    return path.relative_to(TESTS_DIR).as_posix()
+    module = nodeid.split("::", 1)[0]
+    return "cluster" if module.startswith("tests/e2e/") else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    # pytest-xdist's own loadgroup reads `xdist_group` marks through a node id pytest 9 no longer keeps;
+    # the same scheduling (whole groups per worker, handed out as workers free up) over worker_group.
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)
 
 
 @pytest.fixture(scope="session")

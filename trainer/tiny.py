@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +96,35 @@ def write_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "lla
 
 
 def ensure_tiny_model(out_dir: str | os.PathLike, seed: int = 0, arch: str = "llama") -> Path:
-    """Write the model unless out_dir already holds the same seed and architecture."""
+    """Write the model unless out_dir already holds the same seed and architecture.
+
+    Written beside out_dir and renamed into place, so processes that ask for the same model at once
+    (test workers) never read half of one."""
     out = Path(out_dir)
-    marker = out / "rlfleet-tiny.json"
-    if marker.exists() and json.loads(marker.read_text()) == {"seed": seed, "arch": arch}:
+    if _holds(out, seed, arch):
         return out
-    return write_tiny_model(out, seed=seed, arch=arch)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_tiny_model(tmp, seed=seed, arch=arch)
+        if out.exists() and not _holds(out, seed, arch):
+            shutil.rmtree(out, ignore_errors=True)  # another seed or architecture, or a write cut short
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not _holds(out, seed, arch):  # anything but another process having written the same
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _holds(directory: Path, seed: int, arch: str) -> bool:
+    marker = directory / "rlfleet-tiny.json"
+    try:
+        return bool(json.loads(marker.read_text()) == {"seed": seed, "arch": arch})
+    except (OSError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
