@@ -144,13 +144,6 @@ class TrainerSpec(ApiModel):
             f"{s.pipeline_parallel_size} x {s.data_parallel_size} = {s.world_size}): one rank per GPU",
         ),
         Rule(
-            cel="self.pipelineParallelSize == 1 || self.gpus == 0",
-            check=lambda s: s.pipeline_parallel_size == 1 or s.gpus == 0,
-            field="pipelineParallelSize",
-            message="pipeline parallelism runs on CPU (gpus: 0) only so far: with GPUs pipelineParallelSize must be 1 "
-            "(use tensorParallelSize and dataParallelSize)",
-        ),
-        Rule(
             cel="self.promptsPerStep * self.samplesPerPrompt >= self.dataParallelSize",
             check=lambda s: s.prompts_per_step * s.samples_per_prompt >= s.data_parallel_size,
             field="dataParallelSize",
@@ -256,12 +249,6 @@ class TrainingRunSpec(ApiModel):
             "spec.trainer.nodes > 1; choose another",
         ),
         immutable("modelPath", "model_path"),
-        Rule(
-            cel="!has(self.checkpoint) || self.trainer.backend != 'megatron' || self.trainer.gpus == 0",
-            check=lambda s: s.checkpoint is None or s.trainer.backend != "megatron" or s.trainer.gpus == 0,
-            field="checkpoint",
-            message="checkpoints of the megatron backend are written on CPU trainers only (gpus: 0) for now",
-        ),
     )
 
 

@@ -131,6 +131,22 @@ class Trainer(abc.ABC):
         """(the module whose state dict is this rank's model, its optimizer), for trainer/checkpoint.py."""
         raise NotImplementedError(f"the {self.backend} backend writes no checkpoints")
 
+    @property
+    def optimizer_format(self) -> str:
+        """What a checkpoint's optimizer state is: a shard resumes only into the same format."""
+        return "torch"
+
+    def gather_optimizer_shards(self) -> Any:
+        """Optimizer state kept sharded across the data-parallel replicas (outside its state dict),
+        gathered onto data-parallel rank 0; None on the other replicas, and None where the state dict
+        holds everything. Every rank calls it, in the same order: it may be a collective."""
+        return None
+
+    def scatter_optimizer_shards(self, shards: Any) -> None:
+        """The reverse of gather_optimizer_shards (`shards` is read on data-parallel rank 0 only).
+        Every rank calls it, in the same order."""
+        return None  # nothing kept outside the state dict
+
     # --- the interface the RL loop uses --------------------------------------------------------
 
     def train_step(self, batch: Sequence[grpo.Sample], *, step_tokens: int | None = None) -> dict[str, float]:

@@ -177,6 +177,7 @@ def capture_state(trainer: Any, *, weights: bool = True) -> dict[str, Any]:
     """
     import torch
 
+    shards = trainer.gather_optimizer_shards()  # every rank: a collective where the optimizer is sharded
     if not weights:
         return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "rng": rng_state()}
     model, optimizer = trainer.checkpoint_objects()
@@ -184,8 +185,11 @@ def capture_state(trainer: Any, *, weights: bool = True) -> dict[str, Any]:
         tensors = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
                    if isinstance(v, torch.Tensor)}
         optim = _to_cpu(optimizer.state_dict())
-    return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "model": tensors,
-            "optimizer": optim, "rng": rng_state()}
+    state = {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "model": tensors,
+             "optimizer": optim, "optimizer_format": trainer.optimizer_format, "rng": rng_state()}
+    if shards is not None:
+        state["optimizer_shards"] = _to_cpu(shards)
+    return state
 
 
 def state_bytes(state: Any) -> int:
@@ -212,6 +216,11 @@ def restore_state(trainer: Any, state: Mapping[str, Any], weights: Mapping[str, 
     if "model" not in weights:
         raise CheckpointMismatch("the shard holds no weights (a data-parallel replica's): restore from its "
                                  "source rank's shard")
+    written = weights.get("optimizer_format", "torch")
+    if written != trainer.optimizer_format:
+        raise CheckpointMismatch(f"the shard's optimizer state is {written!r}, this trainer's is "
+                                 f"{trainer.optimizer_format!r} (megatron's distributed optimizer runs on GPUs, "
+                                 "AdamW on CPU): resume on the kind of device that wrote the checkpoint")
     model, optimizer = trainer.checkpoint_objects()
     result = model.load_state_dict(weights["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -219,6 +228,7 @@ def restore_state(trainer: Any, state: Mapping[str, Any], weights: Mapping[str, 
         raise CheckpointMismatch(f"the shard's weights do not fit the model: missing {missing[:5]}, "
                                  f"unexpected {list(result.unexpected_keys)[:5]}")
     optimizer.load_state_dict(weights["optimizer"])
+    trainer.scatter_optimizer_shards(weights.get("optimizer_shards"))  # every rank: a collective where sharded
     set_rng_state(state["rng"])
     trainer.step = int(state["step"])
 

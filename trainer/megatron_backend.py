@@ -15,9 +15,14 @@ Two execution paths, chosen by `device`:
 With `options.parallel` above one rank, the process is one rank of a torch.distributed group the
 launcher started (trainer/launch.py, trainer/ranks.py): megatron's model-parallel state splits it into
 tensor-parallel groups (each rank holds its shards, trainer/shards.py) and data-parallel replicas
-(gradients summed across them); the HF export gathers the shards. With pipeline parallelism (CPU so
-far) each rank builds its stage of the model and the stages hand activations, logits and gradients to
-each other (trainer/pipeline.py); the export gathers the stages too.
+(gradients summed across them); the HF export gathers the shards. With pipeline parallelism each rank
+builds its stage of the model and the stages hand activations, logits and gradients to each other
+(trainer/pipeline.py, over gloo on CPU and NCCL on CUDA); the export gathers the stages too.
+
+Checkpoints: on CPU the model's and AdamW's state dicts. On CUDA the distributed optimizer keeps its
+fp32 main weights and moments sharded across the data-parallel replicas; a checkpoint gathers them onto
+data-parallel rank 0 (megatron's `get_parameter_state_dp_zero`, its own format) and a restore scatters
+them back (`load_parameter_state_from_dp_zero`), as megatron's own non-distributed checkpoints do.
 """
 from __future__ import annotations
 
@@ -261,6 +266,14 @@ def mark_tensor_parallel(model: Any) -> None:
                 set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
+def tensor_parallel_partial_grads(named_parameters: Any) -> list[Any]:
+    """The parameters every tensor-parallel rank holds whole but whose gradient each rank computes from
+    its own attention heads only: Qwen3's query and key norms (one weight shared by all heads). Their
+    gradients are summed over the tensor-parallel group, as megatron's finalize_model_grads does."""
+    return [p for name, p in named_parameters
+            if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"))]
+
+
 def load_hf_weights(model_dir: Any) -> dict[str, Any]:
     """All tensors of an HF directory's safetensors files (single file or sharded)."""
     from pathlib import Path
@@ -295,6 +308,10 @@ class MegatronTrainer(Trainer):
         self.layout = options.parallel
         check_layout(self.layout, "megatron", self.arch, device)
         self._dtype = resolve_dtype(options.dtype, device)
+        # On CUDA in half precision the model runs under megatron's Float16Module, which hands the last
+        # stage's logits out in float32; the pipeline's other stages receive them in that dtype.
+        half = self._dtype in (torch.bfloat16, torch.float16)
+        self._logits_dtype = torch.float32 if device.startswith("cuda") and half else self._dtype
         torch.manual_seed(options.seed)
         _init_ranks(device, options.seed, self.layout)
         self.pipe = Pipeline() if self.layout.pipeline > 1 else None
@@ -403,12 +420,16 @@ class MegatronTrainer(Trainer):
         if pipe is None:
             return model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
         if not pipe.first:  # megatron's activations are sequence-first
-            model.set_input_tensor(pipe.receive_input((length, batch, self.arch.hidden_size), self._dtype,
-                                                      input_ids.device))
+            from megatron.core.utils import get_attr_wrapped_model
+
+            # Through megatron's wrappers (DDP has no set_input_tensor of its own).
+            set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
+            set_input_tensor(pipe.receive_input((length, batch, self.arch.hidden_size), self._dtype,
+                                                input_ids.device))
         out = model(input_ids=input_ids, position_ids=positions, attention_mask=self._causal_mask(length))
         if pipe.last:
             return pipe.share_logits(out)
-        return pipe.hand_on(out, (batch, length, self.arch.vocab_size), self._dtype)
+        return pipe.hand_on(out, (batch, length, self.arch.vocab_size), self._logits_dtype)
 
     def _forward_logits(self, input_ids: Any) -> Any:
         return self._logits_of(self.model, input_ids)
@@ -438,12 +459,18 @@ class MegatronTrainer(Trainer):
         return norm
 
     def _reduce_gradients(self) -> None:
-        # On CUDA megatron's DDP reduces them in its optimizer step (finish_grad_sync).
-        if self._gpu is None and self.layout.data > 1:
-            from megatron.core import parallel_state
+        # On CUDA megatron reduces them in its optimizer step (finalize_model_grads), these included.
+        if self._gpu is not None:
+            return
+        from megatron.core import parallel_state
 
-            from rlfleet.trainer.collectives import sum_gradients
+        from rlfleet.trainer.collectives import sum_gradients
 
+        if self.layout.tensor > 1:
+            partial = tensor_parallel_partial_grads(self.gpt.named_parameters())
+            if partial:
+                sum_gradients(partial, parallel_state.get_tensor_model_parallel_group())
+        if self.layout.data > 1:
             sum_gradients(list(self.gpt.parameters()), parallel_state.get_data_parallel_group())
 
     def _clip_across_ranks(self, max_norm: float) -> float:
@@ -475,9 +502,18 @@ class MegatronTrainer(Trainer):
         return megatron_to_hf(self._full_state(), self.arch)
 
     def checkpoint_objects(self) -> tuple[Any, Any]:
-        if self._gpu is not None:  # megatron's optimizer: its own (distributed) checkpoint format
-            raise NotImplementedError("checkpoints of the megatron backend on CUDA are not written yet")
-        return self.gpt, self.optimizer
+        return self.gpt, (self._gpu.optimizer if self._gpu is not None else self.optimizer)
+
+    @property
+    def optimizer_format(self) -> str:
+        return "megatron-distributed" if self._gpu is not None else super().optimizer_format
+
+    def gather_optimizer_shards(self) -> Any:
+        return self._gpu.gather_shards() if self._gpu is not None else None
+
+    def scatter_optimizer_shards(self, shards: Any) -> None:
+        if self._gpu is not None:
+            self._gpu.scatter_shards(shards)
 
 
 class _MegatronGpuStep:
@@ -522,8 +558,37 @@ class _MegatronGpuStep:
         self.optimizer.zero_grad()
 
     def step(self) -> float:
-        self.model.finish_grad_sync()
+        from megatron.core.distributed import finalize_model_grads
+
+        # The replicas' gradients, and with pipeline stages the tied embedding's two copies (first stage,
+        # last stage) summed; the loss is already normalised per token (no num_tokens).
+        finalize_model_grads([self.model])
         success, grad_norm, _ = self.optimizer.step()
         if not success:
             raise FloatingPointError("megatron optimizer step skipped (non-finite gradients)")
         return float(grad_norm or 0.0)
+
+    def _distributed_optimizers(self) -> list[Any]:
+        # get_megatron_optimizer returns one DistributedOptimizer, or a ChainedOptimizer of several.
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def gather_shards(self) -> list[Any] | None:
+        """Every sub-optimizer's sharded state (fp32 main weights, moments) gathered onto data-parallel
+        rank 0, on the CPU; None on the other replicas. A collective of the data-parallel group."""
+        from megatron.core import parallel_state
+
+        states = [opt.get_parameter_state_dp_zero() for opt in self._distributed_optimizers()]
+        return states if parallel_state.get_data_parallel_rank() == 0 else None
+
+    def scatter_shards(self, shards: list[Any] | None) -> None:
+        """The reverse: data-parallel rank 0's `shards` scattered back to every replica (the others'
+        argument is not read). A collective of the data-parallel group."""
+        from megatron.core import parallel_state
+
+        optimizers = self._distributed_optimizers()
+        first = parallel_state.get_data_parallel_rank() == 0
+        if first and (shards is None or len(shards) != len(optimizers)):
+            raise ValueError(f"the checkpoint holds {0 if shards is None else len(shards)} sharded optimizer "
+                             f"states, this trainer's optimizer has {len(optimizers)}")
+        for index, opt in enumerate(optimizers):
+            opt.load_parameter_state_from_dp_zero(shards[index] if first and shards is not None else None)

@@ -72,9 +72,6 @@ def layout_problems(layout: ParallelLayout, backend: str, arch: Architecture | N
     if backend != "megatron" and (layout.tensor > 1 or layout.pipeline > 1):
         problems.append(f"spec.trainer.tensorParallelSize {layout.tensor} x pipelineParallelSize "
                         f"{layout.pipeline}: model parallelism needs backend megatron (backend is {backend})")
-    if layout.pipeline > 1 and device.startswith("cuda"):
-        problems.append(f"spec.trainer.pipelineParallelSize {layout.pipeline}: pipeline parallelism runs on CPU "
-                        "(gpus: 0) only so far; on GPUs use tensorParallelSize and dataParallelSize")
     here = layout.world if local_ranks is None else local_ranks
     if device.startswith("cuda") and devices_available is not None and here > devices_available:
         where = "" if here == layout.world else f", {here} on this node (spec.trainer.gpus)"

@@ -1,6 +1,8 @@
 """The GPU check's steps (run by benchmarks/gpu/check.sh): megatron on CUDA, export, a CUDA engine, the syncs.
 
 1. the megatron backend on the device (on CUDA: megatron's DDP + distributed optimizer), a few GRPO steps;
+   a checkpoint of it (on CUDA the distributed optimizer's state gathered), restored into a new trainer:
+   both train on alike;
 2. the export of the trained weights as an HF snapshot;
 3. an SGLang engine on the same model, started by the project's one engine command builder and run by
    the local fleet backend behind the router, as `rlfleet run` runs it; a disk weight sync of that
@@ -9,7 +11,9 @@
 4. one more step, then a broadcast weight sync (NCCL on CUDA, gloo on CPU) into the engine, the served
    weights' checksum compared with the trainer's, greedy tokens again. NCCL needs a GPU per rank: on
    CUDA this runs only with 2 or more GPUs (the trainer and the broadcast on GPU 0, the engine on GPU 1),
-   and the check says so when it cannot.
+   and the check says so when it cannot;
+5. with 2 or more GPUs (or on CPU): the multi-rank layouts of check_ranks.py (pipeline 2, data parallel
+   2) against one rank, each with a checkpoint across its ranks restored mid-run.
 
 `--device cpu` runs the same steps on this machine's CPU (gloo), a check of the check itself.
 Every figure is printed as `check: <what> <value>` when it is measured; the first failure stops the
@@ -26,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))  # check_ranks: the ranks import it by name
 
 GREEDY_TOKENS = 6
 
@@ -71,6 +76,36 @@ def train(trainer, steps: int) -> None:
         say(f"step {trainer.step}", f"loss {metrics['loss']:.5f} grad_norm {metrics['grad_norm']:.4f} "
             f"{metrics['step_seconds']:.3f} s {metrics['tokens'] / metrics['step_seconds']:.0f} tok/s")
         assert metrics["grad_norm"] > 0, "no gradient reached the parameters"
+
+
+def checkpoint_round_trip(trainer, model_dir: Path, device: str, work: Path) -> None:
+    """A checkpoint of `trainer` written, restored into a new trainer; two more steps on each agree."""
+    from trainer_step import make_batch
+
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.base import build_trainer
+
+    started = time.perf_counter()
+    state = ckpt.capture_state(trainer)
+    identity = ckpt.Identity(run="gpu-check", model_path=str(model_dir), backend="megatron")
+    info = ckpt.write_checkpoint(work / "checkpoints", identity=identity, step=trainer.step,
+                                 weight_version=str(trainer.step), state=state, run_state={})
+    say("checkpoint written s", f"{time.perf_counter() - started:.2f} ({ckpt.state_bytes(state) / 2**20:.1f} MiB, "
+        f"optimizer {state['optimizer_format']}, sharded state gathered: {'optimizer_shards' in state})")
+    started = time.perf_counter()
+    resumed = build_trainer("megatron", model_dir, lr=1e-4, seed=0, device=device)
+    ckpt.restore_state(resumed, ckpt.load_shard(ckpt.validate(info.directory)))
+    say("checkpoint restored s", f"{time.perf_counter() - started:.2f} (a new trainer built and restored)")
+    assert resumed.step == trainer.step, f"restored step {resumed.step}, written at {trainer.step}"
+    batch = make_batch(16, 8, 1)
+    ours = [trainer.train_step(batch)["loss"] for _ in range(2)]
+    theirs = [resumed.train_step(batch)["loss"] for _ in range(2)]
+    worst = max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(ours, theirs, strict=True))
+    say("after the restore, losses", f"{[round(x, 5) for x in theirs]} vs {[round(x, 5) for x in ours]} "
+        f"(max relative difference {worst:.2e})")
+    # The second step checks the optimizer's moments too. CUDA kernels may sum in another order.
+    assert worst < (1e-5 if device == "cpu" else 1e-2), "the restored trainer trains differently"
+    del resumed
 
 
 async def compare_greedy(runtime, trainer, version: str, exact: bool) -> None:
@@ -163,6 +198,18 @@ async def serve_and_sync(trainer, model_dir: Path, snapshot: Path, device: str, 
         await router.stop()
 
 
+def ranks_check(model_dir: Path, device: str) -> None:
+    import torch
+    from check_ranks import check_layouts
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cuda" and gpus < 2:
+        say("ranks: pipeline 2 and data parallel 2", f"NOT RUN: one GPU per rank and this machine has {gpus}")
+        return
+    # float32 on CPU: the same sums; bf16 on CUDA: the stages' and replicas' sums round differently.
+    check_layouts(model_dir, device, say, tolerance=1e-4 if device == "cpu" else 2e-2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny://llama?seed=0")
@@ -180,10 +227,12 @@ def main() -> int:
 
         say("peak GPU memory GiB", f"{torch.cuda.max_memory_allocated() / 2**30:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
+        checkpoint_round_trip(trainer, model_dir, args.device, Path(tmp))
         t = time.perf_counter()
         snapshot = trainer.export_hf(Path(tmp) / f"step_{trainer.step}", trainer.step)
         say("export s", f"{time.perf_counter() - t:.2f}")
         asyncio.run(serve_and_sync(trainer, model_dir, snapshot, args.device, Path(tmp)))
+    ranks_check(model_dir, args.device)
     say("total s", f"{time.perf_counter() - started:.1f}")
     print("check: PASSED")
     return 0

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: one command, under 8 minutes. Prints each figure as it is measured:
-#   1. the megatron backend on CUDA (megatron DDP + distributed optimizer, bf16), a few GRPO steps;
+#   1. the megatron backend on CUDA (megatron DDP + distributed optimizer, bf16), a few GRPO steps; a
+#      checkpoint (the distributed optimizer's state gathered) restored into a new trainer, both trained on;
 #   2. the export of the trained weights as an HF snapshot;
 #   3. a CUDA SGLang engine on the same model behind the router (the local fleet backend), a disk
 #      weight sync of that snapshot, the version read back, its greedy tokens against the trainer's;
 #   4. with 2 or more GPUs: a broadcast weight sync over NCCL (trainer and broadcast on GPU 0, the
 #      engine on GPU 1), the served weights' checksum against the trainer's. With one GPU it says
-#      that this was not run (NCCL needs a GPU per rank).
+#      that this was not run (NCCL needs a GPU per rank);
+#   5. with 2 or more GPUs: megatron pipeline 2 and data parallel 2 on NCCL ranks against one rank, each
+#      checkpointed across its ranks and restored mid-run (benchmarks/gpu/check_ranks.py).
 #
 #   benchmarks/gpu/check.sh                      # the tiny model (generated offline), the default
 #   MODEL=tiny://qwen3 benchmarks/gpu/check.sh   # or any local HF directory of a supported family

@@ -204,9 +204,6 @@ BAD_INPUT: list[Case] = [
          "spec.checkpoint.path", "should match"),
     Case("checkpoint-path-escapes", spec({"checkpoint": {"intervalSteps": 3, "path": "a/../../b"}}),
          "spec.checkpoint.path", "stays inside the volume"),
-    Case("checkpoint-megatron-gpu", spec({"trainer": {"backend": "megatron", "gpus": 1},
-                                          "checkpoint": {"intervalSteps": 3}}),
-         "spec.checkpoint", "CPU trainers only"),
     Case("fleet-engine-missing", {"spec": {"engine": DELETE}}, "spec.engine", "Required value", kind="RolloutFleet"),
     Case("fleet-min-ready-over-replicas", {"spec": {"minReadyEngines": 3}}, "spec.minReadyEngines",
          "minReadyEngines must not exceed replicas", kind="RolloutFleet"),
@@ -369,6 +366,9 @@ GOOD_INPUT: list[Case] = [
     Case("fleet-with-run-and-snapshots", {"spec": {"runName": "r1", "snapshots": {"claimName": "r1-snapshots"},
                                                    "router": {"port": 31000}}}, None, kind="RolloutFleet"),
     Case("fleet-name-at-limit", {"metadata": {"name": "f" * 56}}, None, kind="EvalFleet"),
+    Case("megatron-gpus-pipeline-checkpoints", spec({"trainer": {
+        "backend": "megatron", "gpus": 4, "tensorParallelSize": 2, "pipelineParallelSize": 2},
+        "checkpoint": {"intervalSteps": 3}}), None),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.

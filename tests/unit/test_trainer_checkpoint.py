@@ -219,3 +219,19 @@ def test_a_leftover_directory_is_removed_before_ranks_write_into_it(tmp_path):
     broken.shard(0).write_bytes(b"x")
     assert ckpt.prepare_step_dir(tmp_path, 9) == broken.directory and not broken.directory.exists()
     assert ckpt.prepare_step_dir(tmp_path, 12) == ckpt.step_dir(tmp_path, 12)  # nothing there: nothing to do
+
+
+def test_a_shard_of_another_optimizer_format_is_refused_naming_both(tiny_model):
+    """A CPU megatron trainer's shard holds AdamW's state dict; one written on GPUs holds megatron's distributed
+    optimizer state ("megatron-distributed", with its gathered shards). Neither resumes into the other."""
+    trainer = build_trainer("megatron", tiny_model, lr=1e-2)
+    trainer.train_step(batches(trainer, 1)[0])
+    state = ckpt.capture_state(trainer)
+    assert state["optimizer_format"] == "torch" and "optimizer_shards" not in state
+    written_on_gpus = {**state, "optimizer_format": "megatron-distributed", "optimizer_shards": [{}]}
+    fresh = build_trainer("megatron", tiny_model, lr=1e-2)
+    with pytest.raises(ckpt.CheckpointMismatch, match="'megatron-distributed', this trainer's is 'torch'"):
+        ckpt.restore_state(fresh, written_on_gpus)
+    assert fresh.step == 0
+    ckpt.restore_state(fresh, state)
+    assert fresh.step == 1

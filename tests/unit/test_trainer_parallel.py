@@ -53,12 +53,13 @@ def test_ffn_must_divide_by_tensor_parallel():
     assert any("intermediate_size 130" in p for p in layout_problems(ParallelLayout(tensor=4), "megatron", arch))
 
 
-def test_more_stages_than_layers_and_pipeline_parallel_on_gpus_are_refused():
+def test_more_stages_than_layers_are_refused_and_pipeline_stages_run_on_gpus():
     problems = layout_problems(ParallelLayout(pipeline=3), "megatron", TINY)
     assert any("pipelineParallelSize 3 is more stages than the model's 2 layers" in p for p in problems)
     assert layout_problems(ParallelLayout(pipeline=2), "megatron", TINY) == []
-    (problem,) = layout_problems(ParallelLayout(pipeline=2), "megatron", TINY, device="cuda", devices_available=2)
-    assert "pipelineParallelSize 2: pipeline parallelism runs on CPU (gpus: 0) only so far" in problem
+    assert layout_problems(ParallelLayout(pipeline=2), "megatron", TINY, device="cuda", devices_available=2) == []
+    (problem,) = layout_problems(ParallelLayout(pipeline=2), "megatron", TINY, device="cuda", devices_available=1)
+    assert "only 1 GPUs are visible" in problem
     assert any("model parallelism needs backend megatron" in p
                for p in layout_problems(ParallelLayout(pipeline=2), "torch", TINY))
 
