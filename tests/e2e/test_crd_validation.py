@@ -95,8 +95,6 @@ BAD_INPUT: list[Case] = [
          "spec.trainer.gpus", "gpus x nodes"),
     Case("fewer-gpus-than-ranks", spec({"trainer": {"dataParallelSize": 4, "gpus": 2}}),
          "spec.trainer.gpus", "one rank per GPU"),
-    Case("trainer-pipeline-parallel", spec({"trainer": {"backend": "megatron", "gpus": 2, "pipelineParallelSize": 2}}),
-         "spec.trainer.pipelineParallelSize", "pipelineParallelSize must be 1"),
     Case("data-parallel-wider-than-the-batch", spec({"trainer": {"gpus": 0, "dataParallelSize": 8,
                                                                  "promptsPerStep": 1, "samplesPerPrompt": 4}}),
          "spec.trainer.dataParallelSize", "must be at least dataParallelSize"),
