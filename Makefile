@@ -8,11 +8,11 @@ PYTEST := $(PY) -P -m pytest
 setup:
 	scripts/setup.sh
 
-# One test worker per two cores: a heavy test keeps about two busy (an engine and the trainer or a
-# cluster), so on 2 cores two workers took as long as one (51.2 vs 52.0 min) and one process runs the
-# suite. A cluster test, or a module's tests, stay on one worker (tests/conftest.py: worker_group).
-# TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= $(shell n=$$(nproc); w=$$((n / 2)); [ $$w -gt 1 ] && echo $$w || echo 0)
+# Two test workers at least, one per two cores on larger machines: most of the suite waits on engines,
+# pods and timeouts, so on 2 cores two workers ran it in 51.2 min against 63.0 min in one process (the
+# same machine, the same day). A cluster test, or a module's tests, stay on one worker
+# (tests/conftest.py: worker_group). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc); w=$$((n / 2)); [ $$w -gt 2 ] && echo $$w || echo 2)
 
 test: setup
 	$(MAKE) --no-print-directory lint
