@@ -14,6 +14,8 @@
 #   benchmarks/gpu/check.sh                      # the tiny model (generated offline), the default
 #   MODEL=tiny://qwen3 benchmarks/gpu/check.sh   # or any local HF directory of a supported family
 #   benchmarks/gpu/check.sh --device cpu         # the same steps on CPU (gloo): a check of the check
+#   PYTHON=python3 PYTHONPATH=$PWD benchmarks/gpu/check.sh --no-engine
+#                          # an environment with torch and megatron-core but no SGLang: steps 1, 2, 5
 #
 # Exit status 0 when every check passed. Needs the project's environment (.venv) and a CUDA GPU.
 set -euo pipefail
