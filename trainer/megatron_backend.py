@@ -26,7 +26,9 @@ them back (`load_parameter_state_from_dp_zero`), as megatron's own non-distribut
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from rlfleet.trainer import collectives
@@ -591,4 +593,24 @@ class _MegatronGpuStep:
             raise ValueError(f"the checkpoint holds {0 if shards is None else len(shards)} sharded optimizer "
                              f"states, this trainer's optimizer has {len(optimizers)}")
         for index, opt in enumerate(optimizers):
-            opt.load_parameter_state_from_dp_zero(shards[index] if first and shards is not None else None)
+            with step_counts_set_aside(opt.optimizer.state):
+                opt.load_parameter_state_from_dp_zero(shards[index] if first and shards is not None else None)
+
+
+@contextlib.contextmanager
+def step_counts_set_aside(state: dict[Any, dict[str, Any]]) -> Iterator[None]:
+    """Torch Adam's per-parameter `step` counts, out of `state` while megatron loads the sharded state.
+
+    Without Apex or TransformerEngine, megatron's distributed optimizer runs torch's AdamW, whose state
+    holds a `step` beside the moments; `load_parameter_state_from_dp_zero` copies every key of that state
+    from the shards, which hold only the main weights and the moments (KeyError: 'step'). The counts
+    were already restored from the param groups by `load_state_dict`, as one tensor shared by every
+    parameter, which torch's foreach step would advance once per parameter: each gets its own copy back.
+    """
+    steps = {param: entry.pop("step") for param, entry in state.items() if "step" in entry}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():
+            state[param]["step"] = step.clone() if hasattr(step, "clone") else step
+

@@ -235,3 +235,27 @@ def test_a_shard_of_another_optimizer_format_is_refused_naming_both(tiny_model):
     assert fresh.step == 0
     ckpt.restore_state(fresh, state)
     assert fresh.step == 1
+
+
+def test_step_counts_set_aside_for_megatron_shards_and_given_back_unshared():
+    """Megatron's shard load copies every key of torch AdamW's state from shards that hold no `step`;
+    the counts are set aside meanwhile and come back one tensor per parameter, so the next step
+    advances each by one (a shared count would advance once per parameter)."""
+    import torch
+
+    from rlfleet.trainer.megatron_backend import step_counts_set_aside
+
+    params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    for p in params:
+        p.grad = torch.ones(3)
+    optimizer.step()
+    shared = torch.tensor(5.0)  # as megatron's load_state_dict leaves them
+    for p in params:
+        optimizer.state[p]["step"] = shared
+
+    with step_counts_set_aside(optimizer.state):
+        assert all(set(optimizer.state[p]) == {"exp_avg", "exp_avg_sq"} for p in params)
+    optimizer.step()
+
+    assert [float(optimizer.state[p]["step"]) for p in params] == [6.0, 6.0, 6.0]
