@@ -16,6 +16,7 @@
    2) against one rank, each with a checkpoint across its ranks restored mid-run.
 
 `--device cpu` runs the same steps on this machine's CPU (gloo), a check of the check itself.
+`--backend torch` runs steps 1 to 4 with the torch backend instead of megatron's.
 `--no-engine` leaves out steps 3 and 4, for an environment that has the trainer's packages but no SGLang
 (a GPU machine with no package registry, say); the last line names every step that was not run.
 Every figure is printed as `check: <what> <value>` when it is measured; the first failure stops the
@@ -58,7 +59,7 @@ def resolve(model: str) -> Path:
     return ensure_tiny_model(CACHE_DIR / "models" / tiny.cache_name, seed=tiny.seed, arch=tiny.arch)
 
 
-def build(model_dir: Path, device: str):
+def build(model_dir: Path, device: str, backend: str):
     import torch
 
     from rlfleet.trainer.base import build_trainer
@@ -67,10 +68,10 @@ def build(model_dir: Path, device: str):
         assert torch.cuda.is_available(), "torch sees no CUDA device"
         say("device", f"{torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible)")
     started = time.perf_counter()
-    trainer = build_trainer("megatron", model_dir, lr=1e-4, seed=0, device=device)
-    say("megatron build s", f"{time.perf_counter() - started:.1f}")
+    trainer = build_trainer(backend, model_dir, lr=1e-4, seed=0, device=device)
+    say(f"{backend} build s", f"{time.perf_counter() - started:.1f}")
     wrapper = getattr(trainer, "model", None)
-    say("megatron wrapper", f"{type(wrapper).__name__} (distributed optimizer: "
+    say(f"{backend} wrapper", f"{type(wrapper).__name__} (distributed optimizer: "
         f"{getattr(getattr(wrapper, 'ddp_config', None), 'use_distributed_optimizer', None)})")
     return trainer
 
@@ -86,7 +87,7 @@ def train(trainer, steps: int) -> None:
         assert metrics["grad_norm"] > 0, "no gradient reached the parameters"
 
 
-def checkpoint_round_trip(trainer, model_dir: Path, device: str, work: Path) -> None:
+def checkpoint_round_trip(trainer, model_dir: Path, device: str, backend: str, work: Path) -> None:
     """A checkpoint of `trainer` written, restored into a new trainer; two more steps on each agree."""
     from trainer_step import make_batch
 
@@ -95,13 +96,13 @@ def checkpoint_round_trip(trainer, model_dir: Path, device: str, work: Path) -> 
 
     started = time.perf_counter()
     state = ckpt.capture_state(trainer)
-    identity = ckpt.Identity(run="gpu-check", model_path=str(model_dir), backend="megatron")
+    identity = ckpt.Identity(run="gpu-check", model_path=str(model_dir), backend=backend)
     info = ckpt.write_checkpoint(work / "checkpoints", identity=identity, step=trainer.step,
                                  weight_version=str(trainer.step), state=state, run_state={})
     say("checkpoint written s", f"{time.perf_counter() - started:.2f} ({ckpt.state_bytes(state) / 2**20:.1f} MiB, "
         f"optimizer {state['optimizer_format']}, sharded state gathered: {'optimizer_shards' in state})")
     started = time.perf_counter()
-    resumed = build_trainer("megatron", model_dir, lr=1e-4, seed=0, device=device)
+    resumed = build_trainer(backend, model_dir, lr=1e-4, seed=0, device=device)
     ckpt.restore_state(resumed, ckpt.load_shard(ckpt.validate(info.directory)))
     say("checkpoint restored s", f"{time.perf_counter() - started:.2f} (a new trainer built and restored)")
     assert resumed.step == trainer.step, f"restored step {resumed.step}, written at {trainer.step}"
@@ -224,6 +225,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same steps on this machine's CPU (gloo), a check of the check")
+    parser.add_argument("--backend", choices=("megatron", "torch"), default="megatron",
+                        help="the trainer backend of steps 1 to 4 (step 5, the rank layouts, is megatron's)")
     parser.add_argument("--no-engine", action="store_true",
                         help="leave out the SGLang engine and the weight syncs (steps 3 and 4), where SGLang "
                              "is not installed; the check says they were not run")
@@ -231,14 +234,14 @@ def main() -> int:
     started = time.perf_counter()
     model_dir = resolve(args.model)
     say("model", model_dir)
-    trainer = build(model_dir, args.device)
+    trainer = build(model_dir, args.device, args.backend)
     train(trainer, args.steps)
     if args.device == "cuda":
         import torch
 
         say("peak GPU memory GiB", f"{torch.cuda.max_memory_allocated() / 2**30:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint_round_trip(trainer, model_dir, args.device, Path(tmp))
+        checkpoint_round_trip(trainer, model_dir, args.device, args.backend, Path(tmp))
         t = time.perf_counter()
         snapshot = trainer.export_hf(Path(tmp) / f"step_{trainer.step}", trainer.step)
         say("export s", f"{time.perf_counter() - t:.2f}")
@@ -246,7 +249,10 @@ def main() -> int:
             not_run("SGLang engine, disk and broadcast weight syncs", "--no-engine")
         else:
             asyncio.run(serve_and_sync(trainer, model_dir, snapshot, args.device, Path(tmp)))
-    ranks_check(model_dir, args.device)
+    if args.backend == "megatron":
+        ranks_check(model_dir, args.device)
+    else:
+        not_run("ranks: pipeline 2 and data parallel 2", "megatron's layouts, and the trainer is --backend torch")
     say("total s", f"{time.perf_counter() - started:.1f}")
     print("check: PASSED" + (f" (not run: {'; '.join(NOT_RUN)})" if NOT_RUN else ""))
     return 0

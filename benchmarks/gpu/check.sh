@@ -16,6 +16,7 @@
 #   benchmarks/gpu/check.sh --device cpu         # the same steps on CPU (gloo): a check of the check
 #   PYTHON=python3 PYTHONPATH=$PWD benchmarks/gpu/check.sh --no-engine
 #                          # an environment with torch and megatron-core but no SGLang: steps 1, 2, 5
+#   benchmarks/gpu/check.sh --backend torch      # steps 1 to 4 with the torch backend
 #
 # Exit status 0 when every check passed. Needs the project's environment (.venv) and a CUDA GPU.
 set -euo pipefail
