@@ -49,6 +49,7 @@ def build_engine_launch(
     api_key: str | None = None,
     malloc_library: str | None = None,
     base_gpu_id: int | None = None,
+    forked_cpu_processes: bool = False,
 ) -> EngineLaunch:
     """Build the `python -m sglang.launch_server ...` arguments for one engine slot.
 
@@ -58,12 +59,16 @@ def build_engine_launch(
     /metrics require `Authorization: Bearer <key>`; `malloc_library` (a CPU engine: a jemalloc the
     engine's machine has, see `rlfleet.util.allocator`) is preloaded into every engine process, unless
     the spec's `env` sets LD_PRELOAD itself; `base_gpu_id` (a CUDA engine on a machine it shares with the
-    trainer and other engines) is the first of the GPUs it runs on. Environment variables with `valueFrom` are not in
-    `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
+    trainer and other engines) is the first of the GPUs it runs on; `forked_cpu_processes` (a CPU engine
+    run as a local process, where rlfleet is installed) starts SGLang through `rlfleet.sglang.forked_server`,
+    which forks its processes instead of spawning them (a faster start, the same server). Environment
+    variables with `valueFrom` are not in `env` (only a pod can resolve them; see `EnvVarSpec.to_pod`).
     """
     f = EngineFlags
+    forked = forked_cpu_processes and engine.device == "cpu"
+    server = "rlfleet.sglang.forked_server" if forked else "sglang.launch_server"
     args: list[str] = [
-        "-m", "sglang.launch_server",
+        "-m", server,
         f.MODEL_PATH.flag, model_path or engine.model_path,
         f.HOST.flag, host,
         f.PORT.flag, str(port if port is not None else engine.port),

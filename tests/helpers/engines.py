@@ -168,9 +168,10 @@ async def start_engine(model_path: str | os.PathLike, *, log_dir: Path, name: st
     host, port = allocate_endpoint()
     spec = EngineSpec(model_path=str(model_path), device="cpu", port=port,
                       max_total_tokens=max_total_tokens, extra_args=list(extra_args))
-    # The allocator `rlfleet run` gives its CPU engines (LocalBackend), so these engines are the same.
+    # The allocator and the forked processes `rlfleet run` gives its CPU engines (LocalBackend), so these
+    # engines are the same.
     launch = build_engine_launch(spec, host=host, port=port, weight_version=weight_version, api_key=api_key,
-                                 malloc_library=find_jemalloc())
+                                 malloc_library=find_jemalloc(), forked_cpu_processes=True)
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     process = ManagedProcess(
         name, [a for a in launch.argv(python_executable()) if a not in drop_args],
