@@ -57,6 +57,8 @@ class FleetPlan:
     delete: list[tuple[str, str]] = field(default_factory=list)  # (pod name, uid)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+    # resourceVersions the pass's own status writes replaced (operator/staleness.py)
+    superseded_versions: frozenset[str] = frozenset()
     recreated: list[int] = field(default_factory=list)  # slots recreated by this reconcile
     given_up: list[int] = field(default_factory=list)  # slots given up by this reconcile
 

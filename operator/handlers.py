@@ -29,6 +29,7 @@ from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.kube.ownership import partition
 from rlfleet.observability import metrics
 from rlfleet.operator import builders as b
+from rlfleet.operator.fleet_decide import FleetPlan
 from rlfleet.operator.reconcile import (
     ChildrenRefused,
     Settings,
@@ -37,7 +38,8 @@ from rlfleet.operator.reconcile import (
     reconcile_fleet,
     reconcile_run,
 )
-from rlfleet.operator.run_decide import RunChildren
+from rlfleet.operator.run_decide import RunChildren, RunPlan
+from rlfleet.operator.staleness import STALE_RETRY_S, STALE_WAIT_MAX_S, LeftBehind
 
 log = logging.getLogger("rlfleet.operator")
 
@@ -197,18 +199,29 @@ def run_changed(namespace, name, memo: kopf.Memo, **_) -> None:
 
 
 # The reconcile loops ---------------------------------------------------------------------------------
-async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, once) -> None:
-    """Reconcile now, then again on a wake-up, a requested time, or RESYNC_S; errors back off."""
+async def _loop(key: tuple[str, str, str], kind: str, memo: kopf.Memo, stopped, body, once) -> None:
+    """Reconcile now, then again on a wake-up, a requested time, or RESYNC_S; errors back off. A body
+    that still shows a status this loop has already replaced waits for the newer one (staleness.py)."""
     trigger = memo.triggers.setdefault(key, asyncio.Event())
+    loop = asyncio.get_running_loop()
     errors = 0
+    left_behind: LeftBehind | None = None
     try:
         while not stopped:
             trigger.clear()
             started = time.monotonic()
             try:
-                requeue = await once()
-                errors = 0
-                metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="ok").inc()
+                requeue: float | None
+                if left_behind is not None and left_behind.puts_off(body["metadata"].get("resourceVersion"),
+                                                                    loop.time()):
+                    requeue = STALE_RETRY_S  # this loop's own newer status is on its way through the watch
+                else:
+                    plan = await once()
+                    requeue = plan.requeue_after if plan is not None else None
+                    left_behind = (LeftBehind(plan.superseded_versions, loop.time() + STALE_WAIT_MAX_S)
+                                   if plan is not None and plan.superseded_versions else None)
+                    errors = 0
+                    metrics.OPERATOR_RECONCILES.labels(kind=kind, outcome="ok").inc()
             except Exception as e:
                 requeue = ERROR_BACKOFF_S[min(errors, len(ERROR_BACKOFF_S) - 1)]
                 errors += 1
@@ -237,7 +250,7 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
     ns, name = meta["namespace"], meta["name"]
     kind = body["kind"]
 
-    async def once() -> float | None:
+    async def once() -> FleetPlan | None:
         fleet = plain(body)  # the daemon's body is kept current by Kopf
         if fleet["metadata"].get("deletionTimestamp"):
             return None
@@ -257,9 +270,9 @@ async def _fleet_daemon(body, memo, stopped, engine_pods, router_deployments, ro
             router_service=bool(services), network_policy=policies[0] if policies else None,
             router_network_policy=router_policies[0] if router_policies else None,
             settings=memo.settings, foreign=foreign, reported=memo.foreign_reported)
-        return plan.requeue_after
+        return plan
 
-    await _loop(("fleet", ns, name), kind, memo, stopped, once)
+    await _loop(("fleet", ns, name), kind, memo, stopped, body, once)
 
 
 # kopf passes the indices in as keyword arguments; its DaemonFn protocol cannot declare them.
@@ -297,7 +310,7 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
 
-    async def once() -> float | None:
+    async def once() -> RunPlan | None:
         run = plain(body)
         if run["metadata"].get("deletionTimestamp"):
             return None
@@ -316,6 +329,6 @@ async def trainingrun_daemon(body, memo, stopped, rollout_fleets, eval_fleets, t
         foreign.extend(("NetworkPolicy", o) for o in foreign_policies)
         plan = await reconcile_run(memo.kube, run, children, settings=memo.settings, foreign=foreign,
                                    reported=memo.foreign_reported)
-        return plan.requeue_after  # a trainer pod's backoff ends then
+        return plan  # its requeue_after: a trainer pod's backoff ends then
 
-    await _loop(("run", ns, name), "TrainingRun", memo, stopped, once)
+    await _loop(("run", ns, name), "TrainingRun", memo, stopped, body, once)

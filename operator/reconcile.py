@@ -51,6 +51,7 @@ from rlfleet.operator.fleet_decide import (
     decide_router_deployment,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
+from rlfleet.operator.staleness import superseded
 from rlfleet.operator.update_group_decide import decide_update_group_policies
 from rlfleet.sglang.http import new_api_key
 from rlfleet.util.redact import redact
@@ -158,18 +159,19 @@ def merge_patch_delta(current: dict, new: dict) -> dict:
 
 
 async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict, current: dict,
-                       owned: tuple[str, ...] | None = None) -> bool:
-    """One merge patch of /status when it differs from what the object shows; returns whether written.
+                       owned: tuple[str, ...] | None = None) -> str | None:
+    """One merge patch of /status when it differs from what the object shows; returns the object's
+    resourceVersion after the write, None when nothing was written.
 
     Keys the writer owns (all when `owned` is None) that the new status leaves out are removed.
     """
     keys = set(status) | {k for k in current if owned is None or k in owned}
     if all(current.get(k) == status.get(k) for k in keys):
-        return False
+        return None
     patch = merge_patch_delta({k: current.get(k) for k in keys}, {k: status.get(k) for k in keys})
-    await kube.merge_patch(res, obj["metadata"]["name"], {"status": patch}, obj["metadata"]["namespace"],
-                           sub="status")
-    return True
+    written = await kube.merge_patch(res, obj["metadata"]["name"], {"status": patch}, obj["metadata"]["namespace"],
+                                     sub="status")
+    return str((written or {}).get("metadata", {}).get("resourceVersion") or "") or None
 
 
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,
@@ -195,7 +197,7 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     old = {k: v for k, v in (fleet.get("status") or {}).items() if k != ORCHESTRATOR}
     previous = old.get("conditions")
     first = rejections.carry(plan.status, previous, generation)
-    await write_status(kube, res, fleet, first, old)
+    first_version = await write_status(kube, res, fleet, first, old)
     for pod_name, uid in plan.delete:
         await kube.delete(PODS, pod_name, ns, uid=uid)
     refused: list[Rejection] = []
@@ -203,8 +205,9 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
         await _write_fleet_children(kube, fleet, spec, plan, router_deployment, router_service, network_policy,
                                     router_network_policy, settings, refused)
     final = rejections.apply(plan.status, refused, previous, now=now, generation=generation)
-    await write_status(kube, res, fleet, final, first)
+    final_version = await write_status(kube, res, fleet, final, first)
     plan.status = final
+    plan.superseded_versions = superseded(meta.get("resourceVersion"), [first_version, final_version])
     plan.events.extend(rejections.events(refused, previous))
     plan.events.extend(rejections.foreign_events(fleet["kind"], name, foreign, reported if reported is not None
                                                  else set()))
@@ -317,7 +320,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     old = owned_status(run.get("status"))
     previous = old.get("conditions")
     first = rejections.carry(plan.status, previous, generation)
-    await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
+    first_version = await write_status(kube, TRAININGRUNS, run, first, old, owned=OPERATOR_STATUS_KEYS)
     for pod_name, uid in plan.delete:  # a failed trainer group's pods, after its failure is in the status
         await kube.delete(PODS, pod_name, meta["namespace"], uid=uid)
     refused: list[Rejection] = []
@@ -337,8 +340,9 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
         plan = decide_run(run, children, now=now, rlfleet_image=settings.rlfleet_image, rejected=permanent)
     final = rejections.apply(plan.status, [r for r in refused if not r.permanent], previous, now=now,
                              generation=generation)
-    await write_status(kube, TRAININGRUNS, run, final, first, owned=OPERATOR_STATUS_KEYS)
+    final_version = await write_status(kube, TRAININGRUNS, run, final, first, owned=OPERATOR_STATUS_KEYS)
     plan.status = final
+    plan.superseded_versions = superseded(meta.get("resourceVersion"), [first_version, final_version])
     plan.events.extend(rejections.events([r for r in refused if not r.permanent], previous))
     plan.events.extend(rejections.foreign_events(run["kind"], meta["name"], foreign,
                                                  reported if reported is not None else set()))

@@ -64,6 +64,8 @@ class RunPlan:
     events: list[Event] = field(default_factory=list)
     delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of pods: a failed trainer group's
     requeue_after: float | None = None  # reconcile again then (a trainer's backoff ends)
+    # resourceVersions the pass's own status writes replaced (operator/staleness.py)
+    superseded_versions: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
 from rlfleet.sglang.errors import CallError
-from rlfleet.sglang.http import client_session
+from rlfleet.sglang.http import client_session, fleet_connector
 from rlfleet.sglang.router import RouterClient, normalize_url
 from rlfleet.snapshot.format import SnapshotReference
 
@@ -84,7 +84,7 @@ class FleetRuntime:
     async def start(self) -> None:
         """Create the clients and loops; launch the engines (not yet in the router)."""
         # No connection cap: a thousand engines are probed in the same round.
-        self.session = client_session(self.api_key, connector=aiohttp.TCPConnector(limit=0))
+        self.session = client_session(self.api_key, connector=fleet_connector())
         self.router = RouterClient(self.session, self.router_url)
         self.membership = RouterMembership(self.router, engine_client=self.engine_client,
                                            alive_urls=self._alive_urls, fleet=self.fleet,

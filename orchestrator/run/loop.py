@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from rlfleet.crds.derive import parse_tiny_model
 from rlfleet.crds.models import TrainingRun
 from rlfleet.errors import RunError
@@ -69,7 +67,7 @@ from rlfleet.orchestrator.run.summary import (
 from rlfleet.orchestrator.run.tracking import RunTrackers, TrackerUnavailable, build_sinks
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
-from rlfleet.sglang.http import client_session
+from rlfleet.sglang.http import client_session, fleet_connector
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
@@ -277,7 +275,7 @@ class RunLoop:
                                 f"behind {router_url}", self.state)
 
             session = await stack.enter_async_context(client_session(self.api_key,
-                                                                     connector=aiohttp.TCPConnector(limit=0)))
+                                                                     connector=fleet_connector()))
             watchdog = WatchdogTask(spec.watchdog, recover=self._recover_for_watchdog, can_serve=self._can_serve,
                                     engine_logs=self._engine_logs, on_strike=self._on_watchdog_strike)
             fleet = self.fleet

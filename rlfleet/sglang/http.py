@@ -33,6 +33,20 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+# SGLang's HTTP server (uvicorn) closes a keep-alive connection after 5 s idle; aiohttp keeps one 15 s
+# by default and may send the next request on it just as the server closes it: "Connection reset by
+# peer" (seen once on /pause_generation, which marked a healthy engine dead). Clients drop idle
+# connections first.
+KEEPALIVE_S = 3.0
+
+
+def fleet_connector() -> aiohttp.TCPConnector:
+    """The connector of the orchestrator's sessions towards engines and routers: no connection cap (a
+    thousand engines are probed in the same round, a rollout holds one per request), idle connections
+    closed before the servers close them."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+
+
 def client_session(api_key: str | None = None, **kwargs: Any) -> aiohttp.ClientSession:
     """A session whose every request sends the fleet's key (none: no Authorization header)."""
     headers = {**auth_headers(api_key), **(kwargs.pop("headers", None) or {})}
