@@ -200,12 +200,12 @@ async def test_sigkill_mid_rollout(fleet: Fleet):
     await load
     print(f"\n[sigkill] marked dead {detection:.3f} s after SIGKILL ({event.cause.value}: {event.reason}); "
           f"gone from the router after {removal:.3f} s; rollout outcomes {outcomes}")
-    # The exit is awaited, not polled: what remains is the kernel tearing down a 1 GB process and the
-    # loop's latency (1.16 s once with the other test worker's engines running). Detection by health
-    # probes would take the interval times the threshold: 4 s and more.
-    assert detection < 2.0
+    # The cause says the exit watcher saw it, not the probes. The exit is awaited, not polled: the time is
+    # the kernel tearing down a 1 GB process plus the loop's latency, 0.05-0.10 s on quiet cores and up
+    # to 1.94 s measured with the other test worker's engines running; the bound only catches a hang.
     assert event.cause.value == "exited"
-    assert removal < 3.0
+    assert detection < 5.0
+    assert removal < 6.0
     assert backend.engines()[1].state is EngineState.DEAD
     assert outcomes.get("ok", 0) > 0
 
