@@ -171,7 +171,7 @@ async def write_status(kube: KubeClient, res: Resource, obj: dict, status: dict,
     patch = merge_patch_delta({k: current.get(k) for k in keys}, {k: status.get(k) for k in keys})
     written = await kube.merge_patch(res, obj["metadata"]["name"], {"status": patch}, obj["metadata"]["namespace"],
                                      sub="status")
-    return str((written or {}).get("metadata", {}).get("resourceVersion") or "") or None
+    return (written or {}).get("metadata", {}).get("resourceVersion")
 
 
 async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, router_deployment: dict | None,

@@ -241,8 +241,6 @@ def test_step_counts_set_aside_for_megatron_shards_and_given_back_unshared():
     """Megatron's shard load copies every key of torch AdamW's state from shards that hold no `step`;
     the counts are set aside meanwhile and come back one tensor per parameter, so the next step
     advances each by one (a shared count would advance once per parameter)."""
-    import torch
-
     from rlfleet.trainer.megatron_backend import step_counts_set_aside
 
     params = [torch.nn.Parameter(torch.ones(3)) for _ in range(3)]
