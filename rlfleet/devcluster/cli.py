@@ -85,25 +85,37 @@ def _pod_groups(state: dict) -> set[int]:
     return pod_process_groups(Path(node["data_dir"])) if node else set()
 
 
-def _leftovers(state: dict) -> list[str]:
-    """Recorded processes (supervisor, each component's whole process group, the pods') still alive."""
-    left = []
-    supervisor = state.get("supervisor_pid")
-    if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
-        left.append(f"supervisor pid {supervisor}")
-    for component in state.get("components", []):
-        for pid in group_pids(component["pid"]):
-            left.append(f"{component['name']} pid {pid}")
-    for pgid in sorted(_pod_groups(state)):
-        left.extend(f"pod process pid {pid}" for pid in group_pids(pgid))
-    return left
+class _StopTargets:
+    """What a stop must see gone, fixed when the stop begins.
 
+    Recognised once, by command line (the supervisor) and by the files a pod writes (its process
+    group), and then followed by pid and group in /proc: a process that is exiting has already given
+    up its command line and its files but is not a zombie yet, and `down` must not return before it is.
+    """
 
-def _wait_gone(state: dict, timeout_s: float) -> list[str]:
-    deadline = time.monotonic() + timeout_s
-    while (left := _leftovers(state)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
+    def __init__(self, state: dict) -> None:
+        self.state = state
+        supervisor = state.get("supervisor_pid")
+        self.supervisor = supervisor if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE) else None
+        self.groups = {c["pid"]: c["name"] for c in state.get("components", [])}
+        self.groups.update({pgid: "pod process" for pgid in _pod_groups(state) if pgid not in self.groups})
+
+    def leftovers(self) -> list[str]:
+        """Processes still alive: the supervisor, each component's whole process group, the pods'."""
+        left = []
+        if self.supervisor and process_alive(self.supervisor):
+            left.append(f"supervisor pid {self.supervisor}")
+        for pgid in _pod_groups(self.state) - self.groups.keys():  # a pod started while stopping
+            self.groups[pgid] = "pod process"
+        for pgid, name in self.groups.items():
+            left.extend(f"{name} pid {pid}" for pid in group_pids(pgid))
+        return left
+
+    def wait_gone(self, timeout_s: float) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -212,21 +224,20 @@ def _force_stop(state: dict) -> list[str]:
 
     Without a live supervisor nothing would stop the rest gracefully, so it is killed at once.
     """
-    supervisor = state.get("supervisor_pid")
-    left = _leftovers(state)
-    if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
+    targets = _StopTargets(state)
+    left = targets.leftovers()
+    if targets.supervisor:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(supervisor, signal.SIGTERM)
-        left = _wait_gone(state, STOP_TIMEOUT_S)
+            os.kill(targets.supervisor, signal.SIGTERM)
+        left = targets.wait_gone(STOP_TIMEOUT_S)
     if left:
-        if supervisor and _is_ours(supervisor, SUPERVISOR_MODULE):
+        if targets.supervisor:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(supervisor, signal.SIGKILL)
-        groups = [c["pid"] for c in state.get("components", []) if group_pids(c["pid"])]
-        for pgid in groups + sorted(_pod_groups(state)):
+                os.kill(targets.supervisor, signal.SIGKILL)
+        for pgid in targets.groups:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
-        left = _wait_gone(state, 5.0)
+        left = targets.wait_gone(5.0)
     return left
 
 

@@ -54,10 +54,28 @@ def start_cli_run(tmp_path: Path, *, manifest: Path | None = None, args: tuple[s
     return proc, run_dir, out
 
 
+# What an interpreter prints while it shuts down after its multiprocessing helpers (the rank launcher's
+# queues and events): pages of it can follow, and hide, the line that says why a run failed.
+_SHUTDOWN_NOISE = ("resource_tracker", "warnings.warn(", "sem_unlink", "Exception ignored in: <Finalize",
+                   "multiprocessing/util.py", "multiprocessing/synchronize.py", "self._callback(", "^^^^",
+                   "FileNotFoundError: [Errno 2] No such file or directory", "Traceback (most recent call last):")
+
+
+def failure_excerpt(output: str, chars: int = 3000) -> str:
+    """What to show when a run did not do what a test expected: the end of its output without the
+    interpreter's shutdown noise, and its `FAILED` line (with what led to it) wherever that is."""
+    lines = [line for line in output.splitlines() if not any(noise in line for noise in _SHUTDOWN_NOISE)]
+    tail = "\n".join(lines)[-chars:]
+    failed = output.rfind("rlfleet run: FAILED")
+    if failed >= 0 and output[failed:failed + 200] not in tail:
+        tail = output[max(0, failed - chars // 2):failed + chars // 2] + "\n[...]\n" + tail[-chars // 2:]
+    return tail
+
+
 def wait_output(proc: subprocess.Popen, out: Path, text: str, timeout_s: float = 900) -> None:
     """Until `text` is in the run's output; fails if the run exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
     while text not in out.read_text():
-        assert proc.poll() is None, out.read_text()[-3000:]
-        assert time.monotonic() < deadline, out.read_text()[-3000:]
+        assert proc.poll() is None, failure_excerpt(out.read_text())
+        assert time.monotonic() < deadline, failure_excerpt(out.read_text())
         time.sleep(0.2)

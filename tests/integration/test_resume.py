@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_run import start_cli_run, wait_output, write_manifest
+from helpers.cli_run import failure_excerpt, start_cli_run, wait_output, write_manifest
 
 pytestmark = pytest.mark.engines
 
@@ -118,8 +118,8 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
         if resumed.poll() is None:
             resumed.kill()
     output = resumed_out.read_text()
-    assert rc == 0, output[-3000:]
-    assert f"resuming from checkpoint step {KILLED_AFTER}" in output, output[-3000:]
+    assert rc == 0, failure_excerpt(output)
+    assert f"resuming from checkpoint step {KILLED_AFTER}" in output, failure_excerpt(output)
     data = json.loads(summary.read_text())
     assert data["steps_completed"] == data["steps_planned"] == STEPS, data
     assert list(data["weight_versions_per_step"]) == [str(n) for n in range(1, STEPS + 1)], data

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from helpers.cli_run import start_cli_run, wait_output
+from helpers.cli_run import failure_excerpt, start_cli_run, wait_output
 from rlfleet.orchestrator.run.local import LocalRun, RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 
@@ -158,12 +158,12 @@ def stop_and_check(proc: subprocess.Popen, run_dir: Path, out: Path, sig: int) -
     rc = proc.wait(timeout=120)
     stop_s = time.monotonic() - stopped_at
     output = out.read_text()
-    assert rc == 128 + sig, output[-3000:]
+    assert rc == 128 + sig, failure_excerpt(output)
     assert groups_writing_under(run_dir) == set()
     volume = default_local_volume(run_dir)
     if is_scratch_volume(volume):
         assert not volume.exists()
-    assert stop_s < STOP_BOUND_S, f"stopped in {stop_s:.1f} s\n{output[-3000:]}"
+    assert stop_s < STOP_BOUND_S, f"stopped in {stop_s:.1f} s\n{failure_excerpt(output)}"
     return stop_s
 
 

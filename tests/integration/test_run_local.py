@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_run import start_cli_run, wait_output
+from helpers.cli_run import failure_excerpt, start_cli_run, wait_output
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 
@@ -129,7 +129,7 @@ def test_sigterm_stops_the_run_and_leaves_no_engine_router_or_scratch_volume(tmp
         if proc.poll() is None:
             proc.kill()
     output = out.read_text()
-    assert rc == 128 + signal.SIGTERM, output[-3000:]
+    assert rc == 128 + signal.SIGTERM, failure_excerpt(output)
     assert "stopped by SIGTERM" in output
     assert groups_writing_under(run_dir) == set()
     volume = default_local_volume(run_dir)
