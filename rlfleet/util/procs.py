@@ -259,16 +259,47 @@ def mapped_shm_files(pgid: int) -> set[Path]:
 def orphaned_semaphores(since: frozenset[str]) -> set[Path]:
     """Multiprocessing semaphores created after `since` was listed that no live process maps any more.
 
-    A semaphore in use is mapped by every process holding it, so an unmapped one is garbage.
+    A semaphore in use is mapped by every process holding it, so an unmapped one is garbage. Matched by
+    inode, not by name: the process that created a semaphore maps the temporary file glibc made it in
+    (`/dev/shm/sem.XXXXXX (deleted)`), which became the named one by a link; a name-only match takes a
+    live semaphore for garbage, and a process that opens it by name later (a spawned child) fails.
     """
     new = {SHM_DIR / name for name in list_shm() - since if name.startswith(SEMAPHORE_PREFIX)}
     if not new:
         return set()
-    in_use: set[Path] = set()
+    in_use: set[int] = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            in_use |= _shm_paths_of(int(entry))
-    return new - in_use
+            in_use |= _shm_inodes_of(int(entry))
+    orphaned = set()
+    for path in new:
+        with contextlib.suppress(OSError):  # gone meanwhile: nothing to remove
+            if path.stat().st_ino not in in_use:
+                orphaned.add(path)
+    return orphaned
+
+
+def _shm_inodes_of(pid: int) -> set[int]:
+    """The inodes of the /dev/shm files a process maps or holds open, under whatever name it used."""
+    try:
+        device = os.stat(SHM_DIR).st_dev
+    except OSError:
+        return set()
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)  # address perms offset major:minor inode [path]
+            if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
+                major, _, minor = parts[3].partition(":")
+                if os.makedev(int(major, 16), int(minor, 16)) == device:
+                    found.add(int(parts[4]))
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.stat(f"/proc/{pid}/fd/{fd}")
+                if target.st_dev == device:
+                    found.add(target.st_ino)
+    return found
 
 
 def list_shm() -> set[str]:
