@@ -55,17 +55,30 @@ def start_cli_run(tmp_path: Path, *, manifest: Path | None = None, args: tuple[s
 
 
 # What an interpreter prints while it shuts down after its multiprocessing helpers (the rank launcher's
-# queues and events): pages of it can follow, and hide, the line that says why a run failed.
-_SHUTDOWN_NOISE = ("resource_tracker", "warnings.warn(", "sem_unlink", "Exception ignored in: <Finalize",
-                   "multiprocessing/util.py", "multiprocessing/synchronize.py", "self._callback(", "^^^^",
-                   "FileNotFoundError: [Errno 2] No such file or directory", "Traceback (most recent call last):")
+# queues and events): pages of it can follow, and hide, the line that says why a run failed. The
+# resource tracker's warnings, a line each, and the tracebacks of semaphore finalizers, whole.
+_TRACKER_NOISE = ("multiprocessing/resource_tracker.py", "warnings.warn('resource_tracker")
+_FINALIZER_TRACEBACK = "Exception ignored in: <Finalize object"
+
+
+def _without_shutdown_noise(output: str) -> list[str]:
+    kept: list[str] = []
+    in_finalizer = False
+    for line in output.splitlines():
+        if _FINALIZER_TRACEBACK in line:
+            in_finalizer = True
+        elif in_finalizer:
+            # The traceback's own lines are indented or its header; its last line names the error.
+            in_finalizer = line.startswith((" ", "Traceback (most recent call last):"))
+        elif not any(noise in line for noise in _TRACKER_NOISE):
+            kept.append(line)
+    return kept
 
 
 def failure_excerpt(output: str, chars: int = 3000) -> str:
     """What to show when a run did not do what a test expected: the end of its output without the
     interpreter's shutdown noise, and its `FAILED` line (with what led to it) wherever that is."""
-    lines = [line for line in output.splitlines() if not any(noise in line for noise in _SHUTDOWN_NOISE)]
-    tail = "\n".join(lines)[-chars:]
+    tail = "\n".join(_without_shutdown_noise(output))[-chars:]
     failed = output.rfind("rlfleet run: FAILED")
     if failed >= 0 and output[failed:failed + 200] not in tail:
         tail = output[max(0, failed - chars // 2):failed + chars // 2] + "\n[...]\n" + tail[-chars // 2:]
