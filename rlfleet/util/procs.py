@@ -247,7 +247,7 @@ def shm_files_of_group(pgid: int, prefixes: tuple[str, ...] = (LOADS_PREFIX, SEM
     """The /dev/shm files named with one of `prefixes` that any process of the group maps or holds open."""
     found = set()
     for pid in group_pids(pgid):
-        found |= {p for p in _shm_paths_of(pid) if p.name.startswith(prefixes)}
+        found |= {path for path, _ in _shm_files_of(pid) if path.name.startswith(prefixes)}
     return found
 
 
@@ -270,36 +270,13 @@ def orphaned_semaphores(since: frozenset[str]) -> set[Path]:
     in_use: set[int] = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            in_use |= _shm_inodes_of(int(entry))
+            in_use |= {inode for _, inode in _shm_files_of(int(entry))}
     orphaned = set()
     for path in new:
         with contextlib.suppress(OSError):  # gone meanwhile: nothing to remove
             if path.stat().st_ino not in in_use:
                 orphaned.add(path)
     return orphaned
-
-
-def _shm_inodes_of(pid: int) -> set[int]:
-    """The inodes of the /dev/shm files a process maps or holds open, under whatever name it used."""
-    try:
-        device = os.stat(SHM_DIR).st_dev
-    except OSError:
-        return set()
-    found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            parts = line.split(maxsplit=5)  # address perms offset major:minor inode [path]
-            if len(parts) == 6 and parts[5].startswith(str(SHM_DIR) + "/"):
-                major, _, minor = parts[3].partition(":")
-                if os.makedev(int(major, 16), int(minor, 16)) == device:
-                    found.add(int(parts[4]))
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.stat(f"/proc/{pid}/fd/{fd}")
-                if target.st_dev == device:
-                    found.add(target.st_ino)
-    return found
 
 
 def list_shm() -> set[str]:
@@ -309,21 +286,21 @@ def list_shm() -> set[str]:
         return set()
 
 
-def _shm_paths_of(pid: int) -> set[Path]:
-    """The /dev/shm files a process maps or holds open."""
-    found: set[Path] = set()
+def _shm_files_of(pid: int) -> set[tuple[Path, int]]:
+    """(path, inode) of each /dev/shm file a process maps or holds open, the path as the process named it."""
+    found: set[tuple[Path, int]] = set()
     prefix = str(SHM_DIR) + "/"
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            parts = line.split(maxsplit=5)
+            parts = line.split(maxsplit=5)  # address perms offset device inode [path]
             if len(parts) == 6 and parts[5].startswith(prefix):
-                found.add(Path(parts[5].removesuffix(" (deleted)")))
+                found.add((Path(parts[5].removesuffix(" (deleted)")), int(parts[4])))
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith(prefix):
-                    found.add(Path(target.removesuffix(" (deleted)")))
+                    found.add((Path(target.removesuffix(" (deleted)")), os.stat(f"/proc/{pid}/fd/{fd}").st_ino))
     return found
 
 
