@@ -30,7 +30,7 @@ from rlfleet.sglang.launch import build_engine_launch
 from rlfleet.util.allocator import find_jemalloc
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint
-from rlfleet.util.procs import ManagedProcess, shm_files_of_group
+from rlfleet.util.procs import ManagedProcess, shm_files_of_group, sweep_orphaned_shm
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,14 @@ class LocalBackend(SlotFleetBackend):
 
     def log_path(self, slot: int, incarnation: int) -> Path:
         return self.run_dir / "engines" / f"slot-{slot}" / f"incarnation-{incarnation}.log"
+
+    async def start(self) -> None:
+        # A run killed with SIGKILL took its engines with it and left their /dev/shm files (16 KiB load
+        # files, semaphores) behind; nothing else ever removes them.
+        removed = await asyncio.to_thread(sweep_orphaned_shm)
+        if removed:
+            log.info("fleet %s: removed %d file(s) that killed engines left in /dev/shm", self.fleet, len(removed))
+        await super().start()
 
     # --- SlotFleetBackend hooks ---------------------------------------------------------------------
 

@@ -257,26 +257,51 @@ def mapped_shm_files(pgid: int) -> set[Path]:
 
 
 def orphaned_semaphores(since: frozenset[str]) -> set[Path]:
-    """Multiprocessing semaphores created after `since` was listed that no live process maps any more.
+    """Multiprocessing semaphores created after `since` was listed that no live process maps any more."""
+    return orphaned_shm_files((SEMAPHORE_PREFIX,), since=since)
 
-    A semaphore in use is mapped by every process holding it, so an unmapped one is garbage. Matched by
-    inode, not by name: the process that created a semaphore maps the temporary file glibc made it in
-    (`/dev/shm/sem.XXXXXX (deleted)`), which became the named one by a link; a name-only match takes a
-    live semaphore for garbage, and a process that opens it by name later (a spawned child) fails.
+
+def orphaned_shm_files(prefixes: tuple[str, ...], *, since: frozenset[str] = frozenset(),
+                       older_than_s: float = 0.0) -> set[Path]:
+    """/dev/shm files named with one of `prefixes`, not listed in `since`, last changed over
+    `older_than_s` ago and owned by this user, that no live process maps or holds open.
+
+    SGLang's load-snapshot files and semaphores are in use exactly while some process maps them, so an
+    unmapped one is garbage (its processes were SIGKILLed). Matched by inode, not by name: the process
+    that created a semaphore maps the temporary file glibc made it in (`/dev/shm/sem.XXXXXX (deleted)`),
+    which became the named one by a link; a name-only match takes a live semaphore for garbage, and a
+    process that opens it by name later (a spawned child) fails.
     """
-    new = {SHM_DIR / name for name in list_shm() - since if name.startswith(SEMAPHORE_PREFIX)}
+    new = {SHM_DIR / name for name in list_shm() - since if name.startswith(prefixes)}
     if not new:
         return set()
     in_use: set[int] = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             in_use |= {inode for _, inode in _shm_files_of(int(entry))}
+    now = time.time()
     orphaned = set()
     for path in new:
         with contextlib.suppress(OSError):  # gone meanwhile: nothing to remove
-            if path.stat().st_ino not in in_use:
+            st = path.stat()
+            if st.st_ino not in in_use and st.st_uid == os.getuid() and now - st.st_mtime >= older_than_s:
                 orphaned.add(path)
     return orphaned
+
+
+# A file younger than this may belong to a process that is still setting it up (created, not mapped yet).
+SHM_SWEEP_MIN_AGE_S = 60.0
+
+
+def sweep_orphaned_shm() -> list[Path]:
+    """Remove the SGLang load-snapshot files and semaphores that engines killed with their run (SIGKILL
+    leaves no one to unlink them) left in /dev/shm; blocking (/proc scan): call it in a thread."""
+    removed = []
+    for path in sorted(orphaned_shm_files((LOADS_PREFIX, SEMAPHORE_PREFIX), older_than_s=SHM_SWEEP_MIN_AGE_S)):
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def list_shm() -> set[str]:

@@ -1,4 +1,5 @@
-"""`orphaned_semaphores`: what the engine helpers remove from /dev/shm after an engine stops.
+"""`orphaned_semaphores`: what the engine helpers remove from /dev/shm after an engine stops;
+`sweep_orphaned_shm`: what a starting fleet removes that engines killed with their run left there.
 
 Real POSIX semaphores from multiprocessing (the kind the rank launcher and SGLang make). A semaphore its
 creator still holds must never be taken for garbage, though the creator maps it under the temporary
@@ -8,12 +9,20 @@ their launcher's semaphores by name.
 from __future__ import annotations
 
 import _multiprocessing
+import mmap
 import multiprocessing
 import os
 import time
 from pathlib import Path
 
-from rlfleet.util.procs import SHM_DIR, list_shm, orphaned_semaphores
+from rlfleet.util.procs import (
+    LOADS_PREFIX,
+    SHM_DIR,
+    SHM_SWEEP_MIN_AGE_S,
+    list_shm,
+    orphaned_semaphores,
+    sweep_orphaned_shm,
+)
 
 
 def _file(lock) -> Path:
@@ -61,3 +70,38 @@ def test_an_abandoned_semaphore_is_orphaned_and_older_ones_are_left_alone() -> N
         assert _file(older) not in found
     finally:
         abandoned.unlink(missing_ok=True)
+
+
+def _loads_file(tag: str, age_s: float) -> Path:
+    path = SHM_DIR / f"{LOADS_PREFIX}rlfleet-test-{os.getpid()}-{tag}.shm"
+    path.write_bytes(b"\0" * 16396)
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_the_sweep_removes_only_old_files_no_process_maps() -> None:
+    old = SHM_SWEEP_MIN_AGE_S + 60
+    abandoned = _loads_file("abandoned", old)  # what a SIGKILLed engine leaves
+    young = _loads_file("young", 1)  # an engine may still be setting it up
+    mapped = _loads_file("mapped", old)  # a live engine's, unchanged for a while
+    abandoned_lock = SHM_DIR / f"sem.mp-rlfleet-test-{os.getpid()}"
+    semaphore = _multiprocessing.SemLock(1, 1, 1, f"/mp-rlfleet-test-{os.getpid()}", False)
+    del semaphore
+    os.utime(abandoned_lock, (time.time() - old, time.time() - old))
+    held = multiprocessing.get_context("spawn").Lock()  # in use, however old
+    os.utime(_file(held), (time.time() - old, time.time() - old))
+    try:
+        with mapped.open("r+b") as f:
+            view = mmap.mmap(f.fileno(), 0)  # the file closed, only the mapping holds it, as SGLang's
+        try:
+            removed = set(sweep_orphaned_shm())
+            assert abandoned in removed and abandoned_lock in removed
+            assert not abandoned.exists() and not abandoned_lock.exists()
+            assert young.exists() and mapped.exists() and _file(held).exists()
+            assert not {young, mapped, _file(held)} & removed
+        finally:
+            view.close()
+    finally:
+        for path in (abandoned, young, mapped, abandoned_lock):
+            path.unlink(missing_ok=True)

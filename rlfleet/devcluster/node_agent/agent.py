@@ -50,7 +50,7 @@ from rlfleet.kube.client import (
     list_and_watch,
 )
 from rlfleet.util.aio import stop_task
-from rlfleet.util.procs import ManagedProcess, mapped_shm_files, tail_file
+from rlfleet.util.procs import ManagedProcess, mapped_shm_files, sweep_orphaned_shm, tail_file
 
 log = logging.getLogger("rlfleet.node_agent")
 
@@ -498,6 +498,9 @@ class NodeAgent:
     # Main -----------------------------------------------------------------------------------------------
     async def run(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        removed = await asyncio.to_thread(sweep_orphaned_shm)  # a killed agent's engine pods left them
+        if removed:
+            log.info("removed %d file(s) that killed engine pods left in /dev/shm", len(removed))
         async with aiohttp.ClientSession() as self.http:
             try:
                 await self._start_log_server()
