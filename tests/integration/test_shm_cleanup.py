@@ -96,7 +96,7 @@ def test_the_sweep_removes_only_old_files_no_process_maps() -> None:
             view = mmap.mmap(f.fileno(), 0)  # the file closed, only the mapping holds it, as SGLang's
         try:
             removed = set(sweep_orphaned_shm())
-            assert abandoned in removed and abandoned_lock in removed
+            # Gone, whichever sweep took them: a fleet starting on the other test worker sweeps too.
             assert not abandoned.exists() and not abandoned_lock.exists()
             assert young.exists() and mapped.exists() and _file(held).exists()
             assert not {young, mapped, _file(held)} & removed
