@@ -295,7 +295,9 @@ class WeightSyncSpec(ApiModel):
         "headers and tensor table (files are hashed once, as they are written); full also re-hashes every file.",
     )
     keep_snapshots: int = Field(
-        2, ge=1, le=100, description="Weight snapshots kept on the volume (replacement engines start from the newest)."
+        2, ge=1, le=100,
+        description="Step snapshots kept on the volume, the one engines serve included (the launch weights always "
+        "stay); on Kubernetes one more stays for a step, for a replacement pod created before the pin moved.",
     )
     mount_path: str = Field(
         "/snapshots", max_length=PATH, pattern=kv.MOUNT_PATH,

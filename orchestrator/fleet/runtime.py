@@ -23,7 +23,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineSta
 from rlfleet.orchestrator.fleet.membership import RouterMembership
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
-from rlfleet.sglang.engine import EngineClient, EngineTimeouts, PauseMode
+from rlfleet.sglang.engine import EngineClient, EngineTimeouts
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import client_session, fleet_connector
 from rlfleet.sglang.router import RouterClient, normalize_url
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 class FleetRuntime:
     def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
-                 reference: SnapshotReference | str | Path | None = None, pause_mode: PauseMode = "retract",
+                 reference: SnapshotReference | str | Path | None = None,
                  timeouts: EngineTimeouts | None = None, api_key: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
                  engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
@@ -45,7 +45,6 @@ class FleetRuntime:
         self.router_url = router_url
         self.timeouts = timeouts or EngineTimeouts(health=health.timeout_seconds)
         self._reference = reference
-        self._pause_mode = pause_mode
         self._weight_sync_spec = weight_sync
         self._broadcast_address = broadcast_address
         self._broadcast_port = broadcast_port
@@ -97,7 +96,7 @@ class FleetRuntime:
             self._reference = await asyncio.to_thread(SnapshotReference.from_dir, self._reference)
         self.weights = WeightSync(self.backend, self.membership, spec=self._weight_sync_spec,
                                   engine_client=self.engine_client, monitor=self.monitor,
-                                  pause_mode=self._pause_mode, reference=self._reference,
+                                  reference=self._reference,
                                   broadcast_address=self._broadcast_address, broadcast_port=self._broadcast_port,
                                   broadcast_device=self._broadcast_device,
                                   engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,

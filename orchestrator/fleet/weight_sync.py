@@ -40,7 +40,6 @@ from rlfleet.util.aio import settle
 
 log = logging.getLogger(__name__)
 
-SAFE_PAUSE_MODES = ("retract", "abort")
 FLUSH_ATTEMPTS = 5
 FLUSH_RETRY_S = 0.5
 SYNC_OUTCOMES = ("ok", "degraded", "invalid_snapshot", "failed")  # rlfleet_weight_syncs_total{outcome}
@@ -98,18 +97,14 @@ class WeightSync:
 
     def __init__(self, backend: FleetBackend, membership: RouterMembership, *, spec: WeightSyncSpec,
                  engine_client: Callable[[str], EngineClient], monitor: HealthMonitor | None = None,
-                 pause_mode: PauseMode = "retract", reference: SnapshotReference | str | Path | None = None,
+                 reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None,
                  broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
                  engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
-        if pause_mode not in SAFE_PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {SAFE_PAUSE_MODES} (in_place leaves the engine "
-                             f"inconsistent after an update), got {pause_mode!r}")
         self.backend = backend
         self.membership = membership
         self.spec = spec
         self.monitor = monitor
-        self.pause_mode = pause_mode
         self.wait_alive_timeout_s = wait_alive_timeout_s
         self.fleet = fleet or backend.fleet
         self._engine_client = engine_client
@@ -130,6 +125,12 @@ class WeightSync:
         self._syncs = 0
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        """How engines pause generation during a sync (`weightSync.pauseMode`: retract or abort; SGLang's
+        in_place is not offered, it leaves an engine inconsistent after an update)."""
+        return self.spec.pause_mode
 
     @property
     def lock(self) -> asyncio.Lock:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from rlfleet.crds.models import TrainerSpec
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
 from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.trainer.grpo import Sample, sample_from_generate
@@ -33,7 +34,19 @@ Encode = Callable[[str], list[int]]
 class SamplingSettings:
     max_new_tokens: int = 8
     temperature: float = 1.0
+    top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+
+    def request_params(self) -> dict:
+        """SGLang's `sampling_params` for one rollout request."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                **({"stop_token_ids": list(self.stop_token_ids)} if self.stop_token_ids else {})}
+
+    @classmethod
+    def for_trainer(cls, trainer: TrainerSpec, eos_token_id: int | None) -> SamplingSettings:
+        """A run's rollout sampling: `spec.trainer`'s maxNewTokens, temperature and topP, stopping at EOS."""
+        return cls(max_new_tokens=trainer.max_new_tokens, temperature=trainer.temperature, top_p=trainer.top_p,
+                   stop_token_ids=(eos_token_id,) if eos_token_id is not None else ())
 
 
 @dataclass
@@ -132,11 +145,7 @@ class RolloutProducer:
             # The prompt as the trainer scores it: what the engines see is what the trainer recomputes,
             # and a broken generation can continue from prompt + prefix (rlfleet.orchestrator.rollout.client).
             "input_ids": list(prompt_ids),
-            "sampling_params": {
-                "max_new_tokens": self.sampling.max_new_tokens,
-                "temperature": self.sampling.temperature,
-                **({"stop_token_ids": list(self.sampling.stop_token_ids)} if self.sampling.stop_token_ids else {}),
-            },
+            "sampling_params": self.sampling.request_params(),
             "return_logprob": True,
         }
         lost: BaseExceptionGroup | None = None

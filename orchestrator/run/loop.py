@@ -68,6 +68,7 @@ from rlfleet.orchestrator.run.tracking import RunTrackers, TrackerUnavailable, b
 from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session, fleet_connector
+from rlfleet.snapshot.retention import snapshots_to_retire
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
@@ -187,6 +188,7 @@ class RunLoop:
         self.resumed: ResumePoint | None = None
         self.start_step = 0
         self.launch_snapshot: Path | None = None
+        self._kept_snapshots: list[Path] = []  # the step snapshots still on the volume, oldest first
         self.prompts_drawn = 0
         self._recreated_before = 0
         self._checkpoints_before: list[dict] = []
@@ -350,13 +352,11 @@ class RunLoop:
             from transformers import AutoTokenizer
 
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, trainer.model_dir)
-        eos = tokenizer.eos_token_id
         return RolloutProducer(
             client, prompts(), reward_fn,
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
-            sampling=SamplingSettings(max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                                      stop_token_ids=(eos,) if eos is not None else ()),
+            sampling=SamplingSettings.for_trainer(t, tokenizer.eos_token_id),
             concurrency=max(1, min(self.spec.rollout.concurrency_per_engine * self.spec.rollout.replicas,
                                    t.prompts_per_step)),
             queue_groups=2 * t.prompts_per_step, run_id=self.name,
@@ -399,9 +399,9 @@ class RunLoop:
                 began = clock()
                 result = await self.fleet.sync_weights(path, step, tensors=tensors)
                 del tensors
-            previous, self.current_snapshot = self.current_snapshot, path
+            self.current_snapshot = path
             await self._after_sync(step, path, stats)
-            await self._retire_snapshot(previous)
+            await self._retire_snapshots(path)
             phases["weight_sync"] = clock() - began
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
                 began = clock()
@@ -750,6 +750,15 @@ class RunLoop:
         finally:
             self.summary.eval = self.evaluation.summary_points()
             self.summary.eval_snapshots_left = await asyncio.to_thread(self.evaluation.snapshots_left)
+
+    async def _retire_snapshots(self, newest: Path) -> None:
+        """`weightSync.keepSnapshots` newest step snapshots stay on the volume (the one engines serve
+        included); older ones go."""
+        launch = frozenset({self.launch_snapshot} if self.launch_snapshot is not None else ())
+        self._kept_snapshots, retired = snapshots_to_retire([*self._kept_snapshots, newest],
+                                                            self.spec.weight_sync.keep_snapshots, never=launch)
+        for path in retired:
+            await self._retire_snapshot(path)
 
     async def _retire_snapshot(self, path: Path | None) -> None:
         """Weight snapshots are needed until every engine runs the next one; the launch weights (step_0, or

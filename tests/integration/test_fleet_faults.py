@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -352,3 +353,51 @@ async def test_heat_pause_holds_probes_and_outlasts_a_weight_sync(fleet: Fleet, 
         runner.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await runner
+
+
+async def finish_of_streamed(url: str, started: asyncio.Event, max_new_tokens: int) -> tuple[str, int]:
+    """A streamed generation straight to one engine: (finish reason, tokens generated); `started` is set
+    once its first chunk has come."""
+    body = {"text": "Hello", "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}
+    last: dict = {}
+    async with aiohttp.ClientSession() as session, \
+            session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            text = line.decode().strip()
+            if text.startswith("data:") and text != "data: [DONE]":
+                last = json.loads(text.removeprefix("data:"))
+                started.set()
+    meta = last.get("meta_info", {})
+    return (meta.get("finish_reason") or {}).get("type", ""), int(meta.get("completion_tokens", 0))
+
+
+@pytest.mark.parametrize("pause_mode", ["retract", "abort"])
+async def test_pause_mode_decides_what_a_sync_does_to_requests_in_flight(fleet: Fleet, pause_mode: str):
+    """weightSync.pauseMode: retract keeps a generation running across the sync (it finishes in full on
+    the new weights), abort ends it with finish reason abort."""
+    runtime = fleet.runtime
+    step = 5 if pause_mode == "retract" else 6
+    runtime.weights.spec = WEIGHT_SYNC.model_copy(update={"pause_mode": pause_mode})
+    try:
+        snapshot = make_snapshot(fleet.base, fleet.snapshots, step=step, seed=step)
+        url = fleet.backend.engines()[0].url
+        # Long enough to be mid-generation when the pause comes: the prompt and these fill the tiny
+        # model's 256 positions.
+        max_new_tokens = 240
+        started = asyncio.Event()
+        request = asyncio.create_task(finish_of_streamed(url, started, max_new_tokens))
+        async with asyncio.timeout(60):
+            await started.wait()
+        result = await runtime.sync_weights(snapshot, step)
+        fleet.version = str(step)
+        assert sorted(e.version for e in result.engines) == [str(step)] * 2
+        finish, tokens = await request
+    finally:
+        runtime.weights.spec = WEIGHT_SYNC
+    print(f"\n[pause {pause_mode}] the request in flight ended: {finish}, {tokens} tokens")
+    if pause_mode == "retract":
+        assert (finish, tokens) == ("length", max_new_tokens)
+    else:
+        assert finish == "abort" and tokens < max_new_tokens

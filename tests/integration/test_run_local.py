@@ -39,6 +39,9 @@ def quickstart_run(steps: int, replicas: int = 2):
 
 async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     run = quickstart_run(steps=6)
+    volume = tmp_path / "snapshots"  # kept after the run (a scratch volume is removed)
+    run.spec.weight_sync.snapshot_volume.local_path = str(volume)
+    run.spec.weight_sync.keep_snapshots = 3
     max_staleness = run.spec.trainer.max_staleness
     log = io.StringIO()
     local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
@@ -96,6 +99,9 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     assert {s for slots in data["recovered_slots_per_step"].values() for s in slots} <= {victim.slot}, data
     assert summary.failure is None
     assert "marked dead" in log.getvalue()
+    # weightSync.keepSnapshots 3: the three newest step snapshots stay, and the launch weights.
+    assert sorted(p.name for p in volume.iterdir() if p.name.startswith("step_")) == [
+        "step_0", "step_4", "step_5", "step_6"]
 
 
 def test_run_rejects_an_invalid_manifest_naming_the_field(tmp_path: Path):
