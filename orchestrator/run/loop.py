@@ -65,7 +65,7 @@ from rlfleet.orchestrator.run.summary import (
     staleness_of,
 )
 from rlfleet.orchestrator.run.tracking import RunTrackers, TrackerUnavailable, build_sinks
-from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer
+from rlfleet.orchestrator.run.trainer_setup import LeadingTrainer, build_run_trainer, ranks_label
 from rlfleet.orchestrator.run.trainer_setup import describe as describe_trainer
 from rlfleet.sglang.http import client_session, fleet_connector
 from rlfleet.snapshot.retention import snapshots_to_retire
@@ -252,6 +252,7 @@ class RunLoop:
                                 f"{spec.trainer.backend} trainer on {spec.model_path}: {exc}") from None
             if isinstance(trainer, LeadingTrainer):  # rank 0 of several: the other ranks stop when the run does
                 stack.push_async_callback(asyncio.to_thread, trainer.close)
+            self.state.trainer = ranks_label(spec)
             self.progress.event(describe_trainer(spec))
             if spec.checkpoint is not None:
                 await self._open_checkpoints(trainer, stack)

@@ -31,6 +31,7 @@ class ProgressState:
     training_since: float | None = None  # when the first step of this process began
     first_step: int = 0  # the step count then (a resumed run's ETA counts only its own steps)
     engines: dict[str, str] = field(default_factory=dict)  # slot -> starting, loading, healthy, pinned v<N>, dead
+    trainer: str = ""  # a trainer of several ranks: "<world> ranks tp<T> pp<P> dp<D>" (one rank: nothing)
 
     def set_phase(self, phase: str, now: float | None = None) -> None:
         if phase != self.phase:
@@ -41,7 +42,8 @@ class ProgressState:
 def format_progress(s: ProgressState) -> str:
     """The plain form (one line per event, no redraw)."""
     reward = "-" if s.reward is None else f"{s.reward:.3f}"
-    return (f"step {s.step}/{s.steps}  reward {reward}  weights v{s.weight_version}  "
+    trainer = f"trainer {s.trainer}  " if s.trainer else ""
+    return (f"step {s.step}/{s.steps}  reward {reward}  weights v{s.weight_version}  {trainer}"
             f"engines {s.engines_ready}/{s.engines_total}  rollout {s.samples_per_s:.1f} samples/s  [{s.phase}]")
 
 
@@ -70,6 +72,8 @@ def format_status(s: ProgressState, now: float, width: int = 120) -> str:
         f"elapsed {format_duration(now - s.started_at)} ETA {'--:--' if eta is None else format_duration(eta)}",
         f"{s.phase} {now - s.phase_since:.0f} s",
     ]
+    if s.trainer:
+        parts.append(f"trainer {s.trainer}")
     engines = format_engines(s.engines)
     parts.append(f"engines {s.engines_ready}/{s.engines_total}" + (f" {engines}" if engines else ""))
     if s.reward is not None:

@@ -62,6 +62,12 @@ def build_run_trainer(spec: TrainingRunSpec, model_dir: Path) -> Trainer | Leadi
     return LeadingTrainer(trainer)
 
 
+def ranks_label(spec: TrainingRunSpec) -> str:
+    """The progress line's trainer: "4 ranks tp2 pp1 dp2"; empty for a trainer of one rank."""
+    layout = layout_of(spec)
+    return "" if layout.world == 1 else f"{layout.world} ranks tp{layout.tensor} pp{layout.pipeline} dp{layout.data}"
+
+
 def describe(spec: TrainingRunSpec) -> str:
     layout = layout_of(spec)
     backend = "gloo" if device_of(spec) == "cpu" else "nccl"

@@ -73,3 +73,21 @@ def test_terminal_redraws_in_place():
     reporter.event("engine slot 0 marked dead", state)
     text = out.getvalue()
     assert text.startswith("\rstep 0/3 [") and "engine slot 0 marked dead" in text and text.count("\n") == 1
+
+
+def test_a_trainer_of_several_ranks_is_shown_in_the_status_line_and_the_plain_form():
+    from pathlib import Path
+
+    from rlfleet.crds.loader import load_training_run
+    from rlfleet.orchestrator.run.progress import format_progress
+    from rlfleet.orchestrator.run.trainer_setup import ranks_label
+
+    run = load_training_run(Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml")
+    run.spec.trainer = run.spec.trainer.model_copy(update={"backend": "megatron", "tensor_parallel_size": 2,
+                                                           "data_parallel_size": 2})
+    label = ranks_label(run.spec)
+    assert label == "4 ranks tp2 pp1 dp2"
+    s = ProgressState(steps=4, engines_total=2, trainer=label, started_at=0.0, phase_since=0.0)
+    assert "| trainer 4 ranks tp2 pp1 dp2 | engines 0/2" in format_status(s, now=1.0, width=200)
+    assert "trainer 4 ranks tp2 pp1 dp2  engines 0/2" in format_progress(s)
+    assert "trainer" not in format_status(ProgressState(steps=4), now=1.0, width=200)  # one rank: nothing
