@@ -22,10 +22,12 @@ behind a real router, the orchestrator's own WeightSync. Per sync the phases are
 
 Floors measured in the same run: the bare `update_weights_from_disk` of an unvalidated snapshot already
 in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
-processes (measured just before each fleet's syncs). Every figure is the median of `--repeat` syncs (or
-floor samples), with the fastest beside it; each ratio is given median against median and best against
-best. Goals: broadcast sync <= 1.5x the raw broadcast (the run loop's sync: the weights exported into the
-buffer); disk sync beyond the bare load <= 25%. The trainer's weights are in memory, as a trainer's are.
+processes (measured just before each fleet's syncs; with several engines also from one process to as
+many others as there are engines, the update group's shape, and the sync is given against it too). Every
+figure is the median of `--repeat` syncs (or floor samples), with the fastest beside it; each ratio is
+given median against median and best against best. Goals: broadcast sync <= 1.5x the raw broadcast (the
+run loop's sync: the weights exported into the buffer); disk sync beyond the bare load <= 25%.
+The trainer's weights are in memory, as a trainer's are.
 
 Run: python -P benchmarks/bench_weight_sync.py [--size-mb 1024] [--engines 1 2] [--bucket-mb N]
 [--malloc both|jemalloc|glibc] [--repeat 3] [--json] (`--bucket-mb`: the broadcast's bucketMegabytes, default the
@@ -49,8 +51,8 @@ from pathlib import Path
 
 RAW_BROADCAST = r"""
 import os, sys, time, torch, torch.distributed as dist
-rank, port, nbytes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+rank, port, nbytes, world = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 data = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
 dist.barrier()
 samples = []
@@ -131,13 +133,14 @@ def export_copy(tensors: dict, into: dict | None) -> dict:
     return out
 
 
-def raw_broadcast_s(nbytes: int, repeat: int) -> list[float]:
-    """`repeat` timed broadcasts of nbytes between two fresh processes (after one untimed)."""
+def raw_broadcast_s(nbytes: int, repeat: int, world: int = 2) -> list[float]:
+    """`repeat` timed broadcasts of nbytes from one of `world` fresh processes to the others (after one
+    untimed)."""
     from rlfleet.util.ports import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", RAW_BROADCAST, str(rank), port, str(nbytes), str(repeat)],
-                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-c", RAW_BROADCAST, str(rank), port, str(nbytes), str(repeat),
+                               str(world)], stdout=subprocess.PIPE, text=True) for rank in range(world)]
     out = [p.communicate(timeout=600)[0] for p in procs]
     return [float(x) for x in out[1].strip().splitlines()[-1].split()]
 
@@ -326,6 +329,11 @@ def report(figures: dict) -> None:
     row = figures["rows"]["export into buffer"]
     print(f"  the run loop's broadcast sync (its weights exported into the buffer): {row['sync']:.2f} s, "
           f"{row['sync'] / raw:.2f}x the raw broadcast (best against best {row['best'] / raw_best:.2f}x; goal <= 1.5x)")
+    if "raw_group_broadcast_s" in figures:  # several engines: the same collective among the group's processes
+        group, group_best = median(figures["raw_group_broadcast_s"]), min(figures["raw_group_broadcast_s"])
+        print(f"  against a raw gloo broadcast from one process to {engines} others (the group's shape): "
+              f"{group:.2f} s (best {group_best:.2f}); the run loop's sync {row['sync'] / group:.2f}x it "
+              f"(best against best {row['best'] / group_best:.2f}x)")
 
 
 def main() -> int:
@@ -355,9 +363,12 @@ def main() -> int:
         for engines in args.engines:
             for malloc in mallocs:
                 raw = raw_broadcast_s(nbytes, args.repeat)  # beside the syncs it is the floor of
+                group = raw_broadcast_s(nbytes, args.repeat, world=engines + 1) if engines > 1 else None
                 figures = asyncio.run(measure(model, work, engines, tensors, nbytes, args.bucket_mb, malloc,
                                               args.repeat))
                 figures.update(raw_broadcast_s=raw, malloc=malloc, repeat=args.repeat)
+                if group is not None:
+                    figures["raw_group_broadcast_s"] = group
                 report(figures)
                 results.append(figures)
             if len(mallocs) == 2:

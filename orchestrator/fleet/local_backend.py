@@ -26,7 +26,7 @@ from rlfleet.policy.recovery import engine_error_line
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import client_session
-from rlfleet.sglang.launch import build_engine_launch
+from rlfleet.sglang.launch import build_engine_launch, cpu_threads_per_engine
 from rlfleet.util.allocator import find_jemalloc
 from rlfleet.util.binaries import python_executable
 from rlfleet.util.ports import allocate_endpoint
@@ -99,7 +99,8 @@ class LocalBackend(SlotFleetBackend):
         launch = build_engine_launch(self.engine, host=host, port=port, weight_version=self.weight_version,
                                      api_key=self.api_key, malloc_library=self.malloc_library,
                                      base_gpu_id=self.gpu_bases[rec.slot] if self.gpu_bases else None,
-                                     forked_cpu_processes=True)  # this machine's rlfleet: a faster CPU start
+                                     forked_cpu_processes=True,  # this machine's rlfleet: a faster CPU start
+                                     cpu_threads=cpu_threads_per_engine(len(os.sched_getaffinity(0)), self.replicas))
         log_path = self.log_path(rec.slot, rec.incarnation)
         process = ManagedProcess(f"{self.fleet}-slot{rec.slot}-inc{rec.incarnation}", launch.argv(self.python),
                                  log_path=log_path, env=launch.env,

@@ -163,3 +163,21 @@ def test_a_cpu_engine_preloads_the_malloc_library_it_is_given_and_a_users_ld_pre
     present.write_bytes(b"")
     assert find_jemalloc((str(tmp_path / "missing.so"), str(present))) == str(present)
     assert find_jemalloc((str(tmp_path / "missing.so"),)) is None
+
+
+@pytest.mark.parametrize(("cpus", "engines", "threads"), [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 4, 4), (8, 3, 2)])
+def test_cpu_engines_on_one_machine_share_its_cores(cpus, engines, threads):
+    from rlfleet.sglang.launch import cpu_threads_per_engine
+
+    assert cpu_threads_per_engine(cpus, engines) == threads
+
+
+def test_cpu_threads_set_omp_threads_of_cpu_engines_unless_their_env_does():
+    cpu = EngineSpec.model_validate({"modelPath": "/m", "device": "cpu"})
+    assert build_engine_launch(cpu, host="h", cpu_threads=1).env["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in build_engine_launch(cpu, host="h").env  # pods: their CPU limit's business
+    gpu = EngineSpec.model_validate({"modelPath": "/m", "device": "cuda"})
+    assert "OMP_NUM_THREADS" not in build_engine_launch(gpu, host="h", cpu_threads=1).env
+    own = EngineSpec.model_validate({"modelPath": "/m", "device": "cpu",
+                                     "env": [{"name": "OMP_NUM_THREADS", "value": "3"}]})
+    assert build_engine_launch(own, host="h", cpu_threads=1).env["OMP_NUM_THREADS"] == "3"
