@@ -47,6 +47,15 @@ class _Incarnation:
         self.shm_files: set[Path] = set()
 
 
+def _exit_reason(process: ManagedProcess, code: int | None) -> str:
+    error = engine_error_line(process.tail(40))
+    return f"process exited with code {code}" + (f": {error}" if error else "")
+
+
+def _exit_cause(rec: SlotRecord) -> DeathCause:
+    return DeathCause.STARTUP_FAILED if rec.state is EngineState.STARTING else DeathCause.EXITED
+
+
 class LocalBackend(SlotFleetBackend):
     """Real SGLang engine processes, one per slot."""
 
@@ -54,7 +63,7 @@ class LocalBackend(SlotFleetBackend):
                  fleet: str = "rollout", min_ready: int | None = None, weight_version: str = "0",
                  startup_timeout_s: float = 600.0, ready_poll_s: float = 0.25, ready_probe_timeout_s: float = 10.0,
                  stop_grace_s: float = 8.0, python: str | None = None, api_key: str | None = None,
-                 gpu_bases: Sequence[int] = ()):
+                 gpu_bases: Sequence[int] = (), exit_attribution_s: float = 2.0):
         super().__init__(fleet=fleet, replicas=replicas, recovery=recovery, min_ready=min_ready)
         self.engine = engine
         self.run_dir = Path(run_dir)
@@ -75,6 +84,7 @@ class LocalBackend(SlotFleetBackend):
             log.info("fleet %s: no libjemalloc.so.2 on this machine: CPU engines run with glibc's malloc, "
                      "and receive a broadcast weight update ~3x slower", fleet)
         self._session: aiohttp.ClientSession | None = None
+        self.exit_attribution_s = exit_attribution_s
 
     def _client(self, url: str) -> EngineClient:
         if self._session is None or self._session.closed:
@@ -124,10 +134,27 @@ class LocalBackend(SlotFleetBackend):
         if rec.incarnation != inc or rec.state not in (EngineState.STARTING, EngineState.ALIVE):
             return
         rec.exit_code = code
-        cause = DeathCause.STARTUP_FAILED if rec.state is EngineState.STARTING else DeathCause.EXITED
-        error = engine_error_line(process.tail(40))
-        reason = f"process exited with code {code}" + (f": {error}" if error else "")
-        await self.mark_dead(rec.slot, reason, cause=cause, incarnation=inc)
+        await self.mark_dead(rec.slot, _exit_reason(process, code), cause=_exit_cause(rec), incarnation=inc)
+
+    async def mark_dead(self, slot: int, reason: str, *, cause: DeathCause = DeathCause.REQUESTED,
+                        incarnation: int | None = None) -> bool:
+        rec = self._slots.get(slot)
+        process = self.process(slot)
+        if (cause is DeathCause.UNREACHABLE and rec is not None and process is not None
+                and incarnation in (None, rec.incarnation)):
+            # A killed engine resets its connections a moment before its exit is seen: a call that found
+            # the connection closed waits briefly for the exit, so the death carries its exit code.
+            watched = rec.incarnation
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(process.wait()), self.exit_attribution_s)
+            if process.returncode is not None:
+                if rec.incarnation != watched or rec.state not in (EngineState.STARTING, EngineState.ALIVE):
+                    # The exit watcher marked it first: dead as the call found it.
+                    return rec.incarnation == watched and rec.state is EngineState.DEAD
+                rec.exit_code = process.returncode
+                reason = f"{_exit_reason(process, process.returncode)} (a call saw: {reason})"
+                cause = _exit_cause(rec)
+        return await super().mark_dead(slot, reason, cause=cause, incarnation=incarnation)
 
     async def _watch_ready(self, rec: SlotRecord, inc: int) -> None:
         """Poll /health_generate until it answers 200 (alive) or the startup bound runs out."""

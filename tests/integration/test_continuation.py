@@ -62,10 +62,14 @@ def counter(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def running_requests(session: aiohttp.ClientSession, engine_url: str) -> float:
-    async with session.get(engine_url + "/metrics", timeout=TIMEOUT) as resp:
-        text = await resp.text()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_running_reqs"))
+async def running_requests(session: aiohttp.ClientSession, engine_url: str, api_key: str | None = None) -> int:
+    """Requests the engine's scheduler holds now (`/v1/loads`, published at every prefill and when it goes
+    idle; the `/metrics` gauge is refreshed only every 40 decode steps and may still count finished ones)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with session.get(engine_url + "/v1/loads", headers=headers, timeout=TIMEOUT) as resp:
+        resp.raise_for_status()
+        loads = (await resp.json())["loads"]
+    return sum(load.get("num_running_reqs", 0) + load.get("num_waiting_reqs", 0) for load in loads)
 
 
 async def wait_progress(client: RolloutClient, ids: list[str], tokens: int, timeout_s: float = 120) -> None:
@@ -209,16 +213,22 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
                                      record_batches=tmp_path / "batches"))
     before = counter("rlfleet_rollout_continuations_total", fleet="rollout")
     task = asyncio.create_task(local.execute())
-    async with asyncio.timeout(600):  # the first step's rollouts are streaming, ~30 tokens each
-        while local._client is None or sum(p.generated for p in local._client.progress.values()) < 16 * 30:
+    # The first step's rollouts are streaming: at least 8 in flight with 8 tokens each on average. Sampled
+    # answers end early (~30 tokens), so waiting much longer leaves the engines little to lose.
+    def streaming() -> bool:
+        in_flight = [p.generated for p in local._client.progress.values()] if local._client else []
+        return len(in_flight) >= 8 and sum(in_flight) >= 8 * 8
+
+    async with asyncio.timeout(600):
+        while not streaming():
             assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
             await asyncio.sleep(0.05)
     assert not local.summary.steps
     # The router may place every sample on one engine (they share their prompts' prefixes): the engine
-    # killed is the one that holds the most requests, read from each engine's own metrics.
+    # killed is the one that holds the most requests, as each engine's scheduler reports them.
     engines = [e for e in local.backend.engines() if e.url]
     async with aiohttp.ClientSession() as session:
-        held = [await running_requests(session, e.url) for e in engines]
+        held = [await running_requests(session, e.url, local.backend.api_key) for e in engines]
     assert max(held) > 0, f"no engine held a request at the kill: {held}"
     local.backend.process(engines[held.index(max(held))].slot).signal_group(signal.SIGKILL)
     summary = await asyncio.wait_for(task, 900)

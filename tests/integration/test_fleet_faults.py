@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY
 from safetensors.numpy import load_file, save_file
 
 from rlfleet.crds.specs import EngineSpec, HealthSpec, HeatGuardSpec, RecoverySpec, WeightSyncSpec
-from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState
+from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState
 from rlfleet.orchestrator.fleet.health import hang_detection_bound
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter
@@ -401,3 +401,26 @@ async def test_pause_mode_decides_what_a_sync_does_to_requests_in_flight(fleet: 
         assert (finish, tokens) == ("length", max_new_tokens)
     else:
         assert finish == "abort" and tokens < max_new_tokens
+
+
+async def test_a_call_that_finds_a_killed_engine_gone_records_its_exit(fleet: Fleet):
+    """A SIGKILLed engine resets its connections a moment before its exit is seen, and a call that finds the
+    connection closed then (the weight sync, say) marks it dead as unreachable. The death still names the
+    exit, its cause and exit code, and the call learns that the engine was marked dead."""
+    backend = fleet.backend
+    victim = backend.engines()[0]
+    dead_before = metric("rlfleet_engines_marked_dead_total", reason="exited")
+    os.killpg(victim.pid, signal.SIGKILL)
+    # No await between the kill and the call: the exit watcher has not run yet.
+    marked = await backend.mark_dead(victim.slot, "POST /pause_generation: connection reset by peer",
+                                     cause=DeathCause.UNREACHABLE, incarnation=victim.incarnation)
+    event = await fleet.deaths.wait_for(victim.slot, victim.incarnation, timeout=10)
+    print(f"\n[call saw the kill] {event.cause.value}: {event.reason}")
+    assert marked
+    assert event.cause is DeathCause.EXITED and "exited with code -9" in event.reason
+    assert metric("rlfleet_engines_marked_dead_total", reason="exited") == dead_before + 1
+
+    result = await fleet.runtime.sync_weights(make_snapshot(fleet.base, fleet.snapshots, step=7, seed=7), 7)
+    fleet.version = "7"
+    assert result.recovered_slots == [0]
+    assert [e.version for e in result.engines] == ["7", "7"]

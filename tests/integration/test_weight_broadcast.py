@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
+from prometheus_client import REGISTRY
 
 from rlfleet.crds.specs import EngineSpec, HealthSpec, RecoverySpec, WeightSyncSpec
 from rlfleet.orchestrator.fleet import broadcast_plan as plan
@@ -42,6 +43,11 @@ RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backo
 WEIGHT_SYNC = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=10, load_retries=1, verify_every=1)
 PROMPT = "Hello"
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+
+
+def metric(name: str, **labels: str) -> float:
+    """A counter of this fleet as Prometheus scrapes it from the orchestrator."""
+    return REGISTRY.get_sample_value(name, {"fleet": "rollout", **labels}) or 0.0
 
 
 class Fleet:
@@ -143,6 +149,10 @@ async def test_quickstart_run_in_broadcast_mode(tmp_path: Path):
 
 
 async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
+    bytes_before = metric("rlfleet_weight_sync_bytes_total")
+    matches_before = metric("rlfleet_weight_checksums_total", result="match")
+    builds_before = metric("rlfleet_weight_update_group_builds_total")
+    sent = 0
     for _ in range(2):
         path, tensors = await fleet.next_weights()
         result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
@@ -150,6 +160,7 @@ async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
               f"{ {k: round(v, 3) for k, v in result.phases.items()} }")
         assert result.mode == "broadcast" and result.fallback_reason is None
         assert result.bytes_broadcast == sum(t.numel() * t.element_size() for t in tensors.values())
+        sent += result.bytes_broadcast
         assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
         assert [e.checksum for e in result.synced] == ["match", "match"]
         expected = await asyncio.to_thread(fleet.trainer.greedy_generate, fleet.prompt_ids, 8)
@@ -158,6 +169,10 @@ async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
             assert version == str(fleet.step)
             assert tokens == expected
     assert fleet.runtime.weights.groups_built == 1  # the second sync reused the group
+    # What the dashboards show: the bytes sent once per sync (not per engine), a match per engine and sync.
+    assert metric("rlfleet_weight_sync_bytes_total") - bytes_before == sent
+    assert metric("rlfleet_weight_checksums_total", result="match") - matches_before == 4
+    assert metric("rlfleet_weight_update_group_builds_total") == builds_before + 1
 
 
 async def test_checksum_catches_bytes_the_trainer_did_not_send(fleet: Fleet):
@@ -175,10 +190,12 @@ async def test_checksum_catches_bytes_the_trainer_did_not_send(fleet: Fleet):
     finally:
         await group.destroy()
     outcome = EngineSyncOutcome(slot=victim.slot, incarnation=victim.incarnation, url=victim.url or "", ok=True)
+    mismatches_before = metric("rlfleet_weight_checksums_total", result="mismatch")
     await fleet.runtime.weights.verify([outcome], tensors)
     print(f"\n[checksum] {outcome.error}")
     assert outcome.checksum == "mismatch" and not outcome.ok and outcome.marked_dead
     assert name in (outcome.error or "")
+    assert metric("rlfleet_weight_checksums_total", result="mismatch") == mismatches_before + 1
     assert fleet.backend.engines()[victim.slot].state is not EngineState.ALIVE
 
 
@@ -203,6 +220,7 @@ async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from
     victim = fleet.alive()[1]
     path, tensors = await fleet.next_weights()
     weights = fleet.runtime.weights
+    fallbacks_before = metric("rlfleet_weight_sync_fallbacks_total", reason="transfer")
     real = weights._engine_client  # the sync's own client factory, wrapped for one engine
     monkeypatch.setattr(weights, "_engine_client",
                         lambda url: StopsAfterBegin(real(url), victim.pid) if url == victim.url else real(url))
@@ -222,6 +240,7 @@ async def test_sigstop_during_broadcast_marks_it_dead_and_the_others_finish_from
     stopped = next(e for e in result.engines if e.slot == victim.slot)
     assert stopped.marked_dead and not stopped.ok
     assert [e.version for e in result.synced] == [str(fleet.step)]
+    assert metric("rlfleet_weight_sync_fallbacks_total", reason="transfer") == fallbacks_before + 1
     # The next sync recreates it and broadcasts over a group rebuilt for the survivor and the replacement.
     path, tensors = await fleet.next_weights()
     result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors)
@@ -246,6 +265,7 @@ async def test_sigkill_between_syncs_rebuilds_the_group(fleet: Fleet):
 
 async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
     weights = fleet.runtime.weights
+    fallbacks_before = metric("rlfleet_weight_sync_fallbacks_total", reason="start")
     weights.broadcast_address = "192.0.2.1"  # not an address of this machine
     await weights.close()  # the next sync builds a group again, on the wrong address
     try:
@@ -258,6 +278,7 @@ async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
         assert "snapshot_wait" in result.phases
         assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
         assert not any(e.marked_dead for e in result.engines)
+        assert metric("rlfleet_weight_sync_fallbacks_total", reason="start") == fallbacks_before + 1
 
         weights.spec = weights.spec.model_copy(update={"fallback_to_disk": False})
         path, tensors = await fleet.next_weights()
