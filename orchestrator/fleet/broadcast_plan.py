@@ -14,9 +14,12 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from rlfleet.snapshot.format import DTYPE_BYTES, TensorInfo
 
 BUCKET_ALIGN = 64
 CONTROL_TIMEOUT_S = 30.0
@@ -24,6 +27,9 @@ JOIN_TIMEOUT_S = 60.0
 BUCKET_FLOOR_S = 10.0
 SLOWEST_BYTES_PER_S = 50 * 1024**2  # a bucket slower than this is a wedged peer
 LOAD_FORMAT = "flattened_bucket"
+# Safetensors dtype codes under the torch names a TensorSpec carries.
+TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,18 @@ def tensor_specs(tensors: Mapping[str, Any]) -> list[TensorSpec]:
     """TensorSpecs of named torch tensors, in name order."""
     return [TensorSpec(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape), t.numel() * t.element_size())
             for name, t in sorted(tensors.items())]
+
+
+def table_specs(tensors: Mapping[str, TensorInfo]) -> list[TensorSpec] | None:
+    """The TensorSpecs `tensor_specs` gives for the weights of a snapshot's tensor table (names, safetensors
+    dtypes, shapes); None when a dtype has no torch name here."""
+    specs = []
+    for name, info in sorted(tensors.items()):
+        dtype = TORCH_DTYPE_NAMES.get(info.dtype)
+        if dtype is None:
+            return None
+        specs.append(TensorSpec(name, dtype, tuple(info.shape), math.prod(info.shape) * DTYPE_BYTES[info.dtype]))
+    return specs
 
 
 def tensor_checksum(tensor: Any) -> str:

@@ -142,7 +142,8 @@ class FleetRuntime:
             await asyncio.sleep(retry_s)
 
     async def bring_up(self, version: str, timeout: float | None = None) -> list[int]:  # noqa: ASYNC109 - see wait_all_alive
-        """Wait for the engines to serve their launch weights, then admit them to the router."""
+        """Wait for the engines to serve their launch weights, admit them to the router and, in broadcast
+        mode, build their update group (see WeightSync.open_group)."""
         assert self.membership is not None
         alive = await self.backend.wait_all_alive(timeout)
         admitted = []
@@ -151,6 +152,8 @@ class FleetRuntime:
                 await self.membership.admit(engine.url, version)
                 self.backend.record_weight_version(engine.slot, engine.incarnation, version)
                 admitted.append(engine.slot)
+        if self.weights is not None:
+            await self.weights.open_group()
         return admitted
 
     def export_views(self) -> dict[str, Any] | None:

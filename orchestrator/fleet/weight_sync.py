@@ -267,11 +267,34 @@ class WeightSync:
 
     # --- broadcast mode ------------------------------------------------------------------------------
 
-    async def _ensure_group(self, alive: list[EngineSlot], tensors: Mapping[str, Any],
-                            result: WeightSyncResult) -> UpdateGroup:
-        """The update group of exactly these engines: rebuilt after any membership change."""
+    async def open_group(self) -> bool:
+        """Broadcast mode, when the fleet has come up: build the update group of the engines alive, for
+        weights laid out as the reference snapshot's (the launch weights), so that the first sync
+        broadcasts at once and the trainer's first export lands in the group's buffer. False when there
+        is no group to build, or its build failed: the first sync builds it then, falling back as
+        configured."""
+        if self.spec.mode != "broadcast" or self._reference is None:
+            return False
+        specs = plan.table_specs(self._reference.tensors)
+        alive = [e for e in self.backend.engines() if e.state is EngineState.ALIVE and e.url]
+        if specs is None or not alive:
+            return False
+        async with self._lock:
+            phases: dict[str, float] = {}
+            try:
+                group = await self._ensure_group(alive, specs, phases)
+            except TransferFailed as exc:
+                log.warning("fleet %s: the update group could not be built as the fleet came up (the first "
+                            "sync tries again): %s", self.fleet, exc)
+                return False
+        log.info("fleet %s: update group %s of %d engine(s) built in %.2f s", self.fleet, group.group_name, len(alive),
+                 phases.get("group", 0.0))
+        return True
+
+    async def _ensure_group(self, alive: list[EngineSlot], specs: list[plan.TensorSpec],
+                            phases: dict[str, float]) -> UpdateGroup:
+        """The update group of exactly these engines and this layout: rebuilt after any change of either."""
         key = membership_key(alive)
-        specs = plan.tensor_specs(tensors)
         buckets = plan.plan_buckets(specs, self.spec.bucket_megabytes * 1024**2)
         group = self._group
         if group is not None and not group.broken and group.key == key and group.buckets == buckets:
@@ -288,7 +311,7 @@ class WeightSync:
             group_name=f"{self._group_prefix}-{self._groups_built}", device=self.broadcast_device,
             tp_size=self.engine_tp_size, port=self.broadcast_port)
         metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()
-        result.phases["group"] = time.monotonic() - started
+        phases["group"] = time.monotonic() - started
         return self._group
 
     async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
@@ -300,7 +323,7 @@ class WeightSync:
         paused: list[EngineSlot] = []
         reason = "start"
         try:
-            group = await self._ensure_group(alive, tensors, result)
+            group = await self._ensure_group(alive, plan.tensor_specs(tensors), result.phases)
             reason = "transfer"
             first_filled = group.fill_first(tensors)  # beside the pause: it touches no engine
             t = time.monotonic()

@@ -97,3 +97,25 @@ def test_checksums_in_the_engines_dtype():
     t = {"w": torch.randn(4, 4)}
     assert plan.checksums(t) == {"w": plan.tensor_checksum(t["w"])}
     assert plan.checksums(t, dtype="bfloat16") == {"w": plan.tensor_checksum(t["w"].to(torch.bfloat16))}
+
+
+def test_a_snapshots_tensor_table_plans_the_buckets_its_tensors_do(tmp_path):
+    """The group built at bring-up from the launch snapshot's table is the one the trainer's tensors need."""
+    from rlfleet.snapshot.format import SnapshotReference
+    from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(64, 16), "model.norm.weight": torch.ones(16),
+               "lm_head.weight": torch.zeros(64, 16, dtype=torch.bfloat16)}
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32"}
+    (tmp_path / "source").mkdir()
+    write_hf_snapshot(ExportState(step=0, tensors=tensors, config=config, source_dir=tmp_path / "source"),
+                      tmp_path / "step_0")
+    table = SnapshotReference.from_dir(tmp_path / "step_0").tensors
+    assert plan.table_specs(table) == plan.tensor_specs(tensors)
+    assert plan.plan_buckets(plan.table_specs(table), 4096) == plan.plan_buckets(plan.tensor_specs(tensors), 4096)
+
+
+def test_a_table_with_a_dtype_torch_has_no_name_for_plans_nothing():
+    from rlfleet.snapshot.format import TensorInfo
+
+    assert plan.table_specs({"w": TensorInfo(dtype="F8_E8M0", shape=(4,), file="model.safetensors")}) is None
