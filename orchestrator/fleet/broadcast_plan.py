@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.snapshot.format import DTYPE_BYTES, TensorInfo
+from rlfleet.snapshot.writer import SAFETENSORS_DTYPES
 
 BUCKET_ALIGN = 64
 CONTROL_TIMEOUT_S = 30.0
@@ -27,9 +28,8 @@ JOIN_TIMEOUT_S = 60.0
 BUCKET_FLOOR_S = 10.0
 SLOWEST_BYTES_PER_S = 50 * 1024**2  # a bucket slower than this is a wedged peer
 LOAD_FORMAT = "flattened_bucket"
-# Safetensors dtype codes under the torch names a TensorSpec carries.
-TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+# Safetensors dtype codes under the torch names a TensorSpec carries (the snapshot writer's table, inverted).
+TORCH_DTYPE_NAMES = {code: name.removeprefix("torch.") for name, code in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -76,9 +76,9 @@ def shard_plan(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str]
     return shards
 
 
-_SAFETENSORS_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
-                      "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
-                      "torch.uint8": "U8", "torch.bool": "BOOL"}
+SAFETENSORS_DTYPES = {"torch.float64": "F64", "torch.float32": "F32", "torch.float16": "F16", "torch.bfloat16": "BF16",
+                     "torch.int64": "I64", "torch.int32": "I32", "torch.int16": "I16", "torch.int8": "I8",
+                     "torch.uint8": "U8", "torch.bool": "BOOL"}
 WRITE_CHUNK = 64 * 1024**2
 
 
@@ -92,7 +92,7 @@ def write_safetensors(tensors: Mapping[str, Any], path: Path, metadata: Mapping[
     names = sorted(tensors)
     for name in names:
         t = tensors[name]
-        dtype = _SAFETENSORS_DTYPES.get(str(t.dtype))
+        dtype = SAFETENSORS_DTYPES.get(str(t.dtype))
         if dtype is None:
             raise ValueError(f"cannot write {name} of dtype {t.dtype} to safetensors")
         size = t.numel() * t.element_size()
