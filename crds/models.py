@@ -76,6 +76,14 @@ class TrainerSpec(ApiModel):
         description="Data-parallel replicas; the trainer is tensorParallelSize x pipelineParallelSize x "
         "dataParallelSize torch.distributed ranks, each step's batch split across the replicas.",
     )
+    data_parallel_mode: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="How the torch backend's data-parallel replicas hold the model: ddp keeps the whole weights, "
+        "gradients and AdamW moments on every replica and sums the gradients (DistributedDataParallel); fsdp "
+        "(PyTorch FSDP2, fully_shard) shards all three across the replicas, about 1/dataParallelSize of them on "
+        "each, and gathers a layer's weights for its forward and backward passes. fsdp needs backend torch and "
+        "dataParallelSize above 1 (megatron shards its optimizer across the replicas itself on GPUs).",
+    )
     steps: int = Field(100, ge=1, le=10_000_000, description="Training steps (one weight version each).")
     prompts_per_step: int = Field(32, ge=1, le=1_000_000, description="Prompts sampled per step (the rollout batch).")
     samples_per_prompt: int = Field(
@@ -132,6 +140,16 @@ class TrainerSpec(ApiModel):
             check=lambda s: s.backend == "megatron" or (s.tensor_parallel_size == 1 and s.pipeline_parallel_size == 1),
             field="tensorParallelSize",
             message="model parallelism needs backend megatron",
+        ),
+        Rule(
+            cel="self.dataParallelMode == 'ddp' || (self.backend == 'torch' && self.dataParallelSize > 1)",
+            check=lambda s: s.data_parallel_mode == "ddp" or (s.backend == "torch" and s.data_parallel_size > 1),
+            field="dataParallelMode",
+            message="dataParallelMode fsdp shards the torch backend's data-parallel replicas: it needs backend "
+            "torch and dataParallelSize above 1",
+            detail=lambda s: f"dataParallelMode fsdp shards the torch backend's data-parallel replicas: it needs "
+            f"backend torch and dataParallelSize above 1 (backend is {s.backend}, dataParallelSize "
+            f"{s.data_parallel_size})",
         ),
         Rule(
             cel="self.gpus == 0 || self.gpus * self.nodes == " + _WORLD_CEL,

@@ -29,6 +29,7 @@ from rlfleet.trainer.hf_export import hf_state_for_save
 from rlfleet.trainer.parallel import ParallelLayout
 
 BACKENDS = ("torch", "megatron")
+DATA_PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class TrainerOptions:
     # tensor x pipeline x data parallel ranks; above 1 the process runs in a torch.distributed group
     # (trainer/ranks.py) and `train_step` takes this data-parallel replica's part of the step's batch.
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    # How the torch backend's data-parallel replicas hold the model: "ddp" (whole on each) or "fsdp"
+    # (FSDP2: weights, gradients and optimizer state sharded across them).
+    data_parallel_mode: str = "ddp"
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -54,6 +58,9 @@ class TrainerOptions:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel_mode must be one of {', '.join(DATA_PARALLEL_MODES)}, "
+                             f"got {self.data_parallel_mode!r}")
 
 
 def resolve_dtype(name: str | None, device: str) -> Any:
@@ -131,6 +138,31 @@ class Trainer(abc.ABC):
         """(the module whose state dict is this rank's model, its optimizer), for trainer/checkpoint.py."""
         raise NotImplementedError(f"the {self.backend} backend writes no checkpoints")
 
+    def checkpoint_state(self, *, keep: bool) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(weights, optimizer state) as a checkpoint holds them: the model's state dict tensors under the
+        backend's names and torch's `Optimizer.state_dict()` (may be device tensors); None without `keep`
+        (a rank whose shard holds no weights). Every rank calls it, in the same order: where a backend
+        shards them over the replicas it is a gather."""
+        if not keep:
+            return None
+        import torch
+
+        model, optimizer = self.checkpoint_objects()
+        tensors = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        return tensors, optimizer.state_dict()
+
+    def load_checkpoint_state(self, weights: Mapping[str, Any],
+                              optim: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """Load what `checkpoint_state` made; (missing, unexpected) weight names, and nothing loaded when
+        either is not empty. Every rank calls it, with the same state where the backend shards it."""
+        model, optimizer = self.checkpoint_objects()
+        result = model.load_state_dict(weights, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            return missing, list(result.unexpected_keys)
+        optimizer.load_state_dict(optim)
+        return [], []
+
     @property
     def optimizer_format(self) -> str:
         """What a checkpoint's optimizer state is: a shard resumes only into the same format."""
@@ -149,18 +181,36 @@ class Trainer(abc.ABC):
 
     # --- the interface the RL loop uses --------------------------------------------------------
 
-    def train_step(self, batch: Sequence[grpo.Sample], *, step_tokens: int | None = None) -> dict[str, float]:
+    @property
+    def passes_in_lockstep(self) -> bool:
+        """Whether every data-parallel replica must run the same number of forward and backward passes in a
+        step (a backend that gathers the weights in them: FSDP)."""
+        return False
+
+    @property
+    def _gradient_scale(self) -> float:
+        """What the loss is multiplied by for its backward pass: a backend whose reduction averages the
+        replicas' gradients (FSDP) scales by their number, so the average is the sum."""
+        return 1.0
+
+    def train_step(self, batch: Sequence[grpo.Sample], *, step_tokens: int | None = None,
+                   largest_part: int | None = None) -> dict[str, float]:
         """One optimizer step on the clipped policy-gradient loss of `batch`; returns metrics.
 
         `step_tokens`: the response tokens of the whole step over every data-parallel replica (the caller
         that split the batch knows them, so the replicas need no collective before the forward pass);
-        None: `batch` is the whole step (one replica).
+        None: `batch` is the whole step (one replica). `largest_part`: the samples of the step's largest
+        replica part; where `passes_in_lockstep`, a replica with fewer micro-batches than that part
+        makes as many passes, the extra ones contributing nothing.
         """
         if not batch:
             raise ValueError("train_step needs at least one sample")
         started = time.perf_counter()
-        size = self.options.micro_batch_size or len(batch)
+        size = self.options.micro_batch_size or max(len(batch), largest_part or 0)
         chunks = [batch[i : i + size] for i in range(0, len(batch), size)]
+        passes = len(chunks)
+        if self.passes_in_lockstep and largest_part is not None:
+            passes = max(passes, -(-largest_part // size))
         collated = [grpo.collate(c, pad_id=self.pad_id, device=self.device) for c in chunks]
         # The loss is normalised by the step's tokens over every data-parallel replica, so the replicas'
         # summed gradients are the gradient of the whole batch.
@@ -177,8 +227,11 @@ class Trainer(abc.ABC):
         self._zero_grad()
         loss_sum = 0.0
         sums: dict[str, float] = {}
-        for index, c in enumerate(collated):
-            last = index == len(collated) - 1
+        for index in range(passes):
+            last = index == passes - 1
+            # A pass beyond this replica's micro-batches repeats its last one with the loss zeroed: the
+            # other replicas' passes need its part in their gathers and reductions.
+            c, padding = collated[min(index, len(collated) - 1)], index >= len(collated)
             ref_logprobs = self._reference_logprobs(c.input_ids)
             with self._micro_batch(last=last):
                 logits = self._forward_logits(c.input_ids)
@@ -187,6 +240,8 @@ class Trainer(abc.ABC):
                     new_logprobs, c.old_logprobs, c.advantages, c.response_mask, self.options.loss,
                     normaliser=total_tokens, ref_logprobs=ref_logprobs,
                 )
+                if padding:
+                    loss, stats = loss * 0.0, {}
                 loss_sum += float(loss.item())
                 for key, value in stats.items():
                     if key == "ratio_max":
@@ -200,7 +255,7 @@ class Trainer(abc.ABC):
                     maxima = ["ratio_max"] if "ratio_max" in sums else []
                     reduced_stats = self._start_stats_reduction([loss_sum, *(sums[k] for k in keys)],
                                                                 [sums[k] for k in maxima])
-                loss.backward()
+                (loss * self._gradient_scale if self._gradient_scale != 1 else loss).backward()
         self._reduce_gradients()
         (loss_sum, *summed), peaks = reduced_stats()
         sums.update(zip(keys, summed, strict=True))

@@ -177,14 +177,14 @@ def capture_state(trainer: Any, *, weights: bool = True) -> dict[str, Any]:
     """
     import torch
 
-    shards = trainer.gather_optimizer_shards()  # every rank: a collective where the optimizer is sharded
-    if not weights:
+    # Every rank, in this order: each is a collective where the backend shards that state.
+    shards = trainer.gather_optimizer_shards()
+    whole = trainer.checkpoint_state(keep=weights)
+    if whole is None:
         return {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "rng": rng_state()}
-    model, optimizer = trainer.checkpoint_objects()
     with torch.no_grad():
-        tensors = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
-                   if isinstance(v, torch.Tensor)}
-        optim = _to_cpu(optimizer.state_dict())
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in whole[0].items()}
+        optim = _to_cpu(whole[1])
     state = {"format": FORMAT, "backend": trainer.backend, "step": trainer.step, "model": tensors,
              "optimizer": optim, "optimizer_format": trainer.optimizer_format, "rng": rng_state()}
     if shards is not None:
@@ -221,13 +221,10 @@ def restore_state(trainer: Any, state: Mapping[str, Any], weights: Mapping[str, 
         raise CheckpointMismatch(f"the shard's optimizer state is {written!r}, this trainer's is "
                                  f"{trainer.optimizer_format!r} (megatron's distributed optimizer runs on GPUs, "
                                  "AdamW on CPU): resume on the kind of device that wrote the checkpoint")
-    model, optimizer = trainer.checkpoint_objects()
-    result = model.load_state_dict(weights["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
+    missing, unexpected = trainer.load_checkpoint_state(weights["model"], weights["optimizer"])
+    if missing or unexpected:
         raise CheckpointMismatch(f"the shard's weights do not fit the model: missing {missing[:5]}, "
-                                 f"unexpected {list(result.unexpected_keys)[:5]}")
-    optimizer.load_state_dict(weights["optimizer"])
+                                 f"unexpected {unexpected[:5]}")
     trainer.scatter_optimizer_shards(weights.get("optimizer_shards"))  # every rank: a collective where sharded
     set_rng_state(state["rng"])
     trainer.step = int(state["step"])

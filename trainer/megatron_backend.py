@@ -309,6 +309,9 @@ class MegatronTrainer(Trainer):
         self.arch = Architecture.from_hf_config(self.hf_config)
         self.layout = options.parallel
         check_layout(self.layout, "megatron", self.arch, device)
+        if options.data_parallel_mode != "ddp":
+            raise ValueError(f"spec.trainer.dataParallelMode {options.data_parallel_mode} is the torch backend's: "
+                             "megatron's replicas run its DDP (and on GPUs its distributed optimizer)")
         self._dtype = resolve_dtype(options.dtype, device)
         # On CUDA in half precision the model runs under megatron's Float16Module, which hands the last
         # stage's logits out in float32; the pipeline's other stages receive them in that dtype.

@@ -150,7 +150,8 @@ def train_part(trainer: Trainer, shards: BatchShards) -> dict[str, float]:
     layout: ParallelLayout = trainer.options.parallel
     rank, _, _ = rank_env()
     _, data_rank, _ = layout.coords(rank)
-    metrics = trainer.train_step(shards.part(data_rank), step_tokens=shards.step_tokens)
+    metrics = trainer.train_step(shards.part(data_rank), step_tokens=shards.step_tokens,
+                                 largest_part=-(-shards.samples // layout.data))
     metrics["samples"] = float(shards.samples)
     metrics["reward_mean"] = shards.reward_mean
     return metrics

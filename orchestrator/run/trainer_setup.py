@@ -30,7 +30,7 @@ def trainer_kwargs(spec: TrainingRunSpec) -> dict[str, Any]:
         seed=t.seed, device=device_of(spec), max_grad_norm=t.grad_clip, micro_batch_size=t.micro_batch_size,
         loss=grpo.LossConfig(clip_low=t.eps_clip, clip_high=t.eps_clip, temperature=t.temperature or 1.0,
                              kl_coef=t.kl_coef),
-        parallel=layout_of(spec),
+        parallel=layout_of(spec), data_parallel_mode=t.data_parallel_mode,
     )
 
 

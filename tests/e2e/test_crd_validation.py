@@ -103,6 +103,13 @@ BAD_INPUT: list[Case] = [
     Case("trainer-group-metrics-on-rendezvous", spec({"metricsPort": 29500,
                                                       "trainer": {"nodes": 2, "gpus": 0, "dataParallelSize": 2}}),
          "spec.metricsPort", "rendezvous port"),
+    Case("fsdp-on-megatron", spec({"trainer": {"backend": "megatron", "gpus": 2, "dataParallelSize": 2,
+                                               "dataParallelMode": "fsdp"}}),
+         "spec.trainer.dataParallelMode", "needs backend torch and dataParallelSize above 1"),
+    Case("fsdp-of-one-replica", spec({"trainer": {"gpus": 1, "dataParallelMode": "fsdp"}}),
+         "spec.trainer.dataParallelMode", "needs backend torch and dataParallelSize above 1"),
+    Case("data-parallel-mode-unknown", spec({"trainer": {"dataParallelMode": "zero3"}}),
+         "spec.trainer.dataParallelMode", "Unsupported value"),
     Case("trainer-dp-zero", spec({"trainer": {"dataParallelSize": 0}}),
          "spec.trainer.dataParallelSize", "greater than or equal to 1"),
     Case("task-not-a-name", spec({"trainer": {"task": "reverse strings"}}), "spec.trainer.task", "should match"),
@@ -367,6 +374,8 @@ GOOD_INPUT: list[Case] = [
     Case("megatron-gpus-pipeline-checkpoints", spec({"trainer": {
         "backend": "megatron", "gpus": 4, "tensorParallelSize": 2, "pipelineParallelSize": 2},
         "checkpoint": {"intervalSteps": 3}}), None),
+    Case("torch-fsdp-replicas", spec({"trainer": {"gpus": 0, "dataParallelSize": 2, "dataParallelMode": "fsdp"}}),
+         None),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.

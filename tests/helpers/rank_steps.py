@@ -55,9 +55,12 @@ def train_layouts(runs: list[tuple[str, tuple[int, int, int]]], model_dir: str, 
 
 
 def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, out_dir: str,
-                fail_rank: int | None = None) -> dict[str, Any] | None:
+                fail_rank: int | None = None, micro_batch: int | None = None,
+                samples: int | None = None) -> dict[str, Any] | None:
     """`steps` GRPO steps on `layout` (tensor, pipeline, data); rank 0 returns losses, grad norms,
-    every step's statistics (its metrics but the time), snapshot."""
+    every step's statistics (its metrics but the time), snapshot. `backend` may name the data-parallel
+    mode after a dash ("torch-fsdp"). `micro_batch`: samples per forward/backward pass; `samples`: each
+    step's batch cut to that many."""
     import time
 
     from rlfleet.trainer.base import build_trainer
@@ -72,7 +75,9 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
     if fail_rank is not None and rank == fail_rank:
         print(f"rank {rank}: failing on purpose", flush=True)
         raise SystemExit(3)
-    trainer = build_trainer(backend, model_dir, lr=1e-2, seed=0, parallel=parallel)
+    backend, _, mode = backend.partition("-")
+    trainer = build_trainer(backend, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode or "ddp",
+                            micro_batch_size=micro_batch)
     if rank != 0:
         follow(trainer)
         return None
@@ -80,7 +85,7 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
     try:
         # Every step's batch is scored by the initial weights: from step 2 on the samples are off-policy,
         # so the loss (through the importance ratios) depends on the weights the earlier steps made.
-        batches = [make_batch(lead, step) for step in range(steps)]
+        batches = [make_batch(lead, step)[:samples] for step in range(steps)]
         losses, norms, stats = [], [], []
         for batch in batches:
             metrics = lead.train_step(batch)
@@ -151,3 +156,49 @@ def relay_commands(commands: list[tuple]) -> list[tuple] | None:
             channel.send(*command)
         return None
     return [channel.receive() for _ in commands]
+
+
+def checkpoint_round_trip(backend: str, model_dir: str, layout: tuple[int, int, int], out_dir: str,
+                          before: int = 2, after: int = 2) -> dict[str, Any] | None:
+    """`before` steps, a checkpoint of every rank's shard, `after` steps, the checkpoint restored, the same
+    `after` steps again. Rank 0 returns the losses, the checkpoint's directory and the fraction of the
+    model's weights and of the optimizer's moments this rank holds. `backend` as `train_steps` takes it."""
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.base import build_trainer
+    from rlfleet.trainer.parallel import ParallelLayout
+    from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
+
+    parallel = ParallelLayout(*layout)
+    init_process_group("cpu")
+    name, _, mode = backend.partition("-")
+    trainer = build_trainer(name, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode or "ddp")
+    if rank_env()[0] != 0:
+        follow(trainer)
+        return None
+    lead: Any = LeadingTrainer(trainer)
+    try:
+        batches = [make_batch(lead, step) for step in range(before + after)]
+        first = [lead.train_step(b)["loss"] for b in batches[:before]]
+        identity = ckpt.Identity(run="round-trip", model_path=model_dir, backend=name, world_size=parallel.world,
+                                 tensor_parallel=parallel.tensor, pipeline_parallel=parallel.pipeline)
+        directory = ckpt.prepare_step_dir(out_dir, lead.step)
+        state = lead.capture_checkpoint(directory)
+        ckpt.check_shard_reports(lead.step, lead.write_checkpoint_shard(directory, state), parallel.world)
+        info = ckpt.finalize(directory, identity=identity, step=lead.step, weight_version=str(lead.step),
+                             run_state={})
+        then = [lead.train_step(b)["loss"] for b in batches[before:]]
+        lead.restore_checkpoint(ckpt.validate(info.directory))
+        again = [lead.train_step(b)["loss"] for b in batches[before:]]
+    finally:
+        lead.close()
+
+    def local(t: Any) -> int:
+        return int(t.to_local().numel() if hasattr(t, "to_local") else t.numel())
+
+    model, optimizer = trainer.checkpoint_objects()
+    whole = sum(p.numel() for p in model.parameters())  # a sharded parameter's numel is the whole tensor's
+    moments = [s["exp_avg"] for s in optimizer.state.values()]
+    return {"before": first, "after": then, "again": again, "checkpoint": str(info.directory),
+            "batches": batches[before:],
+            "weights_held": sum(local(p) for p in model.parameters()) / whole,
+            "moments_held": sum(local(m) for m in moments) / sum(m.numel() for m in moments)}

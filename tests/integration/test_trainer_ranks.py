@@ -3,14 +3,16 @@ train like one rank.
 
 The same four GRPO steps (the tiny Llama; batches scored by the initial weights, so later steps are
 off-policy and the loss depends on the weights) through megatron TP=2, PP=2, DP=2, TP=2 x DP=2 and
-TP=2 x PP=2 and torch DP=2, against one rank of the same backend: the loss and gradient norm of every step and every
-exported HF weight agree within 1e-4 (float32), and each export is one snapshot in the single-rank
-layout (same files, tensor names, shapes and dtypes). SGLang loading that layout is proven in
-test_trainer_parity.py (the single-rank export); here an engine loads the TP=2 x DP=2 export and its
-greedy tokens equal the single-rank trainer's. Qwen3 (per-head q/k norms) trains alike under TP=2. A rank
-that dies stops the group and is named with its last log lines.
+TP=2 x PP=2, and torch DP=2 as DDP replicas and as FSDP (sharded) replicas, against one rank of the same
+backend: the loss and gradient norm of every step and every exported HF weight agree within 1e-4
+(float32), and each export is one snapshot in the single-rank layout (same files, tensor names, shapes
+and dtypes). SGLang loading that layout is proven in test_trainer_parity.py (the single-rank export);
+here an engine loads the TP=2 x DP=2 export and its greedy tokens equal the single-rank trainer's. Qwen3
+(per-head q/k norms) trains alike under TP=2. FSDP replicas with unequal micro-batch counts train like one
+rank, and an FSDP checkpoint (whole tensors) resumes in its ranks and in one rank. A rank that dies stops
+the group and is named with its last log lines.
 
-World 2 runs its four layouts one after another in the same ranks (one launch); world 4 its two likewise.
+World 2 runs its five layouts one after another in the same ranks (one launch); world 4 its two likewise.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import aiohttp
 import pytest
 from safetensors.torch import load_file
 
-from helpers.rank_steps import relay_commands, train_layouts, train_steps
+from helpers.rank_steps import checkpoint_round_trip, relay_commands, train_layouts, train_steps
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.trainer import grpo
@@ -31,7 +33,8 @@ from rlfleet.trainer.ranks import _Commands
 
 STEPS = 4
 TOLERANCE = 1e-4
-WORLD_2 = [("megatron", (2, 1, 1)), ("megatron", (1, 2, 1)), ("megatron", (1, 1, 2)), ("torch", (1, 1, 2))]
+WORLD_2 = [("megatron", (2, 1, 1)), ("megatron", (1, 2, 1)), ("megatron", (1, 1, 2)), ("torch", (1, 1, 2)),
+           ("torch-fsdp", (1, 1, 2))]
 WORLD_4 = [("megatron", (2, 1, 2)), ("megatron", (2, 2, 1))]
 LAYOUTS = WORLD_2 + WORLD_4
 
@@ -39,6 +42,11 @@ LAYOUTS = WORLD_2 + WORLD_4
 def layout_id(run: tuple[str, tuple[int, int, int]]) -> str:
     backend, (tp, pp, dp) = run
     return f"{backend}-tp{tp}-pp{pp}-dp{dp}"
+
+
+def backend_of(run: tuple[str, tuple[int, int, int]]) -> str:
+    """The backend of a run's label ("torch-fsdp": torch, its replicas sharded)."""
+    return run[0].partition("-")[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,7 @@ def many_ranks(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 @pytest.mark.parametrize("run", LAYOUTS, ids=layout_id)
 def test_every_step_matches_one_rank(run, single_rank, many_ranks):
-    ours, reference = many_ranks[layout_id(run)], single_rank[run[0]]
+    ours, reference = many_ranks[layout_id(run)], single_rank[backend_of(run)]
     loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"], strict=True))
     norm_diff = max(abs(a - b) for a, b in zip(ours["grad_norms"], reference["grad_norms"], strict=True))
     print(f"{layout_id(run)}: max |loss - one rank's| {loss_diff:.2e}, max |grad norm diff| {norm_diff:.2e}")
@@ -79,7 +87,7 @@ def test_every_step_matches_one_rank(run, single_rank, many_ranks):
 
 @pytest.mark.parametrize("run", LAYOUTS, ids=layout_id)
 def test_export_is_one_snapshot_with_the_weights_of_one_rank(run, single_rank, many_ranks, tiny_model):
-    ours, reference = Path(many_ranks[layout_id(run)]["snapshot"]), Path(single_rank[run[0]]["snapshot"])
+    ours, reference = Path(many_ranks[layout_id(run)]["snapshot"]), Path(single_rank[backend_of(run)]["snapshot"])
     validate_snapshot(ours)
     assert {p.name for p in ours.iterdir()} == {p.name for p in reference.iterdir()}
     mine, theirs = load_file(str(ours / "model.safetensors")), load_file(str(reference / "model.safetensors"))
@@ -118,6 +126,48 @@ def test_qwen3_query_and_key_norms_train_like_one_rank_under_tensor_parallelism(
     # Adam (lr 1e-2) turns float32 rounding in near-zero gradients into steps of up to ~lr: measured
     # 1.5e-4 here. Unsummed q/k norm gradients put them 5e-2 apart.
     assert worst < 10 * TOLERANCE
+
+
+def test_fsdp_replicas_with_unequal_micro_batches_train_like_one_rank(tiny_model, tmp_path):
+    """Under FSDP every forward and backward pass gathers weights from both replicas, so they must run
+    the same passes: 15 samples a step split 8 / 7, 7 per micro-batch, are 2 passes on one replica and 1
+    on the other, which adds a pass that contributes nothing. Without it the step hangs."""
+    reference = train_steps("torch", str(tiny_model), (1, 1, 1), STEPS, str(tmp_path / "one"), samples=15)
+    ours = launch_ranks(train_steps, ("torch-fsdp", str(tiny_model), (1, 1, 2), STEPS, str(tmp_path / "fsdp"), None,
+                                      7, 15), world=2, log_dir=tmp_path / "logs")[0]
+    assert reference is not None and ours is not None
+    loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"], strict=True))
+    norm_diff = max(abs(a - b) for a, b in zip(ours["grad_norms"], reference["grad_norms"], strict=True))
+    mine, theirs = (load_file(str(Path(r["snapshot"]) / "model.safetensors")) for r in (ours, reference))
+    worst = max((mine[k] - theirs[k]).abs().max().item() for k in theirs)
+    print(f"fsdp dp2, micro-batches 2 and 1: loss {loss_diff:.2e}, grad norm {norm_diff:.2e}, weights {worst:.2e}")
+    assert [s["samples"] for s in ours["stats"]] == [15.0] * STEPS
+    assert loss_diff < TOLERANCE and norm_diff < TOLERANCE and worst < TOLERANCE
+
+
+def test_an_fsdp_checkpoint_holds_whole_tensors_and_resumes_in_its_ranks_and_in_one_rank(tiny_model, tmp_path):
+    """Each FSDP replica holds half the weights and half the AdamW moments; the checkpoint gathers them
+    whole. Restored into the same two ranks, the steps after it repeat; restored into one rank (torch's
+    own optimizer state, as a single rank writes it), the same steps give the same losses."""
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.base import build_trainer
+
+    ours = launch_ranks(checkpoint_round_trip, ("torch-fsdp", str(tiny_model), (1, 1, 2), str(tmp_path / "ckpt")),
+                        world=2, log_dir=tmp_path / "logs")[0]
+    assert ours is not None
+    assert ours["weights_held"] == pytest.approx(0.5, abs=0.02) and ours["moments_held"] == pytest.approx(0.5, abs=0.02)
+    assert ours["again"] == ours["after"], "the steps after the restore differ from those after the checkpoint"
+    info = ckpt.validate(ours["checkpoint"])
+    shard = ckpt.load_shard(info, 0)
+    initial = load_file(str(tiny_model / "model.safetensors"))
+    assert set(initial) <= set(shard["model"])
+    assert all(shard["model"][k].shape == v.shape for k, v in initial.items())
+    assert set(shard["optimizer"]["state"]) == set(range(len(shard["optimizer"]["param_groups"][0]["params"])))
+    one = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
+    ckpt.restore_state(one, shard)
+    losses = [one.train_step(batch)["loss"] for batch in ours["batches"]]
+    print(f"fsdp checkpoint in one rank: losses {losses}, in its two ranks {ours['after']}")
+    assert max(abs(a - b) for a, b in zip(losses, ours["after"], strict=True)) < TOLERANCE
 
 
 def blob_command(pickled_size: int) -> tuple:

@@ -88,3 +88,31 @@ def test_an_export_into_the_broadcast_buffer_leaves_the_fill_nothing_to_copy(bac
             offset += spec.nbytes
     mismatched = {skipped: torch.zeros(3)}  # another shape: a tensor of its own
     assert torch.equal(trainer.state_for_export(mismatched).tensors[skipped], fresh[skipped])
+
+
+def test_a_pass_in_lockstep_beyond_the_replicas_micro_batches_changes_nothing(tiny_model, monkeypatch):
+    """A replica whose part of the step has fewer micro-batches than the largest part (FSDP's replicas
+    must run the same passes) makes up the difference with passes that contribute nothing: the step's
+    loss, statistics and weights are those of its own micro-batches alone."""
+    from rlfleet.trainer.torch_backend import TorchTrainer
+
+    plain = build_trainer("torch", tiny_model, lr=1e-2, seed=0, micro_batch_size=1)
+    padded = build_trainer("torch", tiny_model, lr=1e-2, seed=0, micro_batch_size=1)
+    monkeypatch.setattr(TorchTrainer, "passes_in_lockstep", property(lambda self: self is padded))
+    passes = []
+    forward = padded._forward_logits
+    monkeypatch.setattr(padded, "_forward_logits", lambda ids: passes.append(ids) or forward(ids))
+    samples = batch(plain)
+    ours, theirs = padded.train_step(samples, largest_part=4), plain.train_step(samples, largest_part=4)
+    assert len(passes) == 4  # its 2 micro-batches and 2 more, as the largest part (4 samples) makes
+    assert {k: v for k, v in ours.items() if k != "step_seconds"} == {
+        k: v for k, v in theirs.items() if k != "step_seconds"}
+    mine, other = padded.state_for_export().tensors, plain.state_for_export().tensors
+    assert all(torch.equal(mine[k], other[k]) for k in other)
+
+
+def test_fsdp_is_refused_where_it_would_shard_nothing(tiny_model):
+    with pytest.raises(ValueError, match="spec.trainer.dataParallelMode fsdp .* dataParallelSize above 1"):
+        build_trainer("torch", tiny_model, lr=1e-3, data_parallel_mode="fsdp")
+    with pytest.raises(ValueError, match="data_parallel_mode must be one of ddp, fsdp"):
+        build_trainer("torch", tiny_model, lr=1e-3, data_parallel_mode="zero3")
