@@ -65,12 +65,15 @@ def build_run_trainer(spec: TrainingRunSpec, model_dir: Path) -> Trainer | Leadi
 def ranks_label(spec: TrainingRunSpec) -> str:
     """The progress line's trainer: "4 ranks tp2 pp1 dp2"; empty for a trainer of one rank."""
     layout = layout_of(spec)
-    return "" if layout.world == 1 else f"{layout.world} ranks tp{layout.tensor} pp{layout.pipeline} dp{layout.data}"
+    sharded = " fsdp" if spec.trainer.data_parallel_mode == "fsdp" else ""
+    return "" if layout.world == 1 else (f"{layout.world} ranks tp{layout.tensor} pp{layout.pipeline} "
+                                         f"dp{layout.data}{sharded}")
 
 
 def describe(spec: TrainingRunSpec) -> str:
     layout = layout_of(spec)
     backend = "gloo" if device_of(spec) == "cpu" else "nccl"
     over = f", {backend}" if layout.world > 1 else ""
+    sharded = ", replicas sharded (fsdp)" if spec.trainer.data_parallel_mode == "fsdp" else ""
     return (f"{spec.trainer.backend} trainer: {layout.world} rank(s) (tensor {layout.tensor} x pipeline "
-            f"{layout.pipeline} x data {layout.data}) on {device_of(spec)}{over}")
+            f"{layout.pipeline} x data {layout.data}{sharded}) on {device_of(spec)}{over}")

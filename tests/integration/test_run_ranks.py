@@ -1,5 +1,5 @@
-"""`rlfleet run FILE` with a trainer of two ranks (megatron tensor parallel 2, gloo, real ranks from the
-elastic launcher): the run finishes with rank 0 running the loop and the engines; a rank SIGKILLed
+"""`rlfleet run FILE` with a trainer of two ranks (megatron tensor parallel 2, and torch's FSDP replicas;
+gloo, real ranks from the elastic launcher): each run finishes with rank 0 running the loop and the engines; a rank SIGKILLed
 mid-run fails the run naming that rank with its last log lines, and nothing of the run is left running.
 
 One real SGLang CPU engine behind the real router, the quickstart shortened (no eval).
@@ -25,11 +25,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RLFLEET = [sys.executable, "-P", "-m", "rlfleet.cli"]
 
 
-def two_rank_run(tmp_path: Path, steps: int) -> Path:
+MEGATRON_TP2 = {"backend": "megatron", "tensorParallelSize": 2}
+
+
+def two_rank_run(tmp_path: Path, steps: int, trainer: dict | None = None) -> Path:
     doc = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
     spec = doc["spec"]
-    spec["trainer"].update(backend="megatron", tensorParallelSize=2, steps=steps, promptsPerStep=4,
-                           samplesPerPrompt=4)
+    spec["trainer"].update(trainer or MEGATRON_TP2, steps=steps, promptsPerStep=4, samplesPerPrompt=4)
     spec["rollout"]["replicas"] = 1
     spec.pop("eval", None)
     path = tmp_path / "run.yaml"
@@ -75,14 +77,19 @@ def test_a_trainer_of_several_ranks_outside_a_launch_is_refused(tiny_model):
         build_rank_trainer(run.spec, tiny_model)
 
 
-def test_run_with_two_ranks_finishes(tmp_path):
+@pytest.mark.parametrize(("trainer", "says"), [
+    (MEGATRON_TP2, "megatron trainer: 2 rank(s) (tensor 2 x pipeline 1 x data 1) on cpu, gloo"),
+    ({"backend": "torch", "dataParallelSize": 2, "dataParallelMode": "fsdp"},
+     "torch trainer: 2 rank(s) (tensor 1 x pipeline 1 x data 2, replicas sharded (fsdp)) on cpu, gloo"),
+], ids=["megatron-tp2", "torch-fsdp-dp2"])
+def test_run_with_two_ranks_finishes(tmp_path, trainer, says):
     run_dir = tmp_path / "run"
-    result = subprocess.run([*RLFLEET, "run", str(two_rank_run(tmp_path, steps=3)), "--run-dir", str(run_dir),
+    result = subprocess.run([*RLFLEET, "run", str(two_rank_run(tmp_path, 3, trainer)), "--run-dir", str(run_dir),
                              "--metrics-port", "0", "--summary", str(tmp_path / "summary.json")],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "starting 2 trainer ranks" in result.stderr
-    assert "megatron trainer: 2 rank(s) (tensor 2 x pipeline 1 x data 1) on cpu, gloo" in result.stdout + result.stderr
+    assert says in result.stdout + result.stderr
     data = json.loads((tmp_path / "summary.json").read_text())
     assert data["steps_completed"] == 3 and data["failure"] is None, data
     assert all(versions for versions in data["engine_versions_per_step"].values()), data
