@@ -11,6 +11,7 @@ step time of N. On a 2-core machine expect little speed-up: N ranks share the sa
 
     python benchmarks/bench_trainer_ranks.py [--backend megatron|torch] [--steps 10] [--prompts 16 --group 16]
     python benchmarks/bench_trainer_ranks.py --layouts 1,1,1 2,1,1 1,1,2 2,1,2    # tensor,pipeline,data
+    python benchmarks/bench_trainer_ranks.py --backend torch --data-parallel-mode fsdp   # sharded replicas
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ PLUMBING = ("command", "stats")  # rank 0 handing out the batch; the statistics'
 
 
 def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, prompts: int,
-               group: int) -> dict[str, Any]:
+               group: int, mode: str = "ddp") -> dict[str, Any]:
     """Every rank: build, warm up, train `steps` steps. Every rank returns when it entered and left each
     plumbing call; rank 0 also its per-step split of the time."""
     import torch
@@ -66,7 +67,9 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
     parallel = ParallelLayout(*layout)
     if parallel.world > 1:
         ranks.init_process_group("cpu")
-    trainer = build_trainer(backend, model_dir, lr=1e-3, seed=0, parallel=parallel)
+    # FSDP shards only across several replicas: the one-rank baseline is a plain trainer.
+    trainer = build_trainer(backend, model_dir, lr=1e-3, seed=0, parallel=parallel,
+                            data_parallel_mode=mode if parallel.data > 1 else "ddp")
     marks: dict[str, list[tuple[float, float]]] = {}
     ranks._Commands.send = marked(marks, "command", ranks._Commands.send)  # type: ignore[method-assign]
     ranks._Commands.receive = marked(marks, "command", ranks._Commands.receive)  # type: ignore[method-assign]
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--data-parallel-mode", choices=["ddp", "fsdp"], default="ddp",
+                        help="how the torch backend's data-parallel replicas hold the model (fsdp: sharded)")
     parser.add_argument("--layouts", nargs="+", default=["1,1,1", "1,1,2", "1,1,4"],
                         help="tensor,pipeline,data per layout; the first is the baseline (one rank)")
     args = parser.parse_args(argv)
@@ -168,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             tp, pp, dp = layout
             world = tp * pp * dp
             started = time.perf_counter()
-            results = launch_ranks(rank_entry, (args.backend, model_dir, layout, args.steps, args.prompts, args.group),
+            results = launch_ranks(rank_entry, (args.backend, model_dir, layout, args.steps, args.prompts, args.group,
+                                                args.data_parallel_mode),
                                    world=world, log_dir=Path(tmp) / f"logs-{tp}-{pp}-{dp}")
             figures[layout] = summarise(results)
             print(f"  tp{tp} pp{pp} dp{dp} ({world} ranks): launched and ran in {time.perf_counter() - started:.1f} s",
                   file=sys.stderr)
     base = figures[layouts[0]]
-    print(f"{args.backend} trainer, tiny model, global batch {args.prompts} x {args.group} samples, "
+    mode = f" ({args.data_parallel_mode} replicas)" if args.backend == "torch" else ""
+    print(f"{args.backend} trainer{mode}, tiny model, global batch {args.prompts} x {args.group} samples, "
           f"median of {args.steps} steps (rank 0's view)")
     print(f"{'layout':<14}{'ranks':>6}{'step s':>9}{'tok/s':>9}{'speed-up':>10}{'fwd':>8}{'bwd':>8}{'opt':>8}"
           f"{'allred':>8}{'other':>8}{'waits':>8}{'plumbing':>10}{'(cmd':>8}{'stats)':>8}{'share':>8}")

@@ -202,6 +202,12 @@ class TrainerSpec(ApiModel):
         return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
 
     @property
+    def splits_model(self) -> bool:
+        """Tensor or pipeline parallel: the model's dimensions must fit the layout, which only a trainer that
+        reads the model can check (on Kubernetes the trainer pod, before the operator creates the fleets)."""
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1
+
+    @property
     def ranks_per_node(self) -> int:
         """Ranks of each trainer pod: one per GPU, or on CPU an equal share of the world."""
         return self.gpus if self.gpus > 0 else self.world_size // self.nodes

@@ -169,6 +169,10 @@ class TrainerStatus(ApiModel):
     ranks: int | None = Field(None, ge=1, description="Ranks of the trainer (tensor x pipeline x data parallel).")
     ready: int | None = Field(None, ge=0, description="Ranks that joined the trainer's process group and train; "
                               "0 once a rank has failed (the group stops as one).")
+    layout_checked: bool | None = Field(
+        None, description="The trainer pod read the model and found that spec.trainer's tensor and pipeline "
+        "parallel sizes fit it (heads, kv heads, vocab, ffn, layers). A run that splits the model gets its fleets "
+        "only then, so a layout the model cannot take fails the run before any engine starts.")
 
 
 class TrainingRunStatus(ApiModel):

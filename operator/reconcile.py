@@ -324,7 +324,7 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
     for pod_name, uid in plan.delete:  # a failed trainer group's pods, after its failure is in the status
         await kube.delete(PODS, pod_name, meta["namespace"], uid=uid)
     refused: list[Rejection] = []
-    await _create_api_keys(kube, run, plan.create, refused)
+    await _create_api_keys(kube, run, plan.api_key_fleets, refused)
     if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
         for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
             await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
@@ -368,10 +368,9 @@ async def _apply_update_group_policies(kube: KubeClient, run: dict, current: Seq
             plan.events.append(Event("Normal", reasons.NETWORK_POLICY_DELETED, action.why))
 
 
-async def _create_api_keys(kube: KubeClient, run: dict, create: list[dict], refused: list[Rejection]) -> None:
-    """Before the run's fleets (and its trainer) are created: their Secrets `<fleet>-api-key`, owned by
-    the run, one key for both fleets (the trainer holds one). An existing Secret is kept as it is."""
-    fleets = [obj["metadata"]["name"] for obj in create if obj["kind"] in ("RolloutFleet", "EvalFleet")]
+async def _create_api_keys(kube: KubeClient, run: dict, fleets: list[str], refused: list[Rejection]) -> None:
+    """Before the run's fleets or its trainer are created: the fleets' Secrets `<fleet>-api-key`, owned
+    by the run, one key for both fleets (the trainer holds one). An existing Secret is kept as it is."""
     if not fleets:
         return
     key = new_api_key()

@@ -6,6 +6,10 @@ pod) owns `step`, `weightVersion`, `rewardMean`, `lastEval` and `orchestratorFai
 never writes those. The orchestrator fails a run through `status.orchestratorFailure` (e.g.
 RolloutEnginesUnavailable); the operator makes it the run's Failed condition.
 
+A run that splits the model (tensor or pipeline parallel) gets its fleets only after its trainer pod
+checked the layout against the model (`status.trainer.layoutChecked`): only the trainer reads the model,
+and a layout it cannot take then fails the run before any engine starts (`awaiting_layout_check`).
+
 Phase: Pending -> Running (trainer pod running) -> Succeeded (trainer exited 0) or Failed (the
 orchestrator reported a failure, the rollout fleet failed: its crash-loop message becomes the run's,
 or the trainer pod failed or vanished more often than spec.trainer.maxRestarts allows: before that it
@@ -63,6 +67,9 @@ class RunPlan:
     patch_fleet_specs: list[tuple[str, str, dict]] = field(default_factory=list)  # (kind, name, spec)
     events: list[Event] = field(default_factory=list)
     delete: list[tuple[str, str]] = field(default_factory=list)  # (name, uid) of pods: a failed trainer group's
+    # The run's fleets whose API-key Secrets must exist before this pass creates a fleet or a trainer pod
+    # (the trainer's env reads the rollout fleet's key, and may be created before the fleets).
+    api_key_fleets: list[str] = field(default_factory=list)
     requeue_after: float | None = None  # reconcile again then (a trainer's backoff ends)
     # resourceVersions the pass's own status writes replaced (operator/staleness.py)
     superseded_versions: frozenset[str] = frozenset()
@@ -130,14 +137,20 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     if rejected and phase not in TERMINAL:
         text = "\n".join(r.text() for r in rejected)
         change = PhaseChange("Failed", text, reasons.CHILD_REJECTED, text)
+    layout_pending = awaiting_layout_check(spec, old, children)
+    if layout_pending and change.phase not in TERMINAL:
+        change = PhaseChange(change.phase, LAYOUT_CHECK_MESSAGE.format(tp=spec.trainer.tensor_parallel_size,
+                                                                       pp=spec.trainer.pipeline_parallel_size))
     plan = RunPlan(
         status=run_status(spec, old, change, fleet_status, trainer=children.trainer, now=now,
                           generation=meta.get("generation"), trainer_plan=trainer_plan),
         create=missing_children(run, spec, children, phase, rollout=rollout, eval_fleet=evalf,
-                                trainer_plan=trainer_plan),
+                                trainer_plan=trainer_plan, fleets=not layout_pending),
         patch_fleet_specs=drifted_fleet_specs(phase, [(rollout, children.rollout), (evalf, children.eval)]),
         events=phase_events(phase, change),
     )
+    if any(obj["kind"] in ("RolloutFleet", "EvalFleet", "Pod") for obj in plan.create):
+        plan.api_key_fleets = [f["metadata"]["name"] for f in (rollout, evalf) if f is not None]
     if trainer_plan is not None and change.phase not in TERMINAL:
         plan.events[:0] = trainer_plan.events
         plan.delete = list(trainer_plan.delete)
@@ -145,19 +158,35 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     return plan
 
 
+LAYOUT_CHECK_MESSAGE = ("waiting for the trainer pod to check tensorParallelSize {tp} x pipelineParallelSize {pp} "
+                        "against the model before the fleets are created")
+
+
+def awaiting_layout_check(spec: TrainingRunSpec, old_status: dict, children: RunChildren) -> bool:
+    """Whether the run's fleets wait for its trainer pod's layout check: a run that splits the model
+    (tensor or pipeline parallel) gets them once `status.trainer.layoutChecked` says the model fits, so a
+    layout the model cannot take fails the run before any engine starts. Fleets that exist already (an
+    earlier check, or an operator before this rule) stay as they are."""
+    if not spec.trainer.splits_model or children.rollout is not None or children.eval is not None:
+        return False
+    return (old_status.get("trainer") or {}).get("layoutChecked") is not True
+
+
 def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, phase: str, *, rollout: dict,
-                     eval_fleet: dict | None, trainer_plan: TrainerPlan | None = None) -> list[dict]:
-    """The children to create: claim, fleets and the trainer pod `trainer_plan` asks for (the first one
-    while Pending, a recreated one after a failure); none once terminal."""
+                     eval_fleet: dict | None, trainer_plan: TrainerPlan | None = None,
+                     fleets: bool = True) -> list[dict]:
+    """The children to create: claim, fleets (unless `fleets` is False: they wait for the trainer's
+    layout check) and the trainer pod `trainer_plan` asks for (the first one while Pending, a recreated
+    one after a failure); none once terminal."""
     if phase in TERMINAL:
         return []
     create = []
     pvc = b.build_snapshot_pvc(run, spec)
     if pvc is not None and children.pvc is None:
         create.append(pvc)
-    if children.rollout is None:
+    if fleets and children.rollout is None:
         create.append(rollout)
-    if eval_fleet is not None and children.eval is None:
+    if fleets and eval_fleet is not None and children.eval is None:
         create.append(eval_fleet)
     if trainer_plan is not None and trainer_plan.create is not None and trainer_plan.give_up is None:
         create.extend(b.build_trainer_pods(run, spec, restarts=trainer_plan.create, nodes=trainer_plan.create_nodes))

@@ -134,8 +134,10 @@ def decide_trainer(*, pods: list[dict], nodes: int, phase: str, old: dict | None
     incarnation = complete_incarnation(by_node, nodes)
     restarts = max(prev.restarts, incarnation or 0)
     failures = max(prev.failures, restarts)
-    # ranks/ready are the trainer's own report (rank 0: the whole group's): carried as read, never rewritten here.
-    status = TrainerStatus(restarts=restarts, failures=failures, ranks=prev.ranks, ready=prev.ready)
+    # ranks/ready/layoutChecked are the trainer's own report (rank 0: the whole group's): carried as read,
+    # never rewritten here.
+    status = TrainerStatus(restarts=restarts, failures=failures, ranks=prev.ranks, ready=prev.ready,
+                           layout_checked=prev.layout_checked)
     if prev.last_failure is not None:
         status.last_failure = prev.last_failure
     plan = TrainerPlan(status=status)

@@ -186,10 +186,13 @@ def _validate_run(obj: dict):
 def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
     """A trainer pod of several ranks: check the layout against the model, find the pod's place in its
     trainer group (spec.trainer.nodes > 1), then launch its ranks here; rank 0 runs `rlfleet run
-    --kubernetes`. A setup failure is written on the run (restarting would not help); a rank's death
+    --kubernetes`. A setup failure is written on the run (restarting would not help); a layout that fits
+    the model is recorded on the run (`status.trainer.layoutChecked`: the operator creates the fleets of a
+    run that splits the model only then); a rank's death
     fails this pod (exit 1, the rank's last log lines on stderr: the pod's termination message) and the
     operator replaces the group within spec.trainer.maxRestarts."""
     from rlfleet.errors import RunError
+    from rlfleet.kube.client import ApiError
     from rlfleet.orchestrator.run.loop import resolve_model_dir
     from rlfleet.orchestrator.run.ranks import check_before_launch, launch_run
 
@@ -216,6 +219,14 @@ def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
         record(failure)
         print(f"rlfleet run: FAILED ({failure.reason}): {failure.message}", file=sys.stderr)
         return 1
+    if run.spec.trainer.splits_model:
+        # The operator creates the fleets of a run that splits the model only once this is on the run.
+        try:
+            asyncio.run(_record_layout_checked(args))
+        except (ApiError, OSError, TimeoutError) as exc:  # the pod fails; the operator replaces it
+            print(f"rlfleet run: FAILED (TrainerStatusUnwritable): could not record the layout check on the run "
+                  f"(the fleets wait for it): {exc}", file=sys.stderr)
+            return 1
     place = None
     if run.spec.trainer.nodes > 1:
         try:
@@ -238,6 +249,15 @@ async def _find_group_place(args, run: TrainingRun):
 
 # Pod 0 of a trainer group may wait for a node, pull an image, or be replaced: its address comes within this.
 GROUP_LEADER_TIMEOUT_S = 600.0
+
+
+async def _record_layout_checked(args) -> None:
+    """status.trainer.layoutChecked: the model fits the run's tensor x pipeline parallel layout."""
+    from rlfleet.kube.client import KubeClient
+    from rlfleet.orchestrator.fleet.k8s_backend import report_run_progress
+
+    async with await KubeClient.load(args.kubeconfig) as kube, asyncio.timeout(30):
+        await report_run_progress(kube, args.namespace, args.training_run, trainer={"layoutChecked": True})
 
 
 async def _record_ranks_stopped(args, world: int) -> None:

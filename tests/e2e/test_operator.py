@@ -605,6 +605,57 @@ def test_a_trainer_that_always_crashes_ends_failed_after_max_restarts_with_its_l
                  .get("items"), timeout=180, what="the run's pods to be gone", context=lambda: diagnostics(cp))
 
 
+def layout_run(name: str, tensor_parallel: int) -> dict:
+    """A megatron run of `tensor_parallel` CPU ranks on the tiny Llama (4 heads, 2 kv heads); its engine
+    never starts (no node fits it): what is asserted happens before any rollout."""
+    return {
+        "apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"modelPath": "tiny://llama",
+                 "trainer": {"backend": "megatron", "gpus": 0, "tensorParallelSize": tensor_parallel, "steps": 2,
+                             "maxRestarts": 0},
+                 "rollout": {"replicas": 1,
+                             "engine": {"device": "cpu", "nodeSelector": {"rlfleet.io/test": "nowhere"}}},
+                 "weightSync": {"snapshotVolume": {"size": "1Gi"}}},
+    }
+
+
+@pytest.mark.timeout(600)
+def test_a_layout_the_model_cannot_take_fails_the_run_before_any_fleet_exists(control_plane, operator, node_agent):
+    """Only the trainer pod reads the model. Tensor parallel 3 does not divide the tiny Llama's 4 heads:
+    the pod refuses it, naming the field and the numbers, and the run fails with no RolloutFleet and no
+    engine pod ever made. Tensor parallel 2 fits: the pod records its check on the run, and only then does
+    the operator create the run's fleet."""
+    cp = control_plane
+    apply(cp, layout_run("tr-tp3", 3))
+    apply(cp, layout_run("tr-tp2", 2))
+    try:
+        status = wait_for(lambda: (s := run_status(cp, "tr-tp3")).get("phase") == "Failed" and s, timeout=300,
+                          interval=1, what="the tensor-parallel-3 run to fail",
+                          context=lambda: json.dumps(run_status(cp, "tr-tp3"))[-2000:] + operator.tail())
+        failed = condition(status, "Failed")
+        assert failed["reason"] == "TrainerSetupFailed", failed
+        assert "spec.trainer.tensorParallelSize 3 does not divide the model's num_attention_heads 4" in \
+            failed["message"], failed
+        assert get_json(cp, "rolloutfleet", "tr-tp3-rollout", namespace=NS) is None, "a fleet was created"
+        assert not (get_json(cp, "pods", "-l", "rlfleet.io/fleet=tr-tp3-rollout", namespace=NS) or {}).get("items")
+        assert not (status.get("trainer") or {}).get("layoutChecked"), status["trainer"]
+
+        fleet = wait_for(lambda: get_json(cp, "rolloutfleet", "tr-tp2-rollout", namespace=NS), timeout=300,
+                         interval=1, what="the tensor-parallel-2 run's fleet",
+                         context=lambda: json.dumps(run_status(cp, "tr-tp2"))[-2000:] + operator.tail())
+        checked = run_status(cp, "tr-tp2")
+        assert checked["trainer"]["layoutChecked"] is True, checked
+        assert fleet["metadata"]["ownerReferences"][0]["name"] == "tr-tp2"
+        assert get_json(cp, "secret", "tr-tp2-rollout-api-key", namespace=NS) is not None
+    finally:
+        for name in ("tr-tp3", "tr-tp2"):
+            cp.kubectl("delete", "trainingrun", name, "-n", NS, "--wait=false", check=False)
+        for name in ("tr-tp3", "tr-tp2"):
+            wait_for(lambda n=name: not (get_json(cp, "pods", "-l", f"rlfleet.io/run={n}", namespace=NS) or {})
+                     .get("items"), timeout=180, what=f"{name}'s pods to be gone", context=lambda: diagnostics(cp))
+
+
 @pytest.mark.timeout(300)
 def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_agent):
     """`kubectl scale` of a RolloutFleet: the slot above the new count goes (pods that never start suffice)."""

@@ -1,6 +1,7 @@
 """`rlfleet run FILE` with a trainer of two ranks (megatron tensor parallel 2, and torch's FSDP replicas;
-gloo, real ranks from the elastic launcher): each run finishes with rank 0 running the loop and the engines; a rank SIGKILLed
-mid-run fails the run naming that rank with its last log lines, and nothing of the run is left running.
+gloo, real ranks from the elastic launcher): each run finishes with rank 0 running the loop and the
+engines; a rank SIGKILLed mid-run fails the run naming that rank with its last log lines, and nothing of
+the run is left running.
 
 One real SGLang CPU engine behind the real router, the quickstart shortened (no eval).
 """

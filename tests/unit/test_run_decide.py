@@ -195,3 +195,40 @@ def test_a_broadcast_run_gets_its_children_and_a_trainer_pod_with_the_update_gro
     (pod,) = [o for o in plan.create if o["kind"] == "Pod"]
     ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     assert ports == {"metrics": 9400, "update-group": 29600}
+
+
+def test_a_run_that_splits_the_model_gets_its_fleets_only_after_the_trainers_layout_check():
+    """Only the trainer pod reads the model: with tensor or pipeline parallelism the operator creates the
+    claim and the trainer first, the fleets (and their API-key Secrets, which the trainer already needs)
+    once status.trainer.layoutChecked is on the run; a failed check fails the run with no fleet made."""
+    spec = {"trainer": {"gpus": 0, "backend": "megatron", "tensorParallelSize": 2}, "eval": {
+        "posture": "fleet", "intervalSteps": 2, "datasets": [{"name": "rotate", "task": "rotate"}],
+        "fleet": {"replicas": 1}}}
+    first = decide_run(run(**spec), RunChildren(), now=T0)
+    assert [o["kind"] for o in first.create] == ["PersistentVolumeClaim", "Pod"]
+    assert first.api_key_fleets == ["r-rollout", "r-eval"]  # the trainer's env reads the rollout fleet's key
+    assert first.status["message"] == ("waiting for the trainer pod to check tensorParallelSize 2 x "
+                                       "pipelineParallelSize 1 against the model before the fleets are created")
+    kids = RunChildren(trainer=trainer("Running"), pvc={"metadata": {"name": "r-snapshots"}})
+    waiting = decide_run(run(status={"phase": "Pending", "trainer": {"restarts": 0}}, **spec), kids, now=T0)
+    assert waiting.create == [] and waiting.status["trainer"].get("layoutChecked") is None
+    checked = run(status={"phase": "Running", "trainer": {"restarts": 0, "layoutChecked": True}}, **spec)
+    plan = decide_run(checked, kids, now=T0)
+    assert [o["kind"] for o in plan.create] == ["RolloutFleet", "EvalFleet"]
+    assert plan.api_key_fleets == ["r-rollout", "r-eval"]
+    assert plan.status["trainer"]["layoutChecked"] is True  # the trainer's report, carried as read
+    refused = run(status={"phase": "Pending", "orchestratorFailure": {
+        "reason": "TrainerSetupFailed",
+        "message": "spec.trainer.tensorParallelSize 3 does not divide the model's num_attention_heads 4"}}, **spec)
+    failed = decide_run(refused, kids, now=T0)
+    assert failed.status["phase"] == "Failed" and failed.create == []
+    assert "num_attention_heads 4" in find(failed.status["conditions"], "Failed")["message"]
+
+
+def test_a_run_that_does_not_split_the_model_creates_its_fleets_at_once():
+    plan = decide_run(run(trainer={"gpus": 0, "dataParallelSize": 2}), RunChildren(), now=T0)
+    assert [o["kind"] for o in plan.create] == ["PersistentVolumeClaim", "RolloutFleet", "Pod"]
+    assert plan.api_key_fleets == ["r-rollout"]
+    nothing_new = decide_run(run(status={"phase": "Running"}), RunChildren(
+        rollout=fleet_of(run()), trainer=trainer("Running"), pvc={"metadata": {"name": "r-snapshots"}}), now=T0)
+    assert nothing_new.create == [] and nothing_new.api_key_fleets == []
