@@ -12,8 +12,9 @@
    weights' checksum compared with the trainer's, greedy tokens again. NCCL needs a GPU per rank: on
    CUDA this runs only with 2 or more GPUs (the trainer and the broadcast on GPU 0, the engine on GPU 1),
    and the check says so when it cannot;
-5. with 2 or more GPUs (or on CPU): the multi-rank layouts of check_ranks.py (pipeline 2, data parallel
-   2) against one rank, each with a checkpoint across its ranks restored mid-run.
+5. with 2 or more GPUs (or on CPU): the multi-rank layouts of check_ranks.py (megatron pipeline 2 and
+   data parallel 2, torch data parallel 2 as FSDP replicas) against one rank of the same backend, each
+   with a checkpoint across its ranks restored mid-run.
 
 `--device cpu` runs the same steps on this machine's CPU (gloo), a check of the check itself.
 `--backend torch` runs steps 1 to 4 with the torch backend instead of megatron's.
