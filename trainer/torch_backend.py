@@ -61,10 +61,11 @@ class TorchTrainer(Trainer):
         self.model = model.to(device)  # type: ignore[arg-type]  # the wrapped method's self is taken for `device`
         self.model.config.use_cache = False
         # The KL reference: the initial weights, frozen, beside the policy on the same device.
-        # (whole on every replica, also under FSDP: it takes no gradient and no optimizer state)
         self.reference = freeze_reference(copy.deepcopy(self.model)) if options.loss.uses_reference else None
         if self.fsdp:
             fsdp.shard_model(self.model, device, self.layout.data)  # before the optimizer: it holds the shards
+            if self.reference is not None:  # sharded too: the replicas run its forward passes in lockstep as well
+                fsdp.shard_model(self.reference, device, self.layout.data)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=options.lr, betas=options.betas, weight_decay=options.weight_decay
         )

@@ -56,13 +56,14 @@ def train_layouts(runs: list[tuple[str, tuple[int, int, int]]], model_dir: str, 
 
 def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, out_dir: str,
                 fail_rank: int | None = None, micro_batch: int | None = None,
-                samples: int | None = None) -> dict[str, Any] | None:
+                samples: int | None = None, kl_coef: float = 0.0) -> dict[str, Any] | None:
     """`steps` GRPO steps on `layout` (tensor, pipeline, data); rank 0 returns losses, grad norms,
     every step's statistics (its metrics but the time), snapshot. `backend` may name the data-parallel
     mode after a dash ("torch-fsdp"). `micro_batch`: samples per forward/backward pass; `samples`: each
-    step's batch cut to that many."""
+    step's batch cut to that many; `kl_coef` > 0: a KL penalty to the initial weights."""
     import time
 
+    from rlfleet.trainer import grpo
     from rlfleet.trainer.base import build_trainer
     from rlfleet.trainer.parallel import ParallelLayout
     from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
@@ -77,7 +78,7 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
         raise SystemExit(3)
     backend, _, mode = backend.partition("-")
     trainer = build_trainer(backend, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode or "ddp",
-                            micro_batch_size=micro_batch)
+                            micro_batch_size=micro_batch, loss=grpo.LossConfig(kl_coef=kl_coef))
     if rank != 0:
         follow(trainer)
         return None

@@ -131,10 +131,12 @@ def test_qwen3_query_and_key_norms_train_like_one_rank_under_tensor_parallelism(
 def test_fsdp_replicas_with_unequal_micro_batches_train_like_one_rank(tiny_model, tmp_path):
     """Under FSDP every forward and backward pass gathers weights from both replicas, so they must run
     the same passes: 15 samples a step split 8 / 7, 7 per micro-batch, are 2 passes on one replica and 1
-    on the other, which adds a pass that contributes nothing. Without it the step hangs."""
-    reference = train_steps("torch", str(tiny_model), (1, 1, 1), STEPS, str(tmp_path / "one"), samples=15)
+    on the other, which adds a pass that contributes nothing. Without it the step hangs. With a KL
+    penalty, whose frozen reference model is sharded too (its forward passes gather as well)."""
+    reference = train_steps("torch", str(tiny_model), (1, 1, 1), STEPS, str(tmp_path / "one"), samples=15,
+                            micro_batch=7, kl_coef=0.5)
     ours = launch_ranks(train_steps, ("torch-fsdp", str(tiny_model), (1, 1, 2), STEPS, str(tmp_path / "fsdp"), None,
-                                      7, 15), world=2, log_dir=tmp_path / "logs")[0]
+                                      7, 15, 0.5), world=2, log_dir=tmp_path / "logs")[0]
     assert reference is not None and ours is not None
     loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], reference["losses"], strict=True))
     norm_diff = max(abs(a - b) for a, b in zip(ours["grad_norms"], reference["grad_norms"], strict=True))
@@ -142,6 +144,7 @@ def test_fsdp_replicas_with_unequal_micro_batches_train_like_one_rank(tiny_model
     worst = max((mine[k] - theirs[k]).abs().max().item() for k in theirs)
     print(f"fsdp dp2, micro-batches 2 and 1: loss {loss_diff:.2e}, grad norm {norm_diff:.2e}, weights {worst:.2e}")
     assert [s["samples"] for s in ours["stats"]] == [15.0] * STEPS
+    assert max(s["kl_ref"] for s in reference["stats"]) > 100 * TOLERANCE, "the KL penalty never came into play"
     assert loss_diff < TOLERANCE and norm_diff < TOLERANCE and worst < TOLERANCE
 
 
