@@ -78,6 +78,10 @@ class WeightSyncResult:
     bytes_broadcast: int = 0
     rank0_s: float = 0.0  # broadcast: rank 0's own collectives, summed over the buckets (inside "broadcast")
     verified: bool = False
+    # Broadcast with the snapshot written beside it: the snapshot's write and validation, still going
+    # when the engines already serve the version (the sync does not wait for it); its manifest, or the
+    # error. Whoever reuses the weights the snapshot is written from waits for it first.
+    snapshot: asyncio.Future[Manifest] | None = field(default=None, repr=False)
 
     @property
     def synced(self) -> list[EngineSyncOutcome]:
@@ -175,8 +179,10 @@ class WeightSync:
         FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines).
 
         `snapshot_written` (broadcast mode): the snapshot is still being written and this completes when
-        it is; the broadcast goes on meanwhile, and only a disk fallback, or the end of the sync, waits
-        for it (and its validation)."""
+        it is; the broadcast goes on meanwhile and only a disk fallback waits for it (and its validation).
+        A broadcast that served every engine returns without it: `result.snapshot` completes once the
+        snapshot is written and valid (the fleet's reference moves to it then), and whoever reuses
+        the tensors it is written from waits for that first."""
         snapshot_dir = Path(snapshot_dir)
         version = version or str(step)
         overlap = snapshot_written is not None and self.spec.mode == "broadcast" and tensors is not None
@@ -200,16 +206,23 @@ class WeightSync:
                 finally:
                     if self.monitor is not None:
                         self.monitor.resume()
-                if snapshot is not None:  # the sync ends once the snapshot replacements start from is good
-                    waited = time.monotonic()
-                    manifest = await snapshot
-                    validate_s = time.monotonic() - waited
-                assert manifest is not None
-                result.validate_s = validate_s
-                result.phases["validate"] = validate_s
+                if snapshot is not None and result.mode == "broadcast":
+                    # The engines serve the version: the snapshot (the next fallback, what replacements
+                    # start from) finishes beside whatever comes next.
+                    result.snapshot = snapshot
+                    snapshot.add_done_callback(self._snapshot_settled(snapshot_dir))
+                    snapshot = None  # handed over: not awaited below
+                else:
+                    if snapshot is not None:
+                        waited = time.monotonic()
+                        manifest = await snapshot
+                        validate_s = time.monotonic() - waited
+                    assert manifest is not None
+                    result.validate_s = validate_s
+                    result.phases["validate"] = validate_s
+                    self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 result.total_s = time.monotonic() - started
                 mode = result.mode
-                self._reference = SnapshotReference.from_manifest(manifest, source=str(snapshot_dir))
                 outcome = result.outcome
                 self.last_error = None
                 log.info("fleet %s: synced version %s to %d engine(s) by %s in %.2f s (load %.2f s)", self.fleet,
@@ -232,6 +245,14 @@ class WeightSync:
                 metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome).inc()
                 metrics.WEIGHT_SYNC_DURATION.labels(fleet=self.fleet, outcome=outcome).observe(
                     time.monotonic() - started)
+
+    def _snapshot_settled(self, snapshot_dir: Path) -> Callable[[asyncio.Future[Manifest]], None]:
+        """A handed-over snapshot's completion: a valid one becomes the fleet's reference."""
+        def settled(snapshot: asyncio.Future[Manifest]) -> None:
+            if not snapshot.cancelled() and snapshot.exception() is None:
+                self._reference = SnapshotReference.from_manifest(snapshot.result(), source=str(snapshot_dir))
+
+        return settled
 
     async def _apply(self, snapshot_dir: Path, step: int, version: str, tensors: Mapping[str, Any] | None,
                      snapshot: asyncio.Future[Manifest] | None = None) -> WeightSyncResult:

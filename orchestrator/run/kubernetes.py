@@ -188,15 +188,17 @@ class KubernetesRun(RunLoop):
                 self.summary.router_restarts[label] = moves
                 await runtime.router_restarted(url)
 
-    async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
-        # Both are best effort: an API hiccup must not stop training. A stale pin only means a replacement
-        # starts from older weights, and the next sync loads the current ones before it serves.
+    async def _after_sync(self, step: int, stats: dict) -> None:
+        await self._write_status(step=step, weightVersion=str(step), rewardMean=round(float(stats["reward_mean"]), 6))
+
+    async def _pin_snapshot(self, step: int, snapshot: Path) -> None:
+        # Best effort: an API hiccup must not stop training. A stale pin only means a replacement starts
+        # from older weights, and the next sync loads the current ones before it serves.
         try:
             await pin_fleet_snapshot(self.kube, self.namespace, self.rollout_fleet, model_path=str(snapshot),
                                      weight_version=str(step))
         except (ApiError, OSError, TimeoutError) as exc:
             log.warning("pinning %s to %s: %s", self.rollout_fleet, snapshot, exc)
-        await self._write_status(step=step, weightVersion=str(step), rewardMean=round(float(stats["reward_mean"]), 6))
 
     async def _retire_snapshot(self, path: Path | None) -> None:
         # A replacement pod created just before the pin moved on may still be starting from the previous

@@ -72,6 +72,7 @@ from rlfleet.snapshot.retention import snapshots_to_retire
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
+from rlfleet.util.aio import settle
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
 
@@ -118,6 +119,21 @@ def resolve_model_dir(model_path: str) -> Path:
         raise RunFailed("ModelNotFound", f"modelPath {model_path!r} is not a Hugging Face model directory "
                                          "(locally, use a directory or tiny://llama)")
     return path
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """A step's weight snapshot and what completes once it is written (and valid)."""
+
+    step: int
+    path: Path
+    future: asyncio.Future[Any]
+
+
+def completed(value: Any) -> asyncio.Future[Any]:
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
@@ -189,6 +205,9 @@ class RunLoop:
         self.start_step = 0
         self.launch_snapshot: Path | None = None
         self._kept_snapshots: list[Path] = []  # the step snapshots still on the volume, oldest first
+        # The last step's snapshot, until it is written and what replacements start from (_settle_snapshot).
+        self._pending_snapshot: PendingSnapshot | None = None
+        self._snapshot_lock = asyncio.Lock()
         self.prompts_drawn = 0
         self._recreated_before = 0
         self._checkpoints_before: list[dict] = []
@@ -317,6 +336,7 @@ class RunLoop:
                                            gpu_bases=self._rollout_gpu_bases(),
                                            on_event=self._on_heat_event)
 
+            stack.push_async_callback(self._drain_snapshot)
             async with asyncio.TaskGroup() as tasks:
                 background = []
                 if spec.watchdog.enabled:  # off: failures are still counted (metrics), nothing acts on them
@@ -391,7 +411,7 @@ class RunLoop:
             ws = self.spec.weight_sync
             assert self.fleet is not None, "the rollout fleet starts before training"
             if ws.mode == "broadcast":
-                result, path, began = await self._broadcast_step(trainer, step, phases)
+                result, began = await self._broadcast_step(trainer, step, phases)
             else:
                 path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
                                                         ws.verify_every > 0)
@@ -400,9 +420,9 @@ class RunLoop:
                 began = clock()
                 result = await self.fleet.sync_weights(path, step, tensors=tensors)
                 del tensors
-            self.current_snapshot = path
-            await self._after_sync(step, path, stats)
-            await self._retire_snapshots(path)
+                self._pending_snapshot = PendingSnapshot(step, path, completed(path))
+            await self._after_sync(step, stats)
+            await self._settle_snapshot(wait=False)  # written already (disk mode), or later (broadcast)
             phases["weight_sync"] = clock() - began
             if self.evaluation is not None:  # eval: waits only to copy the weights (or on backpressure)
                 began = clock()
@@ -456,37 +476,77 @@ class RunLoop:
                 self.state,
             )
             self._track_step(record)
+        await self._settle_snapshot(wait=True)  # the last step's snapshot is written before the run ends
         if self.checkpoints is not None:
             await self.checkpoints.wait()
         if self.evaluation is not None:  # eval: every point settles before the run ends
             self._phase("eval drain")
             await self.evaluation.finish()
 
-    async def _broadcast_step(self, trainer, step: int,
-                              phases: dict[str, float]) -> tuple[WeightSyncResult, Path, float]:
+    async def _broadcast_step(self, trainer, step: int, phases: dict[str, float]) -> tuple[WeightSyncResult, float]:
         """Broadcast the step's weights while its snapshot (the fallback, and what replacements start
-        from) is written beside the broadcast; the sync ends once both are done. `phases["export"]`: the
-        copy off the device; returns the loop time the sync began (the rest is the weight sync's)."""
+        from) is written beside the broadcast. The sync ends when every engine serves them; the snapshot
+        is finished beside the next step's rollouts and training, and waited for (`snapshot_wait`) only
+        before the next export reuses the buffer it is written from. `phases["export"]`: the copy off
+        the device; returns the loop time the sync began (the rest is the weight sync's)."""
         assert self.fleet is not None, "the rollout fleet starts before training"
         clock = asyncio.get_running_loop().time
+        waited = await self._settle_snapshot(wait=True)
+        if waited is not None:
+            phases["snapshot_wait"] = waited
         began = clock()
         # Off the device, straight into the broadcast's shared buffer once its group exists: the one copy
         # the broadcast, the snapshot writer and the checksum verification all read.
         state = await asyncio.to_thread(trainer.state_for_export, self.fleet.export_views())
         state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
         phases["export"] = clock() - began
-        written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, snapshot_dir(self.snapshots, step)))
+        path = snapshot_dir(self.snapshots, step)
+        written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, path))
         self._phase("weight sync")
         began = clock()
         try:
-            result = await self.fleet.sync_weights(snapshot_dir(self.snapshots, step), step, tensors=state.tensors,
-                                                   snapshot_written=written)
-        finally:
-            if not written.done():
-                await asyncio.wait([written])  # a thread: it ends by itself
-            if not written.cancelled():
-                written.exception()  # retrieved: a failed sync's own error is the one raised
-        return result, written.result(), began
+            result = await self.fleet.sync_weights(path, step, tensors=state.tensors, snapshot_written=written)
+        except BaseException:
+            await settle(written)  # a thread: it ends by itself; the sync's own error is the one raised
+            raise
+        # The sync handed over the snapshot's validation, or (a fallback) waited for it already.
+        self._pending_snapshot = PendingSnapshot(step, path, written if result.snapshot is None else result.snapshot)
+        return result, began
+
+    async def _settle_snapshot(self, *, wait: bool) -> float | None:
+        """The step snapshot still being written beside training: once written (waited for if `wait`),
+        it is what replacements start from (`_snapshot_ready`). Returns the seconds waited (None: no
+        snapshot was pending, or it is still being written and `wait` is false); a snapshot that could
+        not be written fails the run, naming it."""
+        async with self._snapshot_lock:  # the loop and the watchdog's recovery: one settles it
+            pending = self._pending_snapshot
+            if pending is None or not (wait or pending.future.done()):
+                return None
+            clock = asyncio.get_running_loop().time
+            began = clock()
+            await asyncio.wait([pending.future])  # a waiter cancelled here leaves it to the next one
+            waited = clock() - began
+            self._pending_snapshot = None
+            try:
+                pending.future.result()
+            except OSError as exc:
+                raise RunFailed("SnapshotWriteFailed", f"the weight snapshot of step {pending.step} "
+                                                       f"({pending.path}) could not be written: {exc}") from exc
+            await self._snapshot_ready(pending.step, pending.path)
+            return waited
+
+    async def _drain_snapshot(self) -> None:
+        """A run that ends with a step snapshot still being written waits for its thread (which ends by
+        itself) before the volume is cleaned up; its error, if any, is not the run's."""
+        if self._pending_snapshot is not None:
+            await settle(self._pending_snapshot.future)
+
+    async def _snapshot_ready(self, step: int, path: Path) -> None:
+        """`path` is written and valid: replacements start from it; older snapshots past
+        `keepSnapshots` go."""
+        self.current_snapshot = path
+        await self._pin_snapshot(step, path)
+        await self._retire_snapshots(path)
 
     async def _collect_groups(self, producer: RolloutProducer, current_step: int, policy) -> tuple[list, int]:
         wanted = self.spec.trainer.prompts_per_step
@@ -512,6 +572,7 @@ class RunLoop:
     # --- recovery, watchdog and chaos ---------------------------------------------------------
 
     async def _recover_for_watchdog(self) -> None:
+        await self._settle_snapshot(wait=True)  # the newest weights, once written
         assert self.fleet is not None and self.current_snapshot is not None
         step = int(self.current_snapshot.name.removeprefix("step_"))
         await self.fleet.sync_weights(self.current_snapshot, step)
@@ -553,8 +614,11 @@ class RunLoop:
         assert self.fleet is not None
         await self.fleet.bring_up(self.launch_version, timeout=timeout_s)
 
-    async def _after_sync(self, step: int, snapshot: Path, stats: dict) -> None:
-        """Every engine serves `snapshot` (version `step`) now."""
+    async def _after_sync(self, step: int, stats: dict) -> None:
+        """Every engine serves version `step` now."""
+
+    async def _pin_snapshot(self, step: int, snapshot: Path) -> None:
+        """`snapshot` (version `step`) is written: where this platform's replacement engines start from."""
 
     def _background(self) -> list:
         """Extra coroutines to run beside the training loop (cancelled when it ends)."""

@@ -44,10 +44,11 @@ class StepRecord:
     ended_at: float | None = None  # seconds since the run started
 
 
-# The phases of a step, in order: waiting for fresh-enough rollout groups, the optimizer step, the
-# snapshot export, the weight sync (recovery, load, read-back), the time evaluation held the loop
-# (copying weights, or backpressure), writing a checkpoint's in-memory copy.
-PHASES = ("rollout_wait", "train", "export", "weight_sync", "eval_held", "checkpoint")
+# The phases of a step, in order: waiting for fresh-enough rollout groups, the optimizer step, waiting
+# for the last broadcast step's snapshot (written beside this step) to free the buffer, the snapshot
+# export, the weight sync (recovery, load, read-back), the time evaluation held the loop (copying
+# weights, or backpressure), writing a checkpoint's in-memory copy.
+PHASES = ("rollout_wait", "train", "snapshot_wait", "export", "weight_sync", "eval_held", "checkpoint")
 
 # The record's numeric fields a tracker plots, under "train/<field>"; phases under "time/<phase>".
 SERIES_FIELDS = ("reward_mean", "reward_std", "loss", "kl_ref", "clip_fraction", "grad_norm",
@@ -128,8 +129,8 @@ STEP_LINE_PHASES = ("rollout_wait", "train")  # every step has them: shown even 
 
 def format_phases(phases: dict[str, float]) -> str:
     """`rollout 1.2 s, train 0.8 s, ...` for the step line (other phases under 5 ms are left out)."""
-    names = {"rollout_wait": "rollout", "train": "train", "export": "export", "weight_sync": "sync",
-             "eval_held": "eval", "checkpoint": "ckpt"}
+    names = {"rollout_wait": "rollout", "train": "train", "snapshot_wait": "snapshot", "export": "export",
+             "weight_sync": "sync", "eval_held": "eval", "checkpoint": "ckpt"}
     return ", ".join(f"{names[k]} {phases.get(k, 0.0):.2f} s" for k in PHASES
                      if k in STEP_LINE_PHASES or phases.get(k, 0.0) >= 0.005)
 

@@ -235,7 +235,8 @@ def version_number(version: str | None) -> float:
 # --- The run (rlfleet run / the trainer pod) ---------------------------------------------------------
 RUN_STEP = Gauge("rlfleet_run_step", "Training steps completed.", ["run"], registry=REGISTRY)
 RUN_REWARD_MEAN = Gauge("rlfleet_run_reward_mean", "Mean rollout reward of the last step.", ["run"], registry=REGISTRY)
-# phase: rollout_wait, train, export, weight_sync, eval_held, checkpoint (the per-step record's phases).
+# phase: rollout_wait, train, snapshot_wait, export, weight_sync, eval_held, checkpoint (the per-step record's
+# phases).
 RUN_STEP_PHASE_DURATION = Histogram(
     "rlfleet_run_step_phase_seconds", "Seconds each phase of a training step took.", ["run", "phase"],
     buckets=DURATION_BUCKETS, registry=REGISTRY,

@@ -2,7 +2,8 @@
 sglang-router, the real torch trainer as the source of the weights.
 
 One fleet is shared by the tests of this module, in order: a broadcast that the engines serve (greedy
-tokens equal the trainer's, checksums equal), different bytes caught by the checksum, a SIGSTOPped
+tokens equal the trainer's, checksums equal), a broadcast that ends before the snapshot written beside
+it (which then becomes the fleet's reference, or fails on its own), different bytes caught by the checksum, a SIGSTOPped
 engine during a broadcast sync (marked dead, the others finish from disk, the next sync broadcasts over
 a rebuilt group), a SIGKILL between syncs (rebuilt before the next one), a broadcast that cannot start.
 """
@@ -141,6 +142,8 @@ async def test_quickstart_run_in_broadcast_mode(tmp_path: Path):
         assert record.engine_versions == {0: str(record.step), 1: str(record.step)}
         assert record.sync["checksums"] == {"match": 2}
         assert record.sync["seconds"] < record.seconds
+        # The step's snapshot is written beside the broadcast and the next step: no sync waits for it.
+        assert "validate" not in record.sync["phases"], record.sync
     # The update group was built as the fleet came up: no sync built one.
     assert [r.step for r in summary.steps if "group" in r.sync["phases"]] == []
     data = summary.to_dict()
@@ -176,6 +179,36 @@ async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
     assert metric("rlfleet_weight_sync_bytes_total") - bytes_before == sent
     assert metric("rlfleet_weight_checksums_total", result="match") - matches_before == 4
     assert metric("rlfleet_weight_update_group_builds_total") == builds_before
+
+
+async def test_a_broadcast_sync_ends_before_its_snapshot_is_written(fleet: Fleet):
+    """The engines serve the step once the broadcast ends: the snapshot written beside it (the fallback,
+    what replacements start from) is not waited for, and becomes the fleet's reference once written."""
+    weights = fleet.runtime.weights
+    path, tensors = await fleet.next_weights()
+    written = asyncio.get_running_loop().create_future()  # the snapshot's writer, held back
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
+    assert result.mode == "broadcast"
+    assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+    assert "validate" not in result.phases
+    assert result.snapshot is not None and not result.snapshot.done()
+    assert weights.reference is not None and weights.reference.source != str(path)
+    written.set_result(path)
+    manifest = await asyncio.wait_for(result.snapshot, 60)  # validated once written
+    assert manifest.step == fleet.step
+    assert weights.reference.source == str(path)
+
+    # A snapshot that cannot be written: the engines serve the step all the same; the error is the
+    # snapshot's, for the run loop to report.
+    path, tensors = await fleet.next_weights()
+    written = asyncio.get_running_loop().create_future()
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
+    assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
+    assert result.snapshot is not None
+    written.set_exception(OSError(28, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        await asyncio.wait_for(result.snapshot, 60)
+    assert weights.reference.source != str(path)
 
 
 async def test_checksum_catches_bytes_the_trainer_did_not_send(fleet: Fleet):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Step phases in stack order (the per-step record's names), then what the record's seconds leave over.
-PHASES = ("rollout_wait", "train", "export", "weight_sync", "eval_held", "checkpoint")
+PHASES = ("rollout_wait", "train", "snapshot_wait", "export", "weight_sync", "eval_held", "checkpoint")
 OTHER = "other"
 
 
