@@ -18,6 +18,7 @@ import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -72,17 +73,34 @@ def run_status(cp) -> dict:
     return (get_json(cp, "trainingrun", RUN, namespace=NS) or {}).get("status", {})
 
 
+def command_of(pid: str) -> str:
+    """`<pid>: <command line>` of a process, for a failure message."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid}: (gone)"
+    return f"{pid}: {command[:300]}"
+
+
 class Listeners:
     """The local addresses that listen on `port`, seen by polling `ss` (which touches no socket) in a thread."""
 
     def __init__(self, port: int):
         self.port, self.seen, self._stop = port, set(), threading.Event()
+        self.owners: dict[str, set[str]] = {}  # address -> the processes seen listening there (for a failure)
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["ss", "-Htln", f"sport = :{self.port}"], capture_output=True, text=True).stdout
-            self.seen.update(line.split()[3].rsplit(":", 1)[0] for line in out.splitlines() if line.strip())
+            out = subprocess.run(["ss", "-Htlnp", f"sport = :{self.port}"], capture_output=True, text=True).stdout
+            for line in out.splitlines():
+                fields = line.split()
+                if len(fields) < 4:
+                    continue
+                address = fields[3].rsplit(":", 1)[0]
+                self.seen.add(address)
+                for pid in re.findall(r"pid=(\d+)", line):
+                    self.owners.setdefault(address, set()).add(command_of(pid))
             self._stop.wait(0.05)
 
     def __enter__(self) -> Listeners:
@@ -183,8 +201,10 @@ def test_a_trainer_group_of_two_pods_trains_broadcasts_survives_losing_a_pod_and
                 assert "--resume" in pod["spec"]["containers"][0]["command"]
             new_pod0_ip = (get_json(cp, "pod", f"{RUN}-trainer-0", namespace=NS) or {}).get("status", {}).get("podIP")
             # The group's store and the update group listened on pod 0's address only, never on pod 1's.
-            assert rendezvous.seen and rendezvous.seen <= {pod0_ip, new_pod0_ip}, rendezvous.seen
-            assert update_group.seen and update_group.seen <= {pod0_ip, new_pod0_ip}, update_group.seen
+            assert rendezvous.seen and rendezvous.seen <= {pod0_ip, new_pod0_ip}, (pod0_ip, new_pod0_ip,
+                                                                                  rendezvous.owners, context())
+            assert update_group.seen and update_group.seen <= {pod0_ip, new_pod0_ip}, (pod0_ip, new_pod0_ip,
+                                                                                    update_group.owners, context())
 
             # Both pods ran their ranks, in both incarnations (each pod's log shows its local rank 0).
             logs0, logs1 = pod_logs(f"{RUN}-trainer-0"), pod_logs(f"{RUN}-trainer-1")
