@@ -526,12 +526,12 @@ class RunLoop:
             began = clock()
             await asyncio.wait([pending.future])  # a waiter cancelled here leaves it to the next one
             waited = clock() - began
-            self._pending_snapshot = None
             try:
                 pending.future.result()
-            except OSError as exc:
+            except OSError as exc:  # left pending: whoever settles it next (the loop, after a recovery) fails too
                 raise RunFailed("SnapshotWriteFailed", f"the weight snapshot of step {pending.step} "
                                                        f"({pending.path}) could not be written: {exc}") from exc
+            self._pending_snapshot = None
             await self._snapshot_ready(pending.step, pending.path)
             return waited
 
