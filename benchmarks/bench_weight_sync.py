@@ -18,8 +18,8 @@ behind a real router, the orchestrator's own WeightSync. Per sync the phases are
   copied into the broadcast's shared buffer, against exported straight into the buffer (the run loop's
   way once the group exists);
 - a broadcast step's export and sync: the snapshot written, then the broadcast, against the snapshot
-  written beside the broadcast (what the run loop does): `held` is how long the step waits (until every
-  engine serves the weights), `write_after` the write's rest, which in a run overlaps the next step.
+  written after the broadcast (what the run loop does): `held` is how long the step waits (until every
+  engine serves the weights), `write_after` the write, which in a run overlaps the next step.
 
 Floors measured in the same run: the bare `update_weights_from_disk` of an unvalidated snapshot already
 in the page cache (every engine at once), and a raw gloo broadcast of the same bytes between two
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import shutil
 import subprocess
@@ -273,8 +274,8 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             rows[label] = summarize(samples)
 
         # A training step's export and sync in broadcast mode: the snapshot written first, then broadcast
-        # (as before), against the snapshot written beside the broadcast (the run loop's way now: the
-        # step is held until the engines serve it; the write's rest overlaps the next step).
+        # (as before), against the snapshot written after the broadcast (the run loop's way now: the
+        # step is held until the engines serve it; the write overlaps the next step).
         weights.spec = spec
         samples = []
         for _ in range(repeat):
@@ -291,16 +292,16 @@ async def measure(model: Path, work: Path, engines: int, tensors: dict, nbytes: 
             step += 1
             out = work / f"step-beside-{engines}-{step}"
             t = time.perf_counter()
-            written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state(step), out))
-            result = await runtime.sync_weights(out, step, tensors=tensors, snapshot_written=written)
+            write = functools.partial(asyncio.to_thread, write_hf_snapshot, state(step), out)
+            result = await runtime.sync_weights(out, step, tensors=tensors, write_snapshot=write)
             assert result.mode == "broadcast", result.fallback_reason
             held = time.perf_counter() - t  # what the step waits: the engines serve the step now
-            assert result.snapshot is not None, "a broadcast hands over the snapshot written beside it"
+            assert result.snapshot is not None, "a broadcast hands over the snapshot's write"
             await result.snapshot  # in a run: beside the next step's rollouts and training
             samples.append({"held": held, "write_after": time.perf_counter() - t - held,
                             "total": time.perf_counter() - t})
             await asyncio.to_thread(shutil.rmtree, out)
-        rows["step, write beside sync"] = summarize(samples, "held")
+        rows["step, sync then write"] = summarize(samples, "held")
     finally:
         await runtime.stop()
         await router.stop()

@@ -161,11 +161,11 @@ class FleetRuntime:
         return self.weights.export_views() if self.weights is not None else None
 
     async def sync_weights(self, snapshot_dir: str | Path, step: int, *, tensors: Mapping[str, Any] | None = None,
-                           snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
-        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast, while
-        the snapshot is still being written when `snapshot_written` is given (see WeightSync.sync)."""
+                           write_snapshot: Callable[[], Awaitable[Any]] | None = None) -> WeightSyncResult:
+        """Sync the snapshot's weights; in broadcast mode `tensors` (the same weights) are broadcast, and
+        `write_snapshot`, when given, writes the snapshot after the broadcast (see WeightSync.sync)."""
         assert self.weights is not None
-        return await self.weights.sync(snapshot_dir, step, tensors=tensors, snapshot_written=snapshot_written)
+        return await self.weights.sync(snapshot_dir, step, tensors=tensors, write_snapshot=write_snapshot)
 
     async def stop(self) -> None:
         try:

@@ -36,7 +36,7 @@ from rlfleet.orchestrator.fleet.update_group import TransferFailed, UpdateGroup,
 from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
-from rlfleet.util.aio import settle
+from rlfleet.util.aio import LazyTask, settle
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,9 @@ class WeightSyncResult:
     bytes_broadcast: int = 0
     rank0_s: float = 0.0  # broadcast: rank 0's own collectives, summed over the buckets (inside "broadcast")
     verified: bool = False
-    # Broadcast with the snapshot written beside it: the snapshot's write and validation, still going
-    # when the engines already serve the version (the sync does not wait for it); its manifest, or the
-    # error. Whoever reuses the weights the snapshot is written from waits for it first.
+    # Broadcast with a snapshot to write: its write and validation, started once the engines serve the
+    # version (the sync does not wait for it); its manifest, or the error. Whoever reuses the weights the
+    # snapshot is written from waits for it first.
     snapshot: asyncio.Future[Manifest] | None = field(default=None, repr=False)
 
     @property
@@ -173,31 +173,34 @@ class WeightSync:
 
     async def sync(self, snapshot_dir: str | Path, step: int, *, version: str | None = None,
                    tensors: Mapping[str, Any] | None = None,
-                   snapshot_written: Awaitable[Any] | None = None) -> WeightSyncResult:
+                   write_snapshot: Callable[[], Awaitable[Any]] | None = None) -> WeightSyncResult:
         """Give every engine the snapshot's weights (broadcast mode: `tensors`, the same weights under HF
         names, are broadcast; the snapshot is the fallback). Raises SnapshotInvalid (nothing loaded),
         FleetFailed / FleetNotReady (no fleet to load into) or WeightSyncFailed (too few engines).
 
-        `snapshot_written` (broadcast mode): the snapshot is still being written and this completes when
-        it is; the broadcast goes on meanwhile and only a disk fallback waits for it (and its validation).
-        A broadcast that served every engine returns without it: `result.snapshot` completes once the
-        snapshot is written and valid (the fleet's reference moves to it then), and whoever reuses
-        the tensors it is written from waits for that first."""
+        `write_snapshot`: writes the snapshot when called (disk mode: first). In broadcast mode it is
+        called once the broadcast is done, and the sync returns without waiting for it: `result.snapshot`
+        completes once the snapshot is written and valid (the fleet's reference moves to it then), and
+        whoever reuses the tensors it is written from waits for that first. On a machine whose cores
+        the engines share, a write beside the broadcast slows the broadcast down; the fallback alone
+        writes it at once (and waits for it, the engines paused)."""
         snapshot_dir = Path(snapshot_dir)
         version = version or str(step)
-        overlap = snapshot_written is not None and self.spec.mode == "broadcast" and tensors is not None
+        deferred = write_snapshot is not None and self.spec.mode == "broadcast" and tensors is not None
         async with self._lock:
             started = time.monotonic()
             outcome = "failed"
             mode = "disk"
-            snapshot: asyncio.Future[Manifest] | None = None
+            snapshot: LazyTask[Manifest] | None = None
             try:
-                if overlap:
-                    snapshot = asyncio.ensure_future(self._validated(snapshot_dir, step, snapshot_written))
+                if deferred:
+                    assert write_snapshot is not None
+                    snapshot = LazyTask(lambda: self._validated(snapshot_dir, step, write_snapshot()))
                     manifest = None
                 else:
                     # Validation touches no engine, so monitoring keeps running while large files are hashed.
-                    manifest = await self._validated(snapshot_dir, step, snapshot_written)
+                    manifest = await self._validated(snapshot_dir, step,
+                                                     write_snapshot() if write_snapshot is not None else None)
                 validate_s = time.monotonic() - started
                 if self.monitor is not None:
                     self.monitor.pause()
@@ -208,14 +211,14 @@ class WeightSync:
                         self.monitor.resume()
                 if snapshot is not None and result.mode == "broadcast":
                     # The engines serve the version: the snapshot (the next fallback, what replacements
-                    # start from) finishes beside whatever comes next.
-                    result.snapshot = snapshot
-                    snapshot.add_done_callback(self._snapshot_settled(snapshot_dir))
+                    # start from) is written beside whatever comes next.
+                    result.snapshot = snapshot.start()
+                    result.snapshot.add_done_callback(self._snapshot_settled(snapshot_dir))
                     snapshot = None  # handed over: not awaited below
                 else:
-                    if snapshot is not None:
+                    if snapshot is not None:  # a fallback wrote it
                         waited = time.monotonic()
-                        manifest = await snapshot
+                        manifest = await snapshot.start()
                         validate_s = time.monotonic() - waited
                     assert manifest is not None
                     result.validate_s = validate_s
@@ -238,10 +241,8 @@ class WeightSync:
                 self.last_error = str(exc)
                 raise
             finally:
-                if snapshot is not None and not snapshot.done():
-                    await asyncio.wait([snapshot])  # the writing thread ends by itself; leave none behind
-                if snapshot is not None and not snapshot.cancelled():
-                    snapshot.exception()  # retrieved: the error raised above (or none) is what counts
+                if snapshot is not None and snapshot.task is not None:  # a fallback's write, after a failure
+                    await settle(snapshot.task)  # the writing thread ends by itself; leave none behind
                 metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome).inc()
                 metrics.WEIGHT_SYNC_DURATION.labels(fleet=self.fleet, outcome=outcome).observe(
                     time.monotonic() - started)
@@ -255,7 +256,7 @@ class WeightSync:
         return settled
 
     async def _apply(self, snapshot_dir: Path, step: int, version: str, tensors: Mapping[str, Any] | None,
-                     snapshot: asyncio.Future[Manifest] | None = None) -> WeightSyncResult:
+                     snapshot: LazyTask[Manifest] | None = None) -> WeightSyncResult:
         """Recover, wait, load everywhere, read back, verify, admit. Monitoring is paused meanwhile."""
         result = WeightSyncResult(step=step, version=version, model_path=str(snapshot_dir))
         t1 = time.monotonic()
@@ -337,7 +338,7 @@ class WeightSync:
 
     async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
                               version: str, result: WeightSyncResult,
-                              snapshot: asyncio.Future[Manifest] | None = None) -> list[EngineSyncOutcome]:
+                              snapshot: LazyTask[Manifest] | None = None) -> list[EngineSyncOutcome]:
         outcomes = {e.slot: EngineSyncOutcome(slot=e.slot, incarnation=e.incarnation, url=e.url or "",
                                               via="broadcast") for e in alive}
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
@@ -368,10 +369,10 @@ class WeightSync:
                 await self._continue_all(paused)
                 raise WeightSyncFailed(f"fleet {self.fleet}: broadcast of version {version} failed and "
                                        f"fallbackToDisk is false: {exc}", result) from exc
-            if snapshot is not None:  # the fallback needs the snapshot written and valid
-                waited = time.monotonic()
+            if snapshot is not None:  # the fallback needs the snapshot written and valid (the engines paused:
+                waited = time.monotonic()  # a broadcast cut short leaves them holding part of the new weights)
                 try:
-                    await snapshot
+                    await snapshot.start()
                 except BaseException:
                     await self._continue_all(paused)  # the old weights serve on
                     raise

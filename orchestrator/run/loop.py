@@ -484,11 +484,11 @@ class RunLoop:
             await self.evaluation.finish()
 
     async def _broadcast_step(self, trainer, step: int, phases: dict[str, float]) -> tuple[WeightSyncResult, float]:
-        """Broadcast the step's weights while its snapshot (the fallback, and what replacements start
-        from) is written beside the broadcast. The sync ends when every engine serves them; the snapshot
-        is finished beside the next step's rollouts and training, and waited for (`snapshot_wait`) only
-        before the next export reuses the buffer it is written from. `phases["export"]`: the copy off
-        the device; returns the loop time the sync began (the rest is the weight sync's)."""
+        """Broadcast the step's weights, then write its snapshot (the next fallback, and what replacements
+        start from). The sync ends when every engine serves them; the snapshot is written beside the
+        next step's rollouts and training, and waited for (`snapshot_wait`) only before the next export
+        reuses the buffer it is written from. `phases["export"]`: the copy off the device; returns the
+        loop time the sync began (the rest is the weight sync's)."""
         assert self.fleet is not None, "the rollout fleet starts before training"
         clock = asyncio.get_running_loop().time
         waited = await self._settle_snapshot(wait=True)
@@ -501,16 +501,13 @@ class RunLoop:
         state = ExportState(step=step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
         phases["export"] = clock() - began
         path = snapshot_dir(self.snapshots, step)
-        written = asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, path))
         self._phase("weight sync")
         began = clock()
-        try:
-            result = await self.fleet.sync_weights(path, step, tensors=state.tensors, snapshot_written=written)
-        except BaseException:
-            await settle(written)  # a thread: it ends by itself; the sync's own error is the one raised
-            raise
-        # The sync handed over the snapshot's validation, or (a fallback) waited for it already.
-        self._pending_snapshot = PendingSnapshot(step, path, written if result.snapshot is None else result.snapshot)
+        result = await self.fleet.sync_weights(path, step, tensors=state.tensors,
+                                               write_snapshot=lambda: asyncio.to_thread(write_hf_snapshot, state, path))
+        # The sync handed over the snapshot's write, or (a fallback) wrote it already.
+        self._pending_snapshot = PendingSnapshot(step, path, completed(path) if result.snapshot is None
+                                                 else result.snapshot)
         return result, began
 
     async def _settle_snapshot(self, *, wait: bool) -> float | None:

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
 
 
 async def stop_task(task: asyncio.Future[Any] | None) -> None:
@@ -36,3 +39,17 @@ async def settle(future: asyncio.Future[Any]) -> BaseException | None:
     if not future.done():
         await asyncio.wait((future,))
     return None if future.cancelled() else future.exception()
+
+
+class LazyTask(Generic[T]):
+    """Work started as a task on the first `start()`, and only then: work that may not be needed, or
+    not yet (a weight snapshot written once the broadcast is done, or at once for its fallback)."""
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, T]]):
+        self._make = make
+        self.task: asyncio.Task[T] | None = None  # None: not started
+
+    def start(self) -> asyncio.Task[T]:
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._make())
+        return self.task

@@ -2,8 +2,8 @@
 sglang-router, the real torch trainer as the source of the weights.
 
 One fleet is shared by the tests of this module, in order: a broadcast that the engines serve (greedy
-tokens equal the trainer's, checksums equal), a broadcast that ends before the snapshot written beside
-it (which then becomes the fleet's reference, or fails on its own), different bytes caught by the checksum, a SIGSTOPped
+tokens equal the trainer's, checksums equal), a broadcast that ends before its snapshot is written (which
+then becomes the fleet's reference, or fails on its own), different bytes caught by the checksum, a SIGSTOPped
 engine during a broadcast sync (marked dead, the others finish from disk, the next sync broadcasts over
 a rebuilt group), a SIGKILL between syncs (rebuilt before the next one), a broadcast that cannot start.
 """
@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from rlfleet.orchestrator.fleet.update_group import UpdateGroup
 from rlfleet.orchestrator.fleet.weight_sync import EngineSyncOutcome
 from rlfleet.orchestrator.run.loop import export_step
 from rlfleet.sglang.engine import EngineClient
+from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer.base import build_trainer
 
@@ -69,13 +71,13 @@ class Fleet:
         return await asyncio.to_thread(export_step, self.trainer, self.snapshots / f"step_{self.step}", self.step,
                                        True)
 
-    async def next_weights_written_beside(self) -> tuple[Path, dict, asyncio.Future]:
-        """`next_weights`, the snapshot still being written (in a thread) when this returns."""
+    async def next_weights_to_write(self) -> tuple[Path, dict, Callable[[], Awaitable[Path]]]:
+        """`next_weights`, the snapshot not written yet: what writes it (in a thread) when called."""
         path, _ = await self.next_weights()
         state = await asyncio.to_thread(self.trainer.state_for_export)
         state = ExportState(step=self.step, tensors=state.tensors, config=state.config, source_dir=state.source_dir)
-        out = self.snapshots / f"step_{self.step}-beside"
-        return out, state.tensors, asyncio.ensure_future(asyncio.to_thread(write_hf_snapshot, state, out))
+        out = self.snapshots / f"step_{self.step}-later"
+        return out, state.tensors, lambda: asyncio.to_thread(write_hf_snapshot, state, out)
 
     async def greedy(self, url: str) -> tuple[list[int], str]:
         payload = {"input_ids": self.prompt_ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -182,13 +184,22 @@ async def test_broadcast_sync_serves_the_trainers_weights(fleet: Fleet):
 
 
 async def test_a_broadcast_sync_ends_before_its_snapshot_is_written(fleet: Fleet):
-    """The engines serve the step once the broadcast ends: the snapshot written beside it (the fallback,
-    what replacements start from) is not waited for, and becomes the fleet's reference once written."""
+    """The engines serve the step once the broadcast ends: the snapshot (the next fallback, what
+    replacements start from) is written after it, not waited for, and becomes the fleet's reference
+    once written."""
     weights = fleet.runtime.weights
     path, tensors = await fleet.next_weights()
     written = asyncio.get_running_loop().create_future()  # the snapshot's writer, held back
-    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
+    calls: list[float] = []
+
+    def write_snapshot() -> asyncio.Future:
+        calls.append(time.monotonic())
+        return written
+
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, write_snapshot=write_snapshot)
+    synced_at = time.monotonic()
     assert result.mode == "broadcast"
+    assert len(calls) == 1 and calls[0] >= synced_at - result.total_s + result.phases["broadcast"]
     assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
     assert "validate" not in result.phases
     assert result.snapshot is not None and not result.snapshot.done()
@@ -202,7 +213,7 @@ async def test_a_broadcast_sync_ends_before_its_snapshot_is_written(fleet: Fleet
     # snapshot's, for the run loop to report.
     path, tensors = await fleet.next_weights()
     written = asyncio.get_running_loop().create_future()
-    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
+    result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, write_snapshot=lambda: written)
     assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
     assert result.snapshot is not None
     written.set_exception(OSError(28, "No space left on device"))
@@ -305,11 +316,11 @@ async def test_broadcast_that_cannot_start_falls_back_or_fails(fleet: Fleet):
     weights.broadcast_address = "192.0.2.1"  # not an address of this machine
     await weights.close()  # the next sync builds a group again, on the wrong address
     try:
-        # The snapshot is written beside the broadcast (as a run's step does): the fallback waits for it.
-        path, tensors, written = await fleet.next_weights_written_beside()
-        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, snapshot_written=written)
+        # The snapshot is written after the broadcast (as a run's step does): the fallback writes it first.
+        path, tensors, write_snapshot = await fleet.next_weights_to_write()
+        result = await fleet.runtime.sync_weights(path, fleet.step, tensors=tensors, write_snapshot=write_snapshot)
         print(f"\n[no start] {result.mode}: {result.fallback_reason}")
-        assert written.done() and written.result() == path
+        assert result.snapshot is None and validate_snapshot(path, expected_step=fleet.step).step == fleet.step
         assert result.mode == "broadcast_fallback" and "cannot start" in (result.fallback_reason or "")
         assert "snapshot_wait" in result.phases
         assert sorted(e.version for e in result.synced) == [str(fleet.step)] * 2
