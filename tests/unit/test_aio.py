@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from rlfleet.util.aio import settle, stop_task
+from rlfleet.util.aio import LazyTask, settle, stop_task
 
 pytestmark = pytest.mark.looptime
 
@@ -133,3 +133,18 @@ async def test_settle_waits_without_cancelling_and_hands_back_the_error():
     cancelled = asyncio.ensure_future(asyncio.sleep(10))
     cancelled.cancel()
     assert await settle(cancelled) is None
+
+
+async def test_lazy_task_starts_its_work_on_first_use_only_once():
+    started: list[int] = []
+
+    async def work() -> int:
+        started.append(1)
+        return 7
+
+    lazy = LazyTask(work)
+    await asyncio.sleep(0)
+    assert lazy.task is None and started == []  # not needed yet: nothing ran
+    task = lazy.start()
+    assert lazy.start() is task  # one task, however often it is asked for
+    assert await task == 7 and started == [1]
