@@ -144,7 +144,7 @@ async def test_quickstart_run_in_broadcast_mode(tmp_path: Path):
         assert record.engine_versions == {0: str(record.step), 1: str(record.step)}
         assert record.sync["checksums"] == {"match": 2}
         assert record.sync["seconds"] < record.seconds
-        # The step's snapshot is written beside the broadcast and the next step: no sync waits for it.
+        # The step's snapshot is written after the broadcast, beside the next step: no sync waits for it.
         assert "validate" not in record.sync["phases"], record.sync
     # The update group was built as the fleet came up: no sync built one.
     assert [r.step for r in summary.steps if "group" in r.sync["phases"]] == []
