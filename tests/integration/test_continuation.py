@@ -214,13 +214,13 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
                                      record_batches=tmp_path / "batches"))
     before = counter("rlfleet_rollout_continuations_total", fleet="rollout")
     task = asyncio.create_task(local.execute())
-    # The first step's rollouts are streaming: at least 8 in flight with 4 tokens or more each, so each
-    # engine's share of the work has streamed tokens a kill cuts (an average over the requests let a kill
-    # land on an engine whose requests had streamed nothing yet). Sampled answers end early (~30 tokens),
-    # so waiting much longer leaves the engines little to lose.
+    # The first step's rollouts are streaming: at least 8 in flight, and every request in flight has streamed
+    # 4 tokens or more, so whichever engine is killed, the requests it holds have tokens a kill cuts (requests
+    # only just prefilled on one engine, while the other engine's had streamed, made a kill continue nothing).
+    # Sampled answers end early (~30 tokens), so waiting much longer leaves the engines little to lose.
     def streaming() -> bool:
         in_flight = [p.generated for p in local._client.progress.values()] if local._client else []
-        return sum(1 for tokens in in_flight if tokens >= 4) >= 8
+        return len(in_flight) >= 8 and min(in_flight) >= 4
 
     async with asyncio.timeout(600):
         while not streaming():
