@@ -72,7 +72,7 @@ from rlfleet.snapshot.retention import snapshots_to_retire
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
-from rlfleet.util.aio import settle
+from rlfleet.util.aio import resolved, settle
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import tail_file
 
@@ -128,12 +128,6 @@ class PendingSnapshot:
     step: int
     path: Path
     future: asyncio.Future[Any]
-
-
-def completed(value: Any) -> asyncio.Future[Any]:
-    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    future.set_result(value)
-    return future
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
@@ -420,7 +414,7 @@ class RunLoop:
                 began = clock()
                 result = await self.fleet.sync_weights(path, step, tensors=tensors)
                 del tensors
-                self._pending_snapshot = PendingSnapshot(step, path, completed(path))
+                self._pending_snapshot = PendingSnapshot(step, path, resolved(path))
             await self._after_sync(step, stats)
             await self._settle_snapshot(wait=False)  # written already (disk mode), or later (broadcast)
             phases["weight_sync"] = clock() - began
@@ -506,7 +500,7 @@ class RunLoop:
         result = await self.fleet.sync_weights(path, step, tensors=state.tensors,
                                                write_snapshot=lambda: asyncio.to_thread(write_hf_snapshot, state, path))
         # The sync handed over the snapshot's write, or (a fallback) wrote it already.
-        self._pending_snapshot = PendingSnapshot(step, path, completed(path) if result.snapshot is None
+        self._pending_snapshot = PendingSnapshot(step, path, resolved(path) if result.snapshot is None
                                                  else result.snapshot)
         return result, began
 

@@ -41,6 +41,13 @@ async def settle(future: asyncio.Future[Any]) -> BaseException | None:
     return None if future.cancelled() else future.exception()
 
 
+def resolved(value: T) -> asyncio.Future[T]:
+    """A future already done with `value`, for code that awaits work which, this time, needed none."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
 class LazyTask(Generic[T]):
     """Work started as a task on the first `start()`, and only then: work that may not be needed, or
     not yet (a weight snapshot written once the broadcast is done, or at once for its fallback)."""

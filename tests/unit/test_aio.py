@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from rlfleet.util.aio import LazyTask, settle, stop_task
+from rlfleet.util.aio import LazyTask, resolved, settle, stop_task
 
 pytestmark = pytest.mark.looptime
 
@@ -148,3 +148,8 @@ async def test_lazy_task_starts_its_work_on_first_use_only_once():
     task = lazy.start()
     assert lazy.start() is task  # one task, however often it is asked for
     assert await task == 7 and started == [1]
+
+
+async def test_resolved_is_a_done_future_that_awaits_to_its_value():
+    future = resolved("step_3")
+    assert future.done() and await future == "step_3"
