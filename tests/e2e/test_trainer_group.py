@@ -33,6 +33,7 @@ from helpers.cluster import (
     stop_node_agent,
     wait_for,
 )
+from rlfleet.crds.managed import ReservedEnv
 
 pytestmark = [pytest.mark.cluster]
 
@@ -82,12 +83,25 @@ def command_of(pid: str) -> str:
     return f"{pid}: {command[:300]}"
 
 
-class Listeners:
-    """The local addresses that listen on `port`, seen by polling `ss` (which touches no socket) in a thread."""
+def namespace_of(pid: str) -> str | None:
+    """The namespace of the pod a process runs for (its RLFLEET_POD_NAMESPACE), None when it has none or is gone."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{ReservedEnv.POD_NAMESPACE}=".encode()
+    return next((v[len(prefix):].decode() for v in environ if v.startswith(prefix)), None)
 
-    def __init__(self, port: int):
-        self.port, self.seen, self._stop = port, set(), threading.Event()
+
+class Listeners:
+    """The local addresses where processes of `namespace`'s pods listen on `port`, seen by polling `ss` (which
+    touches no socket) in a thread. Other listeners on the port (another test's processes on this machine)
+    are kept apart, in `others`."""
+
+    def __init__(self, port: int, namespace: str):
+        self.port, self.namespace, self.seen, self._stop = port, namespace, set(), threading.Event()
         self.owners: dict[str, set[str]] = {}  # address -> the processes seen listening there (for a failure)
+        self.others: dict[str, set[str]] = {}  # the same, for processes of no pod in `namespace`
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
@@ -98,9 +112,12 @@ class Listeners:
                 if len(fields) < 4:
                     continue
                 address = fields[3].rsplit(":", 1)[0]
-                self.seen.add(address)
-                for pid in re.findall(r"pid=(\d+)", line):
-                    self.owners.setdefault(address, set()).add(command_of(pid))
+                pids = re.findall(r"pid=(\d+)", line)
+                ours = not pids or any(namespace_of(pid) == self.namespace for pid in pids)
+                if ours:
+                    self.seen.add(address)
+                for pid in pids:
+                    (self.owners if ours else self.others).setdefault(address, set()).add(command_of(pid))
             self._stop.wait(0.05)
 
     def __enter__(self) -> Listeners:
@@ -168,7 +185,7 @@ def test_a_trainer_group_of_two_pods_trains_broadcasts_survives_losing_a_pod_and
                                .get("status", {}).get("podIP"), timeout=120, what="pod 0's address", context=context)
 
             # After the first complete checkpoint, pod 1 goes: the group fails as one and comes back whole.
-            with Listeners(29500) as rendezvous, Listeners(29600) as update_group:
+            with Listeners(29500, NS) as rendezvous, Listeners(29600, NS) as update_group:
                 wait_for(lambda: list((claim / "checkpoints").glob("step_*/COMPLETE"))
                          and (run_status(cp).get("step") or 0) >= 1, timeout=ENGINE_START_S + 600, interval=0.5,
                          what="step 1 and its checkpoint", context=context)
@@ -201,10 +218,10 @@ def test_a_trainer_group_of_two_pods_trains_broadcasts_survives_losing_a_pod_and
                 assert "--resume" in pod["spec"]["containers"][0]["command"]
             new_pod0_ip = (get_json(cp, "pod", f"{RUN}-trainer-0", namespace=NS) or {}).get("status", {}).get("podIP")
             # The group's store and the update group listened on pod 0's address only, never on pod 1's.
-            assert rendezvous.seen and rendezvous.seen <= {pod0_ip, new_pod0_ip}, (pod0_ip, new_pod0_ip,
-                                                                                  rendezvous.owners, context())
-            assert update_group.seen and update_group.seen <= {pod0_ip, new_pod0_ip}, (pod0_ip, new_pod0_ip,
-                                                                                    update_group.owners, context())
+            pod0_ips = {pod0_ip, new_pod0_ip}
+            for listeners in (rendezvous, update_group):
+                assert listeners.seen and listeners.seen <= pod0_ips, (listeners.port, pod0_ips, listeners.owners,
+                                                                       listeners.others, context())
 
             # Both pods ran their ranks, in both incarnations (each pod's log shows its local rank 0).
             logs0, logs1 = pod_logs(f"{RUN}-trainer-0"), pod_logs(f"{RUN}-trainer-1")
