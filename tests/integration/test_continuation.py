@@ -63,9 +63,9 @@ def counter(name: str, **labels: str) -> float:
 
 
 async def running_requests(session: aiohttp.ClientSession, engine_url: str, api_key: str | None = None) -> int:
-    """Requests the engine's scheduler is decoding now, past their prefill (`/v1/loads`, published at every
-    prefill and when it goes idle; the `/metrics` gauge is refreshed only every 40 decode steps and may still
-    count finished ones). Queued requests are left out: they have streamed nothing a kill could cut."""
+    """Requests in the engine scheduler's running batch (`/v1/loads`, published at every prefill, every 15
+    decode steps and when it goes idle; the `/metrics` gauge is refreshed only every 40 decode steps and may
+    still count finished ones). Queued requests are left out: they have streamed nothing a kill could cut."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with session.get(engine_url + "/v1/loads", headers=headers, timeout=TIMEOUT) as resp:
         resp.raise_for_status()
@@ -222,17 +222,23 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
         in_flight = [p.generated for p in local._client.progress.values()] if local._client else []
         return len(in_flight) >= 8 and min(in_flight) >= 4
 
-    async with asyncio.timeout(600):
-        while not streaming():
-            assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
-            await asyncio.sleep(0.05)
-    assert not local.summary.steps
     # The router may place every sample on one engine (they share their prompts' prefixes): the engine
-    # killed is the one that holds the most requests, as each engine's scheduler reports them.
-    engines = [e for e in local.backend.engines() if e.url]
-    async with aiohttp.ClientSession() as session:
-        held = [await running_requests(session, e.url, local.backend.api_key) for e in engines]
-    assert max(held) > 0, f"no engine held a request at the kill: {held}"
+    # killed is the one that holds the most requests, as each engine's scheduler reports them. Its report is
+    # published at a prefill (before the prefilled requests join the running batch) and every 15 decode steps,
+    # so right after one prefill of every request both engines may still report none running: wait for one
+    # that does.
+    engines: list = []
+    held: list[int] = []
+    async with asyncio.timeout(600), aiohttp.ClientSession() as session:
+        while True:
+            assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
+            if streaming():
+                engines = [e for e in local.backend.engines() if e.url]
+                held = [await running_requests(session, e.url, local.backend.api_key) for e in engines]
+                if max(held, default=0) > 0:
+                    break
+            await asyncio.sleep(0.05)
+    assert not local.summary.steps, "the kill came after the first step"
     local.backend.process(engines[held.index(max(held))].slot).signal_group(signal.SIGKILL)
     summary = await asyncio.wait_for(task, 900)
 
@@ -249,6 +255,7 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
     assert stitched, "no sample of the trained batches was continued"
     trainer = build_trainer("torch", tiny_model, lr=1e-2, seed=0)
     worst = max(logprob_error(trainer, s.prompt_ids, s.response_ids, s.sampling_logprobs) for s in stitched)
-    print(f"\nfigures: {len(stitched)} stitched samples trained, worst logprob gap {worst:.2e}; "
+    print(f"\nfigures: engines held {held} at the kill; {len(stitched)} stitched samples trained, "
+          f"worst logprob gap {worst:.2e}; "
           f"{data['rollout_continuations']}")
     assert worst < LOGPROB_TOLERANCE
