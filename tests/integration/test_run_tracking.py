@@ -157,8 +157,8 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
         if stopped_after is not None:
             # What reached the server before it stopped, read back with MLflow's own client from the same
             # store, served again.
-            server = MlflowServer(tmp_path / "mlflow").start()
-            read_back = reader.read(server.url, "tracked")
+            server = MlflowServer(tmp_path / "mlflow")  # stopped below, even if it never comes up
+            read_back = reader.read(server.start().url, "tracked")
     finally:
         subprocess.run(["tmux", "-L", tmux.socket, "kill-server"], capture_output=True)
         server.stop()
