@@ -103,7 +103,8 @@ class RolloutTemplateSpec(ApiModel):
         "fixed-interval storm)."
     )
     concurrency_per_engine: int = Field(
-        64, ge=1, le=4096, description="Rollout requests in flight per ready engine."
+        64, ge=1, le=4096, description="Rollout requests in flight per engine, in whole GRPO groups (at least "
+        "one group, at most one step's)."
     )
     continuation: bool = Field(
         True,

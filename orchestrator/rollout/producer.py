@@ -30,6 +30,13 @@ RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected 
 Encode = Callable[[str], list[int]]
 
 
+def groups_in_flight(*, requests_per_engine: int, engines: int, samples_per_prompt: int, prompts_per_step: int) -> int:
+    """How many groups the producer generates at once: as many as keep `requests_per_engine` requests on each
+    engine (`spec.rollout.concurrencyPerEngine`; a group is `samples_per_prompt` requests), no more than one
+    step's groups, and at least one group, however large."""
+    return max(1, min(requests_per_engine * engines // samples_per_prompt, prompts_per_step))
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     max_new_tokens: int = 8

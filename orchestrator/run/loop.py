@@ -44,7 +44,7 @@ from rlfleet.orchestrator.rollout.client import (
     post_generate,
     probe_health,
 )
-from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings
+from rlfleet.orchestrator.rollout.producer import RolloutProducer, SamplingSettings, groups_in_flight
 from rlfleet.orchestrator.rollout.stream import stream_generate
 from rlfleet.orchestrator.run.checkpointing import (
     ResumePoint,
@@ -372,8 +372,9 @@ class RunLoop:
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings.for_trainer(t, tokenizer.eos_token_id),
-            concurrency=max(1, min(self.spec.rollout.concurrency_per_engine * self.spec.rollout.replicas,
-                                   t.prompts_per_step)),
+            concurrency=groups_in_flight(requests_per_engine=self.spec.rollout.concurrency_per_engine,
+                                         engines=self.spec.rollout.replicas,
+                                         samples_per_prompt=t.samples_per_prompt, prompts_per_step=t.prompts_per_step),
             queue_groups=2 * t.prompts_per_step, run_id=self.name,
         )
 

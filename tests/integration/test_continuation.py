@@ -208,19 +208,24 @@ async def test_a_sampled_run_with_an_engine_killed_continues_its_rollouts(tmp_pa
     run.spec.eval = None
     t = run.spec.trainer
     t.steps, t.max_new_tokens, t.temperature, t.prompts_per_step, t.samples_per_prompt = 2, 96, 1.0, 4, 4
+    # Two groups (8 requests) in flight: the groups the kill cuts are the first two, so they are trained in
+    # step 1 or 2 (queued in the order they finish; with more groups in flight, groups started after the kill
+    # could finish first, fill both steps, and leave the continued ones untrained).
+    run.spec.rollout.concurrency_per_engine = 4
     log = io.StringIO()
     local = LocalRun(run, RunOptions(run_dir=tmp_path / "run", summary_path=tmp_path / "summary.json",
                                      metrics_port=0, progress=ProgressReporter(log, tty=False),
                                      record_batches=tmp_path / "batches"))
     before = counter("rlfleet_rollout_continuations_total", fleet="rollout")
     task = asyncio.create_task(local.execute())
-    # The first step's rollouts are streaming: at least 8 in flight, and every request in flight has streamed
-    # 4 tokens or more, so whichever engine is killed, the requests it holds have tokens a kill cuts (requests
-    # only just prefilled on one engine, while the other engine's had streamed, made a kill continue nothing).
+    # The first step's rollouts are streaming: at least 6 of the 8 in flight, and every request in flight has
+    # streamed 4 tokens or more, so whichever engine is killed, the requests it holds have tokens a kill cuts
+    # (requests only just prefilled on one engine, while the other engine's had streamed, made a kill continue
+    # nothing).
     # Sampled answers end early (~30 tokens), so waiting much longer leaves the engines little to lose.
     def streaming() -> bool:
         in_flight = [p.generated for p in local._client.progress.values()] if local._client else []
-        return len(in_flight) >= 8 and min(in_flight) >= 4
+        return len(in_flight) >= 6 and min(in_flight) >= 4
 
     # The router may place every sample on one engine (they share their prompts' prefixes): the engine
     # killed is the one that holds the most requests, as each engine's scheduler reports them. Its report is
