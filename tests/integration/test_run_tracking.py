@@ -12,7 +12,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -98,13 +97,13 @@ def logged_steps(tracking_uri: str, experiment: str, key: str) -> list[int]:
             return json.loads(r.read() or b"{}")
 
     try:
-        found = call(f"/experiments/get-by-name?experiment_name={experiment}")
+        found = call(f"/experiments/get-by-name?experiment_name={urllib.parse.quote(experiment)}")
         runs = call("/runs/search", {"experiment_ids": [found["experiment"]["experiment_id"]]}).get("runs", [])
         if len(runs) != 1:
             return []
         run_id = runs[0]["info"]["run_id"]
         history = call(f"/metrics/get-history?run_id={run_id}&metric_key={urllib.parse.quote(key)}")
-    except urllib.error.HTTPError:  # no experiment yet
+    except OSError:  # no experiment yet (HTTP 404), or no answer in time on a busy machine: asked again
         return []
     return [int(m.get("step", 0)) for m in history.get("metrics", [])]
 
