@@ -13,7 +13,15 @@ from pydantic import Field, create_model
 
 from rlfleet.crds.fleet_specs import MIN_READY_RULE, RouterSpec
 from rlfleet.crds.rules import Rule
-from rlfleet.crds.specs import NODE_SELECTOR_RULE, PATH, ApiModel, EngineSpec, HealthSpec, RecoverySpec
+from rlfleet.crds.specs import (
+    NODE_SELECTOR_RULE,
+    PATH,
+    ApiModel,
+    EngineSpec,
+    HealthSpec,
+    RecoverySpec,
+    engine_gpus_needed,
+)
 
 _IMPORT_PATH = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_.]*"
 IMPORT_PATH_PATTERN = f"^{_IMPORT_PATH}$"  # module.path:object
@@ -48,8 +56,9 @@ EngineOverridesSpec = create_model(
     __doc__=(
         "Per-field overrides of the rollout engine spec for the eval fleet. Unset fields are inherited; when "
         "tensorParallelSize differs from the rollout engines', pipelineParallelSize, dataParallelSize and "
-        "expertParallelSize fall back to 1 and gpusPerEngine follows tensorParallelSize x pipelineParallelSize, "
-        "unless set here."
+        "expertParallelSize fall back to 1; on cuda, gpusPerEngine unset here is the GPUs the eval engine's layout "
+        "uses (tensorParallelSize x pipelineParallelSize x dataParallelSize), or the rollout engines' when they "
+        "run the same tensorParallelSize on cuda with more."
     ),
     __module__=__name__,
     **_override_fields(),
@@ -72,12 +81,17 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
     chosen = {name: value for name, value in overrides if value is not None}
     merged = rollout.model_dump()
     merged.update(chosen)
-    if merged["tensor_parallel_size"] != rollout.tensor_parallel_size:
+    tp_changed = merged["tensor_parallel_size"] != rollout.tensor_parallel_size
+    if tp_changed:
         for name in TP_COUPLED_FIELDS:
             if name not in chosen:
                 merged[name] = 1
-        if "gpus_per_engine" not in chosen and rollout.gpus_per_engine > 0:
-            merged["gpus_per_engine"] = merged["tensor_parallel_size"] * merged["pipeline_parallel_size"]
+    if "gpus_per_engine" not in chosen and merged["device"] == "cuda":
+        # Unset here, an eval engine on cuda asks for the GPUs its own layout uses (the rollout engines'
+        # count when they run the same tensor-parallel size on cuda and it suffices).
+        needed = engine_gpus_needed(EngineSpec.model_construct(**merged))
+        inherited = rollout.gpus_per_engine if rollout.device == "cuda" and not tp_changed else 0
+        merged["gpus_per_engine"] = max(needed, inherited)
     return EngineSpec.model_validate(merged)
 
 
@@ -95,10 +109,14 @@ class EvalDatasetSpec(ApiModel):
         None, max_length=256, pattern=TASK_PATTERN,
         description="A built-in task name (e.g. reverse) or an import path module:object, used instead of a file.",
     )
-    input_key: str = Field("prompt", min_length=1, max_length=64, description="JSONL key of the prompt.")
-    label_key: str = Field("answer", min_length=1, max_length=64, description="JSONL key of the expected answer.")
-    max_prompts: int | None = Field(None, ge=1, le=10_000_000, description="Evaluate only the first N prompts.")
-    samples_per_prompt: int = Field(1, ge=1, le=1024, description="Samples per prompt (pass@k needs more than one).")
+    input_key: str = Field("prompt", min_length=1, max_length=64, description="JSONL key of the prompt (path).")
+    label_key: str = Field("answer", min_length=1, max_length=64,
+                           description="JSONL key of the expected answer (path).")
+    max_prompts: int | None = Field(
+        None, ge=1, le=10_000_000, description="Evaluate only the first N prompts; unset: all of a file, 64 of a task."
+    )
+    samples_per_prompt: int = Field(1, ge=1, le=1024,
+                                    description="Samples per prompt; the score is the mean reward of all samples.")
     max_new_tokens: int | None = Field(None, ge=1, le=1_000_000, description="Unset: the trainer's maxNewTokens.")
     temperature: float | None = Field(
         None, ge=0, le=10, description="Unset: greedy (0) with one sample per prompt, else the trainer's temperature."
@@ -106,7 +124,8 @@ class EvalDatasetSpec(ApiModel):
     top_p: float | None = Field(None, gt=0, le=1, description="Unset: the trainer's topP.")
     reward_function: str | None = Field(
         None, max_length=256, pattern=IMPORT_PATH_PATTERN,
-        description="Scoring function module:function; unset: the task's own."
+        description="Scoring function module:function; unset: the trainer's rewardFunction, else the reward of "
+        "this dataset's task (a JSONL file: of the trainer's task), as training rewards."
     )
 
     cel_rules = (

@@ -25,9 +25,11 @@ class RouterSpec(ApiModel):
 
     image: str = Field(
         "lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
-        description="Container image that provides `python -m sglang_router.launch_router`.",
+        description="Container image of the router pod, providing `python -m sglang_router.launch_router` (a local "
+        "run uses the installed sglang-router).",
     )
-    port: int = Field(30000, ge=1024, le=65535, description="Port the router listens on.")
+    port: int = Field(30000, ge=1024, le=65535,
+                      description="Port the router listens on in its pod (a local run picks a free port).")
     policy: Literal["cache_aware", "round_robin", "random", "power_of_two"] = Field(
         "cache_aware",
         description="Load-balancing policy. cache_aware keeps a prompt's group of samples on one engine's "
@@ -78,7 +80,8 @@ class EngineTemplateSpec(EngineSpec):
     # Optional here, required on EngineSpec: the run's modelPath fills it in (rlfleet.crds.derive).
     model_path: str | None = Field(  # type: ignore[assignment]  # a subclass field may be unset
         None, min_length=1, max_length=PATH,
-        description="Model served at start; defaults to the TrainingRun's modelPath.",
+        description="Model served at start: the TrainingRun's modelPath (the engines serve the model the trainer "
+        "trains; any other value is refused).",
     )
 
 
@@ -99,8 +102,9 @@ class RolloutTemplateSpec(ApiModel):
     )
     max_retries: int = Field(
         3, ge=0, le=100,
-        description="Retries of a rollout request that failed to connect or got 503 (with backoff, never a "
-        "fixed-interval storm)."
+        description="Retries of a rollout request that failed (no connection, a timeout, 5xx, 408, 429 or an "
+        "abort), with backoff, never a fixed-interval storm; an attempt that produced tokens and is continued "
+        "does not count."
     )
     concurrency_per_engine: int = Field(
         64, ge=1, le=4096, description="Rollout requests in flight per engine, in whole GRPO groups (at least "

@@ -116,9 +116,14 @@ class ReservedEnv:
 
 # Every RLFLEET_* name is reserved, the ones set today and the ones to come.
 RESERVED_ENV_PREFIX = "RLFLEET_"
-RESERVED_ENV: tuple[str, ...] = tuple(
+BUILDER_ENV: tuple[str, ...] = tuple(
     value for name, value in vars(ReservedEnv).items() if not name.startswith("_") and isinstance(value, str)
 )
+# torch.distributed's launcher sets these in every trainer rank (SGLang reads none of them): a pod's own
+# value would make its process take itself for a rank and launch none.
+TORCH_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT")
+RESERVED_ENV: tuple[str, ...] = BUILDER_ENV + TORCH_LAUNCHER_ENV
 RESERVED_ENV_EXACT: tuple[str, ...] = tuple(n for n in RESERVED_ENV if not n.startswith(RESERVED_ENV_PREFIX))
 
 

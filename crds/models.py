@@ -56,8 +56,9 @@ class TrainerSpec(ApiModel):
         description="megatron: megatron-core GPTModel (GPU clusters); torch: a Hugging Face transformers model "
         "(CPU or GPU).",
     )
-    image: str = Field("rlfleet/rlfleet:0.1.0", max_length=IMAGE, pattern=kv.IMAGE,
-                       description="Container image of the trainer pod.")
+    image: str | None = Field(None, max_length=IMAGE, pattern=kv.IMAGE,
+                              description="Container image of the trainer pod; unset: the operator's trainer image "
+                              "(the chart's trainerImage).")
     gpus: int = Field(
         1, ge=0, le=1024,
         description="GPUs of each trainer node, one rank per GPU; 0 trains on CPU (one process per rank, gloo).",
@@ -95,7 +96,8 @@ class TrainerSpec(ApiModel):
     temperature: float = Field(1.0, ge=0, le=10, description="Rollout sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Rollout nucleus sampling.")
     learning_rate: float = Field(1e-6, gt=0, le=1, description="Optimizer learning rate.")
-    eps_clip: float = Field(0.2, gt=0, le=10, description="PPO-style ratio clipping.")
+    eps_clip: float = Field(0.2, gt=0, lt=1, description="PPO-style ratio clipping: the ratio is kept within "
+                            "[1 - epsClip, 1 + epsClip].")
     kl_coef: float = Field(
         0.0, ge=0, le=100,
         description="Weight of the KL penalty (k3 estimator, token mean) to the initial model in the loss; "
@@ -119,7 +121,9 @@ class TrainerSpec(ApiModel):
         None, max_length=256, pattern=IMPORT_PATH_PATTERN,
         description="Reward function module:function; unset: the task's own."
     )
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seed of sampling, data order and initialisation.")
+    seed: int = Field(0, ge=0, le=2**31 - 1,
+                      description="Seed of the prompts' order, the trainer's initialisation and retry jitter (the "
+                      "engines' token sampling is not seeded).")
     max_restarts: int = Field(
         3, ge=0, le=1000,
         description="Kubernetes: times the operator recreates a trainer pod that failed or vanished for a reason "
@@ -130,8 +134,10 @@ class TrainerSpec(ApiModel):
         "trainer pod: a value other than 0 is refused there (resume a stopped local run with --resume).",
     )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32, description="Pod node selector.")
-    tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32,
+                                                 description="Pod node selector (pods only).")
+    tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32,
+                                              description="Pod tolerations (pods only).")
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
 
     cel_rules = (
@@ -218,9 +224,9 @@ class TrainingRunSpec(ApiModel):
 
     model_path: str = Field(
         ..., min_length=1, max_length=PATH,
-        description="Initial model: a Hugging Face directory (on the snapshot volume in pods), a hub id, or "
-        "tiny://llama?seed=N (also tiny://qwen2, tiny://qwen3) for the project's tiny offline model, "
-        "generated on first use.",
+        description="Initial model: a Hugging Face model directory (on the snapshot volume in pods; nothing is "
+        "downloaded from the hub), or tiny://llama?seed=N (also tiny://qwen2, tiny://qwen3) for the project's tiny "
+        "offline model, generated on first use.",
     )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     rollout: RolloutTemplateSpec = Field(default_factory=RolloutTemplateSpec)
@@ -271,6 +277,22 @@ class TrainingRunSpec(ApiModel):
             field="metricsPort",
             message=f"port {TRAINER_RENDEZVOUS_PORT} is the trainer group's rendezvous port when "
             "spec.trainer.nodes > 1; choose another",
+        ),
+        Rule(
+            cel="!has(self.rollout.engine.modelPath) || self.rollout.engine.modelPath == self.modelPath",
+            check=lambda s: s.rollout.engine.model_path in (None, s.model_path),
+            field="rollout.engine.modelPath",
+            message="the rollout engines serve the model the trainer trains: leave rollout.engine.modelPath unset "
+            "(it is spec.modelPath)",
+        ),
+        Rule(
+            cel="!self.heatGuard.enabled || !(self.heatGuard.source.type in ['nvml', 'dcgm']) "
+            "|| self.rollout.engine.device == 'cuda'",
+            check=lambda s: (not s.heat_guard.enabled or s.heat_guard.source.type not in ("nvml", "dcgm")
+                             or s.rollout.engine.device == "cuda"),
+            field="heatGuard.source.type",
+            message="nvml and dcgm read the engines' GPU temperatures: spec.rollout.engine.device must be cuda "
+            "(use file for cpu engines)",
         ),
         immutable("modelPath", "model_path"),
     )

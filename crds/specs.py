@@ -11,6 +11,7 @@ and a float is never accepted for an integer. Cross-field rules live next to the
 """
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal
@@ -143,6 +144,14 @@ class WatchdogSpec(ApiModel):
 
     cel_rules = (
         Rule(
+            cel="!has(self.retripPeriodSeconds) || self.retripPeriodSeconds >= self.checks * self.checkIntervalSeconds",
+            check=lambda s: s.retrip_period_seconds is None
+            or s.retrip_period_seconds >= s.checks * s.check_interval_seconds,
+            field="retripPeriodSeconds",
+            message="retripPeriodSeconds must be at least checks x checkIntervalSeconds: a new trip takes that long "
+            "after a recovery, so a shorter period would never bound the recoveries",
+        ),
+        Rule(
             cel="self.checkIntervalSeconds <= self.windowSeconds",
             check=lambda s: s.check_interval_seconds <= s.window_seconds,
             field="checkIntervalSeconds",
@@ -155,12 +164,17 @@ class HeatSourceSpec(ApiModel):
     """Where GPU temperatures come from."""
 
     type: Literal["nvml", "dcgm", "file", "none"] = Field(
-        "nvml", description="nvml: the GPU driver on each engine's node; dcgm: a DCGM exporter; file: a text file."
+        "nvml",
+        description="nvml: the GPU driver of the machine the run's orchestrator runs on (local runs; refused on "
+        "Kubernetes, where it would read the trainer pod's GPUs); dcgm: a DCGM exporter (on Kubernetes its pod "
+        "mapping keys the samples by engine pod); file: a text file.",
     )
     url: str | None = Field(None, max_length=PATH, pattern=kv.HTTP_URL,
                             description="DCGM exporter metrics URL (type dcgm), http:// or https://.")
     path: str | None = Field(
-        None, max_length=PATH, description="File with one `<engine-slot> <celsius>` line per GPU (type file)."
+        None, max_length=PATH,
+        description="File with one `<fleet>-<slot> <celsius>` line per rollout engine (type file): rollout-0 in a "
+        "local run, <run>-rollout-0 on Kubernetes.",
     )
 
     cel_rules = (
@@ -244,6 +258,9 @@ class SnapshotVolumeSpec(ApiModel):
             message="size must be greater than 0",
         ),
         immutable("claimName", "claim_name", "the snapshot volume's claimName"),
+        # The operator creates the claim once; an edit would be accepted and never reach it.
+        immutable("size", "size", "the snapshot volume's size"),
+        immutable("storageClassName", "storage_class_name", "the snapshot volume's storageClassName"),
     )
 
 
@@ -266,10 +283,13 @@ class WeightSyncSpec(ApiModel):
     )
     transfer_timeout_seconds: float = Field(
         600.0, ge=1, le=86400,
-        description="Bound on one weight transfer; in broadcast mode every protocol step is bounded by a share "
-        "of it scaled by the bytes that step moves.",
+        description="Bound on one weight transfer. In broadcast mode it bounds the whole transfer (begin to end), "
+        "each bucket by its share of it by bytes (never below a floor a healthy engine meets), and the control "
+        "steps by a short share of it.",
     )
-    load_retries: int = Field(1, ge=0, le=10, description="Retries of a failing engine before it is treated as dead.")
+    load_retries: int = Field(1, ge=0, le=10,
+                              description="Retries of a failing disk load on an engine before it is treated as dead "
+                              "(in broadcast mode an engine that stalls is dead at once; fallbackToDisk retries).")
     pause_mode: Literal["retract", "abort"] = Field(
         "retract",
         description="How engines pause generation during a load: retract keeps in-flight requests and "
@@ -287,7 +307,8 @@ class WeightSyncSpec(ApiModel):
     verify_every: int = Field(
         1, ge=0, le=1000000,
         description="Compare every engine's served-weights checksum (/weights_checker) with the trainer's every "
-        "N syncs (1: every sync, 0: never); a mismatch marks the engine dead.",
+        "N syncs that carry new weights (1: every one, 0: never); a mismatch marks the engine dead. Engines of "
+        "tensorParallelSize > 1 are counted unverifiable (their checksum is of one shard).",
     )
     disk_verify: Literal["manifest", "full"] = Field(
         "manifest",
@@ -304,7 +325,9 @@ class WeightSyncSpec(ApiModel):
         description="Where the snapshot volume is mounted in pods (absolute; not /dev/shm, no `..`).",
     )
 
-    cel_rules = (MOUNT_PATH_RULE,)
+    # A running trainer sends engines paths under its own mount: replacements mounting elsewhere could not
+    # load them.
+    cel_rules = (MOUNT_PATH_RULE, immutable("mountPath", "mount_path", "weightSync.mountPath"))
     snapshot_volume: SnapshotVolumeSpec = Field(default_factory=SnapshotVolumeSpec)
 
 
@@ -316,6 +339,10 @@ NODE_SELECTOR_RULE = Rule(
     field="nodeSelector",
     message="node selector keys must be label keys: [prefix/]name, name at most 63 characters of [-A-Za-z0-9_.]",
 )
+
+
+# Top-level directories of the snapshot volume that rlfleet writes and removes itself.
+VOLUME_OWN_DIRS = r"^(step_[0-9]+|eval|models)(/|$)"
 
 
 class CheckpointSpec(ApiModel):
@@ -335,6 +362,13 @@ class CheckpointSpec(ApiModel):
             check=lambda s: not any(part in ("..", ".") for part in s.path.split("/")),
             field="path",
             message="the checkpoint path stays inside the volume: no '.' or '..' parts",
+        ),
+        Rule(
+            cel=f"!self.path.matches('{VOLUME_OWN_DIRS}')",
+            check=lambda s: re.match(VOLUME_OWN_DIRS, s.path) is None,
+            field="path",
+            message="step_<N>, eval and models on the snapshot volume are the run's weight snapshots, eval "
+            "snapshots and model cache (removed as they retire): choose another directory",
         ),
     )
 
@@ -417,7 +451,7 @@ class TrackingSpec(ApiModel):
 
 
 class ResourcesSpec(ApiModel):
-    """Container resources (Kubernetes quantities). GPUs come from the gpus / gpusPerEngine fields."""
+    """Container resources (Kubernetes quantities; pods only). GPUs come from the gpus / gpusPerEngine fields."""
 
     requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16,
                                           description="Resource requests, e.g. cpu: \"4\".")
@@ -552,11 +586,15 @@ ExtraArg = Annotated[
 ]
 
 
+# SGLang's data-parallel attention: the --dp-size replicas share the tensor-parallel GPUs of one engine.
+DP_ATTENTION_FLAG = "--enable-dp-attention"
+
+
 class EngineSpec(ApiModel):
     """One SGLang engine: what the single command-line builder turns into a pod or a process."""
 
     image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
-                       description="Container image of the engine.")
+                       description="Container image of the engine pod (a local run uses the installed SGLang).")
     model_path: str = Field(..., min_length=1, max_length=PATH,
                             description="Model directory or hub id served at start.")
     device: Literal["cuda", "cpu"] = Field(
@@ -567,9 +605,11 @@ class EngineSpec(ApiModel):
     data_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --dp-size.")
     expert_parallel_size: int = Field(1, ge=1, le=64, description="SGLang --ep-size.")
     gpus_per_engine: int = Field(1, ge=0, le=64, description="GPUs requested per engine pod (cuda only).")
-    port: int = Field(30000, ge=1024, le=65535, description="Port the engine listens on.")
+    port: int = Field(30000, ge=1024, le=65535,
+                      description="Port the engine listens on in its pod (a local run picks free ports).")
     max_total_tokens: int | None = Field(None, ge=1, le=100_000_000,
-                                         description="SGLang --max-total-tokens (required on CPU).")
+                                         description="SGLang --max-total-tokens; unset on CPU: 8192 (SGLang's own "
+                                         "sizing needs a GPU).")
     mem_fraction_static: float | None = Field(None, gt=0, lt=1, description="SGLang --mem-fraction-static.")
     attention_backend: str | None = Field(None, max_length=64, description="SGLang --attention-backend.")
     extra_args: list[ExtraArg] = Field(
@@ -580,19 +620,29 @@ class EngineSpec(ApiModel):
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32,
-                                                 description="Pod node selector.")
-    tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+                                                 description="Pod node selector (pods only).")
+    tolerations: list[TolerationSpec] = Field(default_factory=list, max_length=32,
+                                              description="Pod tolerations (pods only).")
 
     cel_rules = (
         NODE_SELECTOR_RULE,
         Rule(
-            cel="self.device != 'cuda' || self.gpusPerEngine >= self.tensorParallelSize * self.pipelineParallelSize",
-            check=lambda s: s.device != "cuda"
-            or s.gpus_per_engine >= s.tensor_parallel_size * s.pipeline_parallel_size,
+            cel="self.device != 'cuda' || self.gpusPerEngine >= self.tensorParallelSize * self.pipelineParallelSize"
+            f" * (self.extraArgs.exists(a, a == '{DP_ATTENTION_FLAG}') ? 1 : self.dataParallelSize)",
+            check=lambda s: s.device != "cuda" or s.gpus_per_engine >= engine_gpus_needed(s),
             field="gpusPerEngine",
-            message="gpusPerEngine must be at least tensorParallelSize x pipelineParallelSize on cuda",
+            message="gpusPerEngine must be at least tensorParallelSize x pipelineParallelSize x dataParallelSize on "
+            f"cuda (dataParallelSize counts once with {DP_ATTENTION_FLAG}, whose replicas share the tensor-parallel "
+            "GPUs)",
         ),
     )
+
+
+def engine_gpus_needed(engine: EngineSpec) -> int:
+    """The GPUs one SGLang engine of this layout uses: tp x pp per data-parallel replica, and one replica's
+    worth when the replicas share them (data-parallel attention)."""
+    replicas = 1 if DP_ATTENTION_FLAG in engine.extra_args else engine.data_parallel_size
+    return engine.tensor_parallel_size * engine.pipeline_parallel_size * replicas
 
 
 def wire_dump(model: BaseModel) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
 )
 from rlfleet.crds.derive import eval_fleet_spec, match_tiny_model, rollout_fleet_spec, snapshot_claim_name
 from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
+from rlfleet.crds.k8s_values import quantity
 from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.specs import EngineSpec, EnvVarSpec, ResourcesSpec, wire_dump
@@ -280,8 +281,8 @@ def _router_command(router: RouterSpec) -> list[str]:
     args = build_router_args(host="$(POD_IP)", port=router.port, metrics_port=ROUTER_METRICS_PORT,
                              health_interval_s=router.health_check_interval_seconds,
                              health_failure_threshold=router.health_failure_threshold,
-                             api_key=f"$({API_KEY_ENV})")
-    return ["python3", *args, "--policy", router.policy]
+                             api_key=f"$({API_KEY_ENV})", policy=router.policy)
+    return ["python3", *args]
 
 
 def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
@@ -517,31 +518,38 @@ def trainer_command(run: dict, *, resume: bool = False) -> list[str]:
 
 def _trainer_resources(spec: TrainingRunSpec) -> dict:
     """A trainer pod's resources: one GPU per rank (`gpus` per node), or on CPU a core per rank of the
-    pod unless `resources.requests.cpu` says otherwise (the pod runs all of its ranks)."""
+    pod unless `resources.requests.cpu` says otherwise (the pod runs all of its ranks), never above a
+    `resources.limits.cpu` (the API server refuses a request over its limit)."""
     trainer = spec.trainer
     resources = trainer.resources
     local = trainer.ranks_per_node
     if trainer.gpus == 0 and local > 1 and "cpu" not in resources.requests:
-        resources = resources.model_copy(update={"requests": {**resources.requests, "cpu": str(local)}})
+        limit = resources.limits.get("cpu")
+        limit_cores = quantity(limit) if limit is not None else None
+        request = limit if limit is not None and limit_cores is not None and limit_cores < local else str(local)
+        resources = resources.model_copy(update={"requests": {**resources.requests, "cpu": request}})
     return _resources(resources, trainer.gpus)
 
 
 def build_trainer_pods(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0,
-                       nodes: Sequence[int] | None = None) -> list[dict]:
+                       nodes: Sequence[int] | None = None, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE) -> list[dict]:
     """The trainer's pods: one `<run>-trainer` (spec.trainer.nodes 1), or the group `<run>-trainer-<i>`,
     one per node (`nodes`: only these node ranks; default all), all of incarnation `restarts`."""
     spec = spec or run_spec(run)
     count = spec.trainer.nodes
-    return [build_trainer_pod(run, spec, restarts=restarts, node=i) for i in (range(count) if nodes is None else nodes)]
+    return [build_trainer_pod(run, spec, restarts=restarts, node=i, rlfleet_image=rlfleet_image)
+            for i in (range(count) if nodes is None else nodes)]
 
 
-def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0, node: int = 0) -> dict:
+def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restarts: int = 0, node: int = 0,
+                      rlfleet_image: str = DEFAULT_RLFLEET_IMAGE) -> dict:
     """A trainer pod: the orchestrator drives the fleets through the API (its own ServiceAccount).
 
     `restarts`: its incarnation (0: the first pod; n: the n-th recreation after a failure, which
     resumes from the newest complete checkpoint when the run writes checkpoints). `node`: its node rank
     in a trainer group (spec.trainer.nodes > 1; in $RLFLEET_TRAINER_NODE); its ranks meet pod 0's on the
-    rendezvous port, and only pod 0 (rank 0: the orchestrator) serves the update group."""
+    rendezvous port, and only pod 0 (rank 0: the orchestrator) serves the update group. `rlfleet_image`: the
+    operator's trainer image, for a spec that names none."""
     spec = spec or run_spec(run)
     name = run["metadata"]["name"]
     trainer = spec.trainer
@@ -562,7 +570,7 @@ def build_trainer_pod(run: dict, spec: TrainingRunSpec | None = None, *, restart
                           "protocol": "TCP"})
     container = _secure({
         "name": "trainer",
-        "image": trainer.image,
+        "image": trainer.image or rlfleet_image,
         "command": trainer_command(run, resume=restarts > 0 and spec.checkpoint is not None),
         "env": env,
         "ports": ports,

@@ -145,7 +145,8 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
         status=run_status(spec, old, change, fleet_status, trainer=children.trainer, now=now,
                           generation=meta.get("generation"), trainer_plan=trainer_plan),
         create=missing_children(run, spec, children, phase, rollout=rollout, eval_fleet=evalf,
-                                trainer_plan=trainer_plan, fleets=not layout_pending),
+                                trainer_plan=trainer_plan, fleets=not layout_pending,
+                                rlfleet_image=rlfleet_image or b.DEFAULT_RLFLEET_IMAGE),
         patch_fleet_specs=drifted_fleet_specs(phase, [(rollout, children.rollout), (evalf, children.eval)]),
         events=phase_events(phase, change),
     )
@@ -174,10 +175,10 @@ def awaiting_layout_check(spec: TrainingRunSpec, old_status: dict, children: Run
 
 def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, phase: str, *, rollout: dict,
                      eval_fleet: dict | None, trainer_plan: TrainerPlan | None = None,
-                     fleets: bool = True) -> list[dict]:
+                     fleets: bool = True, rlfleet_image: str = b.DEFAULT_RLFLEET_IMAGE) -> list[dict]:
     """The children to create: claim, fleets (unless `fleets` is False: they wait for the trainer's
     layout check) and the trainer pod `trainer_plan` asks for (the first one while Pending, a recreated
-    one after a failure); none once terminal."""
+    one after a failure; the operator's `rlfleet_image` unless the spec names one); none once terminal."""
     if phase in TERMINAL:
         return []
     create = []
@@ -189,7 +190,8 @@ def missing_children(run: dict, spec: TrainingRunSpec, children: RunChildren, ph
     if fleets and eval_fleet is not None and children.eval is None:
         create.append(eval_fleet)
     if trainer_plan is not None and trainer_plan.create is not None and trainer_plan.give_up is None:
-        create.extend(b.build_trainer_pods(run, spec, restarts=trainer_plan.create, nodes=trainer_plan.create_nodes))
+        create.extend(b.build_trainer_pods(run, spec, restarts=trainer_plan.create, nodes=trainer_plan.create_nodes,
+                                           rlfleet_image=rlfleet_image))
     return create
 
 

@@ -11,10 +11,11 @@ character.
 """
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from rlfleet.util.imports import ImportPathError, import_object
 
 RewardFn = Callable[[str, str, str], float]
 DEFAULT_REWARD = "rlfleet.trainer.tasks:positional_match"
@@ -108,16 +109,12 @@ def load_reward_fn(path: str) -> RewardFn:
 
 
 def _import_object(path: str, what: str) -> Callable:
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} must be given as 'module:object', got {path!r}")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {what} module {module_name!r}: {exc}") from exc
-    obj = getattr(module, attr, None)
+        obj = import_object(path)
+    except ImportPathError as exc:
+        raise ValueError(f"{what}: {exc}") from exc
     if not callable(obj):
-        raise ValueError(f"{module_name!r} has no callable {attr!r}")
+        raise ValueError(f"{what}: {path!r} is not callable")
     return obj
 
 

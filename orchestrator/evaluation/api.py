@@ -21,7 +21,6 @@ read it, do not keep it (it is deleted once newer points settle, keepSnapshots n
 from __future__ import annotations
 
 import abc
-import importlib
 import inspect
 import sys
 from collections.abc import Mapping, Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.orchestrator.evaluation.policy import DatasetScore
+from rlfleet.util.imports import ImportPathError, import_object
 
 REASON_MAX = 64
 
@@ -98,21 +98,13 @@ def load_checkpoint_eval_fn(class_path: str, args: Mapping[str, Any] | None = No
 
 def import_checkpoint_eval_class(class_path: str, *, search_dirs: Sequence[Path] = ()) -> type[CheckpointEvalFn]:
     """Import `module:Class` and check it is a CheckpointEvalFn subclass (blocking: imports user code)."""
-    module_name, sep, attr = class_path.partition(":")
-    if not sep or not module_name or not attr:
-        raise EvaluatorLoadError(f"external.classPath must read module:Class, got {class_path!r}")
     for directory in search_dirs:
         if str(directory) not in sys.path:
             sys.path.append(str(directory))
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise EvaluatorLoadError(f"cannot import evaluator module {module_name!r}: {exc}") from exc
-    cls: Any = module
-    for part in attr.split("."):
-        cls = getattr(cls, part, None)
-        if cls is None:
-            raise EvaluatorLoadError(f"{module_name!r} has no {attr!r}")
+        cls = import_object(class_path)
+    except ImportPathError as exc:
+        raise EvaluatorLoadError(f"external.classPath {exc}") from exc
     if not (inspect.isclass(cls) and issubclass(cls, CheckpointEvalFn)):
         raise EvaluatorLoadError(f"{class_path} is not a CheckpointEvalFn subclass")
     return cls

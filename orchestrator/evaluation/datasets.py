@@ -91,14 +91,15 @@ def task_problems(task: str, count: int) -> list[tuple[str, str]]:
 
 
 def _reward_fn(spec: EvalDatasetSpec, trainer: TrainerSpec) -> RewardFn:
-    """The dataset's reward, else the trainer's (eval scores what training rewards), else the task's own."""
-    from rlfleet.trainer.tasks import DEFAULT_REWARD, load_reward_fn, load_task
+    """The dataset's reward function, else the trainer's (eval scores what training rewards), else the
+    reward of the dataset's task, or of the trainer's task for a JSONL file (what training rewards)."""
+    from rlfleet.trainer.tasks import load_reward_fn, load_task
 
     path = spec.reward_function or trainer.reward_function
     try:
-        if path is None and spec.task is not None:
-            return load_task(spec.task).reward
-        return load_reward_fn(path or DEFAULT_REWARD)
+        if path is not None:
+            return load_reward_fn(path)
+        return load_task(spec.task or trainer.task).reward
     except ValueError as exc:
         raise DatasetError(f"dataset {spec.name}: {exc}") from None
 

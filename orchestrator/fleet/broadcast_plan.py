@@ -5,9 +5,10 @@
   starts at a multiple of its item size, and at most `max_bytes` (a tensor larger than that is a bucket
   of its own). Buckets lie back to back in one shared buffer, each at a 64-byte boundary.
 - The trainer's broadcasting rank is 0; engine i's TP ranks follow those of engine i-1.
-- Every protocol step is bounded: control calls (begin, end, read-back, destroy) by a short share of
-  `transferTimeoutSeconds`, the group's rendezvous by a longer one, each bucket by a floor plus its bytes
-  at a pessimistic rate, never more than the transfer timeout.
+- Every protocol step is bounded by `transferTimeoutSeconds` (T): control calls (pause, begin, end,
+  read-back, destroy) by a short share of it, the group's rendezvous by a longer one, each bucket by its
+  share of T by bytes (never below what a healthy peer always meets); the whole transfer (begin .. end)
+  by T itself, so a step late in it gets at most what is left of T.
 - Checksums are SGLang's (`/weights_checker`, CPU engines): the first 8 bytes of the sha256 of a tensor's
   raw bytes, as 16 hex digits, per parameter name.
 """
@@ -117,7 +118,7 @@ def rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
 
 @dataclass(frozen=True)
 class StepBounds:
-    """Seconds each protocol step may take, from `transferTimeoutSeconds`."""
+    """Seconds each protocol step may take, from `transferTimeoutSeconds` (T)."""
 
     transfer_timeout_s: float
 
@@ -129,8 +130,27 @@ class StepBounds:
     def join_s(self) -> float:
         return min(self.transfer_timeout_s, JOIN_TIMEOUT_S)
 
-    def bucket_s(self, nbytes: int) -> float:
-        return min(self.transfer_timeout_s, BUCKET_FLOOR_S + nbytes / SLOWEST_BYTES_PER_S)
+    @property
+    def transfer_s(self) -> float:
+        """The whole transfer: begin, every bucket, end."""
+        return self.transfer_timeout_s
+
+    def bucket_s(self, nbytes: int, transfer_bytes: int) -> float:
+        """A bucket of `nbytes` in a transfer of `transfer_bytes`: its share of T by bytes (raising T gives
+        a slow link more time), never below `bucket_floor_s` (a tiny bucket of a small transfer gets no
+        mere milliseconds), never beyond T."""
+        share = self.transfer_timeout_s * nbytes / transfer_bytes if transfer_bytes > 0 else self.transfer_timeout_s
+        return min(self.transfer_timeout_s, max(bucket_floor_s(nbytes), share))
+
+    def within_transfer(self, step_s: float, elapsed_s: float) -> float:
+        """A step's bound once `elapsed_s` of the transfer have passed: its own, cut to what is left of T
+        (<= 0: nothing is left, the transfer has overrun)."""
+        return min(step_s, self.transfer_s - elapsed_s)
+
+
+def bucket_floor_s(nbytes: int) -> float:
+    """What a healthy peer always meets: a fixed allowance plus the bytes at a pessimistic rate."""
+    return BUCKET_FLOOR_S + nbytes / SLOWEST_BYTES_PER_S
 
 
 def dtype_name(dtype: Any) -> str:
@@ -229,8 +249,15 @@ def compare_checksums(expected: Mapping[str, str], served: Mapping[str, str]) ->
 
 
 def verification_due(sync_index: int, every: int) -> bool:
-    """Is the `sync_index`-th sync (1-based) verified at rate `every` (0: never)?"""
+    """Is the `sync_index`-th verifiable sync (1-based) verified at rate `every` (0: never)?"""
     return every > 0 and sync_index % every == 0
+
+
+def count_verifiable(verifiable_syncs: int, carries_tensors: bool) -> int:
+    """The count `verification_due` takes, after one more sync: only a sync that carries the trainer's
+    tensors can be verified, so only such a sync counts (a recovery or launch re-sync carries none, and
+    counting it would shift which steps get verified)."""
+    return verifiable_syncs + 1 if carries_tensors else verifiable_syncs
 
 
 def names_of(buckets: Iterable[Bucket]) -> list[str]:

@@ -43,13 +43,15 @@ class RouterStartFailed(RuntimeError):
 
 class LocalRouter:
     def __init__(self, run_dir: str | os.PathLike, *, name: str = "router", health_interval_s: int = 2,
-                 health_failure_threshold: int = 2, python: str | None = None, api_key: str | None = None):
+                 health_failure_threshold: int = 2, python: str | None = None, api_key: str | None = None,
+                 policy: str | None = None):
         self.run_dir = Path(run_dir)
         self.name = name
         self.health_interval_s = health_interval_s
         self.health_failure_threshold = health_failure_threshold
         self.python = python or python_executable()
         self.api_key = api_key  # the router requires it on /generate and /workers
+        self.policy = policy  # spec.*.router.policy; None: the router's default
         self.process: ManagedProcess | None = None
         self.url: str | None = None
         self.stopping = False
@@ -68,7 +70,8 @@ class LocalRouter:
         metrics_port = free_port(host)
         args = build_router_args(host=host, port=port, metrics_port=metrics_port,
                                  health_interval_s=self.health_interval_s,
-                                 health_failure_threshold=self.health_failure_threshold, api_key=self.api_key)
+                                 health_failure_threshold=self.health_failure_threshold, api_key=self.api_key,
+                                 policy=self.policy)
         self.process = ManagedProcess(self.name, [self.python, *args], log_path=self.log_path, die_with_parent=True)
         self.starts += 1
         await self.process.start()

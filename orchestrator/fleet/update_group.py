@@ -5,7 +5,8 @@ Protocol of one transfer (generation already paused by the caller): copy the wei
 buffer, `begin_weight_update` on every engine, then per bucket the broadcast and every engine's
 `update_weights_from_distributed` concurrently (the call returns once the bytes arrived; the last one
 carries the weight version and flushes the cache), `end_weight_update`. Every step is bounded
-(`StepBounds`); a failure names the engines that did not answer in time (wedged) or are gone, and
+(`StepBounds`), and the whole transfer (begin .. end) by the transfer timeout: each step gets at most
+what is left of it. A failure names the engines that did not answer in time (wedged) or are gone, and
 leaves the group abandoned (its broadcasting process killed): the caller marks those engines dead and
 finishes from disk.
 """
@@ -162,7 +163,7 @@ class UpdateGroup:
         detail = "; ".join(f"slot {slot}: {p}" for slot, p in sorted(problems.items()))
         if rank0_problem is not None:
             detail = f"rank 0: {rank0_problem}" + (f"; {detail}" if detail else "")
-        raise TransferFailed(f"{what}: {detail}", wedged=wedged, gone=gone)
+        raise TransferFailed(f"{what} (bound {timeout_s:.1f} s): {detail}", wedged=wedged, gone=gone)
 
     async def _fill(self, buckets: Sequence[Bucket], tensors: Mapping[str, Any]) -> None:
         try:
@@ -190,10 +191,22 @@ class UpdateGroup:
         is on the wire (disjoint parts of the buffer). `fill_s`: the copying not hidden that way."""
         times = TransferTimes(bytes=sum(b.nbytes for b in self.buckets), buckets=len(self.buckets))
         first = first_filled if first_filled is not None else self.fill_first(tensors)
-        control = self.bounds.control_s
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        def within(step_s: float, what: str) -> float:
+            """The step's bound, cut to what is left of the transfer's; TransferFailed when nothing is left
+            (every engine answered each step before, so none is to blame: no engine is named)."""
+            bound = self.bounds.within_transfer(step_s, loop.time() - began)
+            if bound <= 0:
+                self.broken = True
+                raise TransferFailed(f"{what}: the transfer took its whole bound of "
+                                     f"{self.bounds.transfer_s:.1f} s before this step")
+            return bound
 
         t = time.monotonic()
         try:
+            control = within(self.bounds.control_s, "begin_weight_update")
             await self._all(lambda m: self._client(m.url).begin_weight_update(control), "begin_weight_update",
                             control)
         except BaseException:
@@ -206,7 +219,8 @@ class UpdateGroup:
         t = time.monotonic()
         last = len(self.buckets) - 1
         for bucket in self.buckets:
-            bound = self.bounds.bucket_s(bucket.nbytes)
+            what = f"bucket {bucket.index + 1}/{len(self.buckets)}"
+            bound = within(self.bounds.bucket_s(bucket.nbytes, times.bytes), what)
             b0 = time.monotonic()
 
             def receive(m: Member, bucket: Bucket = bucket, bound: float = bound) -> Awaitable[tuple[bool, str]]:
@@ -222,7 +236,7 @@ class UpdateGroup:
                 times.rank0_s.append(await self.broadcaster.broadcast(bucket.start, bucket.end, bound))
 
             try:
-                await self._together(send, receive, f"bucket {bucket.index + 1}/{len(self.buckets)}", bound)
+                await self._together(send, receive, what, bound)
             finally:
                 if fill_next is not None:
                     if not fill_next.done():  # its thread ends by itself, soon; the wait is the copy's share
@@ -235,6 +249,7 @@ class UpdateGroup:
             times.per_bucket_s.append(time.monotonic() - b0)
         times.broadcast_s = time.monotonic() - t
         t = time.monotonic()
+        control = within(self.bounds.control_s, "end_weight_update")
         await self._all(lambda m: self._client(m.url).end_weight_update(control), "end_weight_update", control)
         times.end_s = time.monotonic() - t
         return times

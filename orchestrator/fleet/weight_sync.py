@@ -126,7 +126,7 @@ class WeightSync:
         self.engine_dtype = engine_dtype  # the dtype engines serve (None: the snapshot's)
         self._group: UpdateGroup | None = None
         self._groups_built = 0
-        self._syncs = 0
+        self._verifiable_syncs = 0  # syncs that carried tensors: what `verifyEvery` counts
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
@@ -265,7 +265,7 @@ class WeightSync:
         t2 = time.monotonic()
         result.recover_s = t2 - t1
         result.phases["recover"] = result.recover_s
-        self._syncs += 1
+        self._verifiable_syncs = plan.count_verifiable(self._verifiable_syncs, tensors is not None)
         if self.spec.mode == "broadcast" and tensors is not None:
             result.engines = await self._broadcast_sync(alive, tensors, str(snapshot_dir), version, result, snapshot)
         else:
@@ -274,7 +274,7 @@ class WeightSync:
             result.engines = [task.result() for task in tasks]
             result.phases["load"] = time.monotonic() - t2
         result.load_s = time.monotonic() - t2
-        if tensors is not None and plan.verification_due(self._syncs, self.spec.verify_every):
+        if tensors is not None and plan.verification_due(self._verifiable_syncs, self.spec.verify_every):
             t3 = time.monotonic()
             await self.verify(result.synced, tensors)
             result.verified = True

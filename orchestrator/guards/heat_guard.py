@@ -7,7 +7,9 @@ whatever the temperature, so a GPU that never cools still makes progress between
 
 `EngineHeat` is the pure per-engine decision; `PauseLedger` remembers pause intervals so steps that
 overlapped one can be marked; `HeatGuardTask` reads a temperature source and applies decisions.
-`heat_guard_for` builds the task for a started FleetRuntime (its engines, session and monitor).
+`heat_guard_for` builds the task for a started FleetRuntime (its engines, session and monitor) and
+where its engines run (`LocalEngines`: processes on this machine's GPUs; `EnginePods`: pods);
+`check_heat_guard` refuses, before a run starts, a source that could not read those engines' GPUs.
 Temperature sources live in heat_sources.py.
 """
 from __future__ import annotations
@@ -19,16 +21,27 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from rlfleet.crds.conventions import engine_pod_name
 from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-from rlfleet.orchestrator.guards.heat_sources import TemperatureSource, build_source
+from rlfleet.orchestrator.guards.heat_sources import (
+    CUDA_VISIBLE_DEVICES,
+    DcgmKeys,
+    HeatGuardSetupError,
+    SlotsByGpu,
+    SlotsByPod,
+    TemperatureSource,
+    build_source,
+    parse_visible_devices,
+    visible_gpu_entries,
+)
 from rlfleet.sglang.engine import EngineClient, PauseMode
 
 log = logging.getLogger(__name__)
@@ -136,6 +149,29 @@ class StepMark:
 EngineCall = Callable[[str, HeatAction], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class Unmatched:
+    """A read that found temperatures, none of them an engine's: the keys it saw, the slots expected."""
+
+    seen: tuple[str, ...]
+    expected: tuple[str, ...]
+
+
+def unmatched_readings(seen: Iterable[str], expected: Iterable[str]) -> Unmatched | None:
+    """Unmatched when the read saw keys but none of the expected slots (else None: readings match, or
+    there was nothing to match)."""
+    seen_keys, expected_slots = set(seen), set(expected)
+    if not seen_keys or not expected_slots or seen_keys & expected_slots:
+        return None
+    return Unmatched(tuple(sorted(seen_keys)), tuple(sorted(expected_slots)))
+
+
+def listed(keys: Sequence[str], most: int = 12) -> str:
+    """Keys for a log line; a DCGM exporter may report many pods that are not ours."""
+    shown = ", ".join(keys[:most])
+    return shown if len(keys) <= most else f"{shown} and {len(keys) - most} more"
+
+
 class HeatGuardTask:
     """Polls the temperature source every `pollIntervalSeconds` and pauses/resumes engines.
 
@@ -166,6 +202,7 @@ class HeatGuardTask:
         self.ledger = PauseLedger()
         self.events: deque[HeatEvent] = deque(maxlen=keep_events)
         self._urls: dict[str, str] = {}
+        self._unmatched_warned: Unmatched | None = None  # warned once, until what is seen or expected changes
 
     def paused_slots(self) -> set[str]:
         return {slot for slot, state in self.states.items() if state.paused}
@@ -190,20 +227,36 @@ class HeatGuardTask:
 
     async def poll_once(self) -> None:
         loop = asyncio.get_running_loop()
+        seen: tuple[str, ...] = ()  # every key the read found, an engine's or not
         try:
             temps = await self.source.read()
+        except HeatGuardSetupError:
+            raise  # the source can never read the engines' GPUs: the run fails with the reason
         except Exception as exc:
             metrics.HEAT_GUARD_READ_ERRORS.labels(fleet=self.fleet, source=self.source.name).inc()
             log.warning("heat guard: cannot read temperatures from %s: %s", self.source.name, exc)
             temps = {}
+        else:
+            seen = (*temps, *self.source.unmapped_keys)
         engines = dict(self._engines())
         self._forget_gone(set(engines), loop.time())
         self._urls = engines
+        self._warn_if_unmatched(seen, engines)
         for slot, temp in temps.items():
             if slot in engines:
                 metrics.GPU_TEMPERATURE.labels(fleet=self.fleet, slot=slot).set(temp)
         await asyncio.gather(*(self._step_engine(slot, url, temps.get(slot), loop.time())
                                for slot, url in engines.items()))
+
+    def _warn_if_unmatched(self, seen: Iterable[str], engines: Iterable[str]) -> None:
+        """A source whose keys are no engine's never pauses anything: say so, once per mismatch."""
+        unmatched = unmatched_readings(seen, engines)
+        if unmatched is None or unmatched == self._unmatched_warned:
+            return
+        self._unmatched_warned = unmatched
+        log.warning("heat guard: %s read temperatures for %s, but none for the engines %s: none of them can be "
+                    "paused until the source names them", self.source.name, listed(unmatched.seen),
+                    listed(unmatched.expected))
 
     async def _step_engine(self, slot: str, url: str, temp: float | None, now: float) -> None:
         state = self.states.setdefault(slot, EngineHeat(self.spec))
@@ -281,26 +334,95 @@ def heat_slot(fleet: str, slot: int) -> str:
 
 def slot_by_gpu_index(fleet: str, replicas: int, *, gpus_per_engine: int = 1,
                       gpu_bases: Sequence[int] = ()) -> dict[int, str]:
-    """The GPU NVML reads for each slot (its first), by index: `gpu_bases` where the run placed the engines
-    (a local run), else slot n on GPUs n*gpusPerEngine.. ."""
+    """The GPU the heat guard reads for each slot (its first), by index: `gpu_bases` where the run placed
+    the engines (a local run), else slot n on GPUs n*gpusPerEngine.. ."""
     return {gpu_bases[slot] if gpu_bases else slot * max(1, gpus_per_engine): heat_slot(fleet, slot)
             for slot in range(replicas)}
 
 
-def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, gpus_per_engine: int = 1,
-                   gpu_bases: Sequence[int] = (),
+@dataclass(frozen=True)
+class LocalEngines:
+    """The engines are processes on this machine: slot n's first GPU is `gpu_bases[n]`, counted among the
+    GPUs CUDA_VISIBLE_DEVICES shows (`visible_devices`: its entries; None when unset). No bases: the engines
+    run on no GPU."""
+
+    gpu_bases: tuple[int, ...] = ()
+    visible_devices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EnginePods:
+    """The engines are the fleet's pods (`<fleet>-engine-<slot>`) in `namespace`, on GPU nodes of their own."""
+
+    namespace: str
+
+
+EnginePlacement = LocalEngines | EnginePods
+
+
+def engine_visible_devices(inherited: Mapping[str, str], engine_env: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The entries of the CUDA_VISIBLE_DEVICES local engines start with (their own env's, else the one they
+    inherit): what their GPU indices count in."""
+    return parse_visible_devices(engine_env.get(CUDA_VISIBLE_DEVICES, inherited.get(CUDA_VISIBLE_DEVICES)))
+
+
+def check_heat_guard(spec: HeatGuardSpec, placement: EnginePlacement) -> None:
+    """Refuse (HeatGuardSetupError) an enabled guard whose source could not read the engines' GPUs there."""
+    if not spec.enabled:
+        return
+    kind = spec.source.type
+    if isinstance(placement, EnginePods):
+        if kind == "nvml":
+            raise HeatGuardSetupError(
+                "spec.heatGuard.source.type: nvml reads the GPUs of the node the orchestrator runs on (the trainer "
+                "pod's), not the engine pods'; on Kubernetes use dcgm (a DCGM exporter with its Kubernetes pod "
+                "mapping) or file")
+        return
+    if kind in ("nvml", "dcgm") and not placement.gpu_bases:
+        raise HeatGuardSetupError(
+            f"spec.heatGuard.source.type: {kind} reads the engines' GPUs, but the rollout engines run on no GPU "
+            f"(spec.rollout.engine.device is not cuda); use file")
+    if kind in ("nvml", "dcgm"):  # every slot's GPU must be one CUDA_VISIBLE_DEVICES names
+        visible_gpu_entries({base: f"slot {slot}" for slot, base in enumerate(placement.gpu_bases)},
+                            placement.visible_devices)
+
+
+def gpu_by_slot(fleet: str, replicas: int, placement: LocalEngines) -> dict[str, str]:
+    """Each slot's first GPU as NVML and DCGM number GPUs (`visible_gpu_entries`)."""
+    return visible_gpu_entries(slot_by_gpu_index(fleet, replicas, gpu_bases=placement.gpu_bases),
+                               placement.visible_devices)
+
+
+def dcgm_keys(fleet: str, replicas: int, placement: EnginePlacement) -> DcgmKeys:
+    """Which DCGM samples are which slot's: by the engine pod's name on Kubernetes, else by GPU."""
+    if isinstance(placement, EnginePods):
+        return SlotsByPod({engine_pod_name(fleet, slot): heat_slot(fleet, slot) for slot in range(replicas)},
+                          namespace=placement.namespace)
+    return SlotsByGpu(gpu_by_slot(fleet, replicas, placement))
+
+
+def build_heat_source(spec: HeatGuardSpec, fleet: str, replicas: int, placement: EnginePlacement, *,
+                      session: aiohttp.ClientSession | None = None) -> TemperatureSource:
+    """The temperature source of an enabled guard, keyed by `heat_slot` names wherever the engines run."""
+    check_heat_guard(spec, placement)
+    kind = spec.source.type
+    keys = dcgm_keys(fleet, replicas, placement) if kind == "dcgm" else None
+    gpus = gpu_by_slot(fleet, replicas, placement) if kind == "nvml" and isinstance(placement, LocalEngines) else None
+    source = build_source(spec.source, session=session, dcgm_keys=keys, gpu_by_slot=gpus)
+    if source is None:
+        raise ValueError("an enabled heat guard needs a temperature source other than none")
+    return source
+
+
+def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, placement: EnginePlacement = LocalEngines(),
                    on_event: Callable[[HeatEvent], None] | None = None) -> HeatGuardTask:
     """A heat guard for a started fleet's alive engines (run it as a task; cancelling it resumes what it
     paused). While it holds an engine paused, the fleet's monitor holds that engine's probes.
-    `gpu_bases`, `gpus_per_engine`: where NVML finds each slot's GPU (`slot_by_gpu_index`)."""
+    `placement`: where the engines run, so the source reads their GPUs (HeatGuardSetupError if it cannot)."""
     assert runtime.session is not None and runtime.monitor is not None, "FleetRuntime not started"
     backend, session, monitor = runtime.backend, runtime.session, runtime.monitor
     slots = {heat_slot(runtime.fleet, slot): slot for slot in range(backend.replicas)}
-    source = build_source(spec.source, session=session,
-                          slot_by_gpu_index=slot_by_gpu_index(runtime.fleet, backend.replicas,
-                                                              gpus_per_engine=gpus_per_engine, gpu_bases=gpu_bases))
-    if source is None:
-        raise ValueError("an enabled heat guard needs a temperature source other than none")
+    source = build_heat_source(spec, runtime.fleet, backend.replicas, placement, session=session)
 
     def engines() -> dict[str, str]:
         return {heat_slot(runtime.fleet, e.slot): e.url for e in backend.engines()

@@ -28,6 +28,7 @@ from rlfleet.orchestrator.run import tracking
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
+from rlfleet.util.procs import set_trainer_environment
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from rlfleet.orchestrator.run.local import LocalRun
 
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # The trainer's variables (spec.trainer.env): this process and its ranks are the trainer; the engines
+    # and routers it starts get the environment as it was (a trainer pod's env is its own on Kubernetes).
+    set_trainer_environment({e.name: e.value for e in run.spec.trainer.env if e.value is not None})
     if run.spec.trainer.world_size > 1 and "RANK" not in os.environ:  # this process launches the ranks
         return _launch_ranks(run, list(sys.argv[1:] if argv is None else argv), run_dir)
     options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",
@@ -327,7 +331,9 @@ async def _run_in_cluster(args) -> RunSummary:
             name = run.metadata.name
             run_dir = args.run_dir or Path(tempfile.gettempdir()) / "rlfleet" / name
             options = _options(args, run_dir, host=args.metrics_host or os.environ.get("POD_IP") or "0.0.0.0",
-                               manifest_dir=None, summary=args.snapshot_dir / f"{name}-summary.json")
+                               # A pod has no manifest: relative eval dataset paths (and evaluator
+                               # modules) are found on the snapshot volume, as spec.eval.datasets[].path says.
+                               manifest_dir=args.snapshot_dir, summary=args.snapshot_dir / f"{name}-summary.json")
             return await KubernetesRun(run, options, kube=kube, namespace=args.namespace,
                                        snapshots=args.snapshot_dir, run_uid=obj["metadata"]["uid"]).execute()
         except RunFailed as exc:

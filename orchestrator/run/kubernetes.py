@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 
 from rlfleet.crds import conventions
+from rlfleet.crds.derive import eval_fleet_spec
 from rlfleet.crds.fleet_specs import FleetSpec
 from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRun
@@ -42,6 +43,7 @@ from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.fleet.errors import RouterFailed
 from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
+from rlfleet.orchestrator.guards.heat_guard import EnginePods
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions
 from rlfleet.sglang.launch import served_dtype
 
@@ -134,8 +136,11 @@ class KubernetesRun(RunLoop):
 
         async def start(launch_model: Path):
             name = conventions.eval_fleet_name(self.name)
+            # The eval engines' own startup bound (an eval fleet may serve a larger engine than rollout's).
+            expected = eval_fleet_spec(self.name, self.spec)
+            assert expected is not None, "the eval fleet starts only for posture fleet"
             backend, url, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
-                                                   timeout=self.spec.rollout.health.startup_timeout_seconds,
+                                                   timeout=expected.health.startup_timeout_seconds,
                                                    owner_uid=self.run_uid)
             self._fleet_uids[name] = obj["metadata"]["uid"]
             fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
@@ -151,6 +156,9 @@ class KubernetesRun(RunLoop):
             return evaluator, None
 
         return start
+
+    def _engine_placement(self) -> EnginePods:
+        return EnginePods(self.namespace)  # the engines are pods on their own nodes: no GPU of this pod's
 
     def _background(self) -> list:
         assert self.fleet is not None, "background tasks start once the rollout fleet has"

@@ -50,7 +50,7 @@ class LocalRun(RunLoop):
         self._phase("starting the router")
         router = LocalRouter(self.options.run_dir, health_interval_s=spec.rollout.router.health_check_interval_seconds,
                              health_failure_threshold=spec.rollout.router.health_failure_threshold,
-                             api_key=self.api_key)
+                             api_key=self.api_key, policy=spec.rollout.router.policy)
         router_url = await router.start()
         stack.push_async_callback(router.stop)
         self.router = router
@@ -62,7 +62,8 @@ class LocalRun(RunLoop):
         self.backend = LocalBackend(engine=engine, replicas=spec.rollout.replicas, recovery=spec.rollout.recovery,
                                     run_dir=self.options.run_dir, min_ready=spec.rollout.min_ready_engines,
                                     weight_version=self.launch_version, api_key=self.api_key,
-                                    gpu_bases=self.gpus.rollout)
+                                    gpu_bases=self.gpus.rollout,
+                                    startup_timeout_s=spec.rollout.health.startup_timeout_seconds)
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
                                   api_key=self.api_key,

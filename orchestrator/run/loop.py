@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.crds.derive import parse_tiny_model
+from rlfleet.crds.fleet_specs import RolloutTemplateSpec
 from rlfleet.crds.models import TrainingRun
 from rlfleet.errors import RunError
 from rlfleet.observability import metrics
@@ -35,7 +37,15 @@ from rlfleet.orchestrator.evaluation.run import RunEvaluation
 from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.weight_sync import WeightSyncResult
-from rlfleet.orchestrator.guards.heat_guard import HeatEvent, HeatGuardTask, heat_guard_for
+from rlfleet.orchestrator.guards.heat_guard import (
+    EnginePlacement,
+    HeatEvent,
+    HeatGuardTask,
+    LocalEngines,
+    check_heat_guard,
+    engine_visible_devices,
+    heat_guard_for,
+)
 from rlfleet.orchestrator.guards.watchdog import WatchdogTask
 from rlfleet.orchestrator.rollout.client import (
     CONNECT_TIMEOUT_S,
@@ -74,7 +84,7 @@ from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
 from rlfleet.util.aio import resolved, settle
 from rlfleet.util.binaries import CACHE_DIR
-from rlfleet.util.procs import tail_file
+from rlfleet.util.procs import outer_environment, tail_file
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +111,9 @@ class RunOptions:
     metrics_port: int | None = None  # None: the spec's metricsPort; 0: any free port
     progress: ProgressReporter = field(default_factory=ProgressReporter)
     step_group_timeout_s: float = 900.0  # bound on waiting for one step's rollouts
-    manifest_dir: Path | None = None  # relative eval dataset paths and external eval classes are found here
+    # relative eval dataset paths and external eval classes are found here: the manifest's directory
+    # locally, the snapshot volume in a pod
+    manifest_dir: Path | None = None
     eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
     resume: bool = False  # start from the newest complete checkpoint (spec.checkpoint)
     record_batches: Path | None = None  # write each step's training batch here (step_<N>.json), to replay it
@@ -128,6 +140,13 @@ class PendingSnapshot:
     step: int
     path: Path
     future: asyncio.Future[Any]
+
+
+def first_start_bound(rollout: RolloutTemplateSpec) -> float:
+    """Seconds the run's first start waits for every engine: an engine may take its whole startup bound to
+    become healthy (loading a large model), so never less than that; waitAllAlive bounds the waits of later
+    syncs, where engines already loaded once."""
+    return max(rollout.health.startup_timeout_seconds, rollout.recovery.wait_all_alive_timeout_seconds)
 
 
 def snapshot_dir(root: Path, step: int) -> Path:
@@ -243,6 +262,8 @@ class RunLoop:
     async def _execute(self) -> None:
         spec = self.spec
         opts = self.options
+        # Before anything starts: a heat guard that could not read the engines' GPUs is refused.
+        check_heat_guard(spec.heat_guard, self._engine_placement())
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)
         async with contextlib.AsyncExitStack() as stack:
@@ -285,7 +306,7 @@ class RunLoop:
             stack.push_async_callback(self.fleet.stop)
             self.backend.subscribe(self._on_death)
             await self.fleet.start()
-            await self._bring_up(spec.rollout.recovery.wait_all_alive_timeout_seconds)
+            await self._bring_up(first_start_bound(spec.rollout))
             self._engines_changed()
             self.progress.event(f"{self._ready_engines()} engines serving weights v{self.launch_version} "
                                 f"behind {router_url}", self.state)
@@ -325,9 +346,7 @@ class RunLoop:
                                                   current_step=self.start_step)
             # --- heat guard: pauses hot engines; the monitor holds their probes meanwhile
             if spec.heat_guard.enabled:
-                self.heat = heat_guard_for(self.fleet, spec.heat_guard,
-                                           gpus_per_engine=spec.rollout.engine.gpus_per_engine,
-                                           gpu_bases=self._rollout_gpu_bases(),
+                self.heat = heat_guard_for(self.fleet, spec.heat_guard, placement=self._engine_placement(),
                                            on_event=self._on_heat_event)
 
             stack.push_async_callback(self._drain_snapshot)
@@ -619,6 +638,14 @@ class RunLoop:
     def _rollout_gpu_bases(self) -> tuple[int, ...]:
         """Each rollout engine slot's first GPU where this platform placed them; () where a pod has its own."""
         return ()
+
+    def _engine_placement(self) -> EnginePlacement:
+        """Where the rollout engines run, so the heat guard reads their GPUs: by default processes on this
+        machine, on `_rollout_gpu_bases()`, counted among the GPUs the engines' CUDA_VISIBLE_DEVICES shows
+        (what they inherit, not the trainer's spec.trainer.env; or their own spec.rollout.engine.env)."""
+        engine_env = {e.name: e.value for e in self.spec.rollout.engine.env if e.value is not None}
+        visible = engine_visible_devices(outer_environment(os.environ), engine_env)
+        return LocalEngines(self._rollout_gpu_bases(), visible_devices=visible)
 
     def _engine_logs(self) -> dict[str, list[str]]:
         """The engines' (and routers') last log lines, for the watchdog's failure message."""

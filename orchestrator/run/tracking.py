@@ -68,13 +68,15 @@ def build_sinks(run: TrainingRun, *, tracker_dir: Callable[[str], Path],
         sinks.append(TrackerSink(tensorboard.TensorBoardTracker(tracker_dir(tracking.tensorboard.log_dir)),
                                  params, on_warning=on_warning))
     if tracking.mlflow is not None:
-        from rlfleet.observability.tracking.mlflow import MlflowTracker
+        from rlfleet.observability.tracking.mlflow import MlflowTracker, open_bound_s
 
         m = tracking.mlflow
         assert run.metadata.name is not None
         tracker = MlflowTracker(m.tracking_uri, m.experiment, m.run_name or run.metadata.name,
                                 timeout_s=m.timeout_seconds, tags={"rlfleet.trainingRun": run.metadata.name})
-        sinks.append(TrackerSink(tracker, params, call_timeout_s=m.timeout_seconds + 1.0, on_warning=on_warning))
+        # timeoutSeconds bounds each request; open makes several (its params in batches), so its bound scales.
+        sinks.append(TrackerSink(tracker, params, call_timeout_s=m.timeout_seconds + 1.0,
+                                 open_timeout_s=open_bound_s(m.timeout_seconds, len(params)), on_warning=on_warning))
     if tracking.wandb is not None:
         from rlfleet.observability.tracking.wandb import WandbOptions, WandbTracker
 

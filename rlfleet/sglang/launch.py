@@ -135,8 +135,10 @@ ROUTER_CONTROL_KEY_ID = "rlfleet"
 
 
 def build_router_args(*, host: str, port: int, metrics_port: int, health_interval_s: int = 2,
-                      health_failure_threshold: int = 2, api_key: str | None = None) -> list[str]:
+                      health_failure_threshold: int = 2, api_key: str | None = None,
+                      policy: str | None = None) -> list[str]:
     """Arguments for `python -m sglang_router.launch_router` with no workers: membership is ours.
+    `policy`: the load-balancing policy (None: the router's default, cache_aware).
 
     With `api_key` one key guards both planes of sglang-router 0.3.2: `--api-key` (required on
     /generate and the other data routes, and sent to the workers as their Bearer key) and
@@ -153,6 +155,7 @@ def build_router_args(*, host: str, port: int, metrics_port: int, health_interva
         "--health-check-interval-secs", str(health_interval_s),
         "--health-failure-threshold", str(health_failure_threshold),
         *auth,
+        *(["--policy", policy] if policy else []),
     ]
 
 

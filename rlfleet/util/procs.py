@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from rlfleet.util.redact import redact_lines
@@ -38,6 +39,34 @@ def die_with_parent(parent: int) -> None:
 
 # How long a stopped group's SIGKILLed children may take to go before we stop waiting for them.
 GROUP_EXIT_TIMEOUT_S = 10.0
+
+
+
+# What this process's environment held before the trainer's own variables were set in it (JSON: name ->
+# value, null for unset): the engines and routers a run starts get the environment `rlfleet run` was started
+# with, not the trainer's settings (spec.trainer.env), as on Kubernetes where they run in pods of their own.
+OUTER_ENV = "RLFLEET_OUTER_ENV"
+
+
+def set_trainer_environment(values: Mapping[str, str]) -> None:
+    """Set the trainer's variables in this process's environment (its rank processes inherit them), once:
+    a rank process that inherited them keeps the launcher's record of what they replaced."""
+    if not values or OUTER_ENV in os.environ:
+        return
+    os.environ[OUTER_ENV] = json.dumps({name: os.environ.get(name) for name in values})
+    os.environ.update(values)
+
+
+def outer_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` as it was before `set_trainer_environment`: what a process this one starts inherits."""
+    env = dict(environ)
+    replaced: dict[str, str | None] = json.loads(env.pop(OUTER_ENV, "") or "{}")
+    for name, value in replaced.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
 
 
 class _ProcessGroup:
@@ -77,7 +106,7 @@ class _ProcessGroup:
                 "stdin": subprocess.DEVNULL,
                 "stdout": log,
                 "stderr": subprocess.STDOUT,
-                "env": {**(os.environ if self.inherit_env else {}), **(self.env or {})},
+                "env": {**(outer_environment(os.environ) if self.inherit_env else {}), **(self.env or {})},
                 "cwd": self.cwd,
                 "start_new_session": True,
                 "preexec_fn": _die_with_parent if self.die_with_parent else None,

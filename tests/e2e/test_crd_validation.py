@@ -284,6 +284,19 @@ BAD_INPUT: list[Case] = [
          "spec.rollout.engine.tolerations[0].operator", "must have operator Exists"),
     Case("toleration-key-invalid", spec({"trainer": {"tolerations": [{"key": "bad key", "operator": "Exists"}]}}),
          "spec.trainer.tolerations[0].key", "should match"),
+    Case("eps-clip-one", spec({"trainer": {"epsClip": 1}}), "spec.trainer.epsClip", "less than 1"),
+    Case("engine-model-path-not-the-runs", spec({"rollout": {"engine": {"modelPath": "/models/other"}}}),
+         "spec.rollout.engine.modelPath", "leave rollout.engine.modelPath unset"),
+    Case("engine-data-parallel-without-its-gpus", spec({"rollout": {"engine": {"device": "cuda",
+                                                                                "dataParallelSize": 2}}}),
+         "spec.rollout.engine.gpusPerEngine", "x dataParallelSize"),
+    Case("heat-guard-nvml-on-cpu-engines", spec({"heatGuard": {"enabled": True},
+                                                 "rollout": {"engine": {"device": "cpu"}}}),
+         "spec.heatGuard.source.type", "nvml and dcgm read the engines' GPU temperatures"),
+    Case("checkpoint-path-on-a-weight-snapshot", spec({"checkpoint": {"intervalSteps": 1, "path": "step_3/ckpt"}}),
+         "spec.checkpoint.path", "choose another directory"),
+    Case("watchdog-retrip-shorter-than-a-trip", spec({"watchdog": {"retripPeriodSeconds": 5}}),
+         "spec.watchdog.retripPeriodSeconds", "at least checks x checkIntervalSeconds"),
     # Images.
     Case("engine-image-invalid", spec({"rollout": {"engine": {"image": "SGLang latest"}}}),
          "spec.rollout.engine.image", "should match"),
@@ -376,6 +389,12 @@ GOOD_INPUT: list[Case] = [
         "checkpoint": {"intervalSteps": 3}}), None),
     Case("torch-fsdp-replicas", spec({"trainer": {"gpus": 0, "dataParallelSize": 2, "dataParallelMode": "fsdp"}}),
          None),
+    Case("engine-model-path-the-runs", spec({"rollout": {"engine": {"modelPath": "tiny://llama?seed=0"}}}), None),
+    Case("engine-data-parallel-attention", spec({"rollout": {"engine": {
+        "device": "cuda", "tensorParallelSize": 2, "dataParallelSize": 2, "gpusPerEngine": 2,
+        "extraArgs": ["--enable-dp-attention"]}}}), None),
+    Case("watchdog-retrip-one-trip-long", spec({"watchdog": {"checks": 3, "checkIntervalSeconds": 10,
+                                                             "retripPeriodSeconds": 30}}), None),
 ]
 
 # Updates of a stored object: (id, change, field path, phrase). Immutable fields are transition rules.
@@ -386,6 +405,9 @@ UPDATES = [
      "spec.weightSync.snapshotVolume.claimName", "immutable"),
     ("claim-removed", {"weightSync": {"snapshotVolume": {"claimName": DELETE}}},
      "spec.weightSync.snapshotVolume.claimName", "immutable"),
+    ("mount-path-changed", {"weightSync": {"mountPath": "/elsewhere"}}, "spec.weightSync.mountPath", "immutable"),
+    ("volume-size-changed", {"weightSync": {"snapshotVolume": {"size": "40Gi"}}},
+     "spec.weightSync.snapshotVolume.size", "immutable"),
     ("steps-changed", {"trainer": {"steps": 500}}, None, ""),
 ]
 UPDATE_BASE = run_manifest("update-base",

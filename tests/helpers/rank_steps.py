@@ -54,6 +54,13 @@ def train_layouts(runs: list[tuple[str, tuple[int, int, int]]], model_dir: str, 
     return results
 
 
+def trainer_label(label: str) -> tuple[str, str]:
+    """(backend, data-parallel mode) of a label naming the mode after a dash: "torch-fsdp" -> torch, fsdp;
+    "megatron" -> megatron, ddp."""
+    backend, _, mode = label.partition("-")
+    return backend, mode or "ddp"
+
+
 def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, out_dir: str,
                 fail_rank: int | None = None, micro_batch: int | None = None,
                 samples: int | None = None, kl_coef: float = 0.0) -> dict[str, Any] | None:
@@ -76,8 +83,8 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
     if fail_rank is not None and rank == fail_rank:
         print(f"rank {rank}: failing on purpose", flush=True)
         raise SystemExit(3)
-    backend, _, mode = backend.partition("-")
-    trainer = build_trainer(backend, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode or "ddp",
+    backend, mode = trainer_label(backend)
+    trainer = build_trainer(backend, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode,
                             micro_batch_size=micro_batch, loss=grpo.LossConfig(kl_coef=kl_coef))
     if rank != 0:
         follow(trainer)
@@ -171,8 +178,8 @@ def checkpoint_round_trip(backend: str, model_dir: str, layout: tuple[int, int, 
 
     parallel = ParallelLayout(*layout)
     init_process_group("cpu")
-    name, _, mode = backend.partition("-")
-    trainer = build_trainer(name, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode or "ddp")
+    name, mode = trainer_label(backend)
+    trainer = build_trainer(name, model_dir, lr=1e-2, seed=0, parallel=parallel, data_parallel_mode=mode)
     if rank_env()[0] != 0:
         follow(trainer)
         return None

@@ -130,7 +130,7 @@ async def test_a_missing_class_or_a_wrong_base_class_is_a_clear_error():
 
 @pytest.mark.parametrize("eval_yaml, message", [
     ("eval:\n    posture: external\n    external:\n      classPath: no_such_evaluator:Eval\n",
-     "cannot import evaluator module 'no_such_evaluator'"),
+     "classPath cannot import module 'no_such_evaluator'"),
     ("eval:\n    posture: fleet\n    fleet: {replicas: 1}\n    datasets:\n      - {name: mine, path: missing.jsonl}\n",
      "missing.jsonl"),
 ])

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from safetensors.torch import load_file
 
-from helpers.rank_steps import checkpoint_round_trip, relay_commands, train_layouts, train_steps
+from helpers.rank_steps import checkpoint_round_trip, relay_commands, train_layouts, train_steps, trainer_label
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.trainer import grpo
@@ -46,7 +46,7 @@ def layout_id(run: tuple[str, tuple[int, int, int]]) -> str:
 
 def backend_of(run: tuple[str, tuple[int, int, int]]) -> str:
     """The backend of a run's label ("torch-fsdp": torch, its replicas sharded)."""
-    return run[0].partition("-")[0]
+    return trainer_label(run[0])[0]
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
 HEALTH = HealthSpec(interval_seconds=2, timeout_seconds=5, failure_threshold=2)
 RECOVERY = RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=6, backoff_base_seconds=0.5,
                         backoff_max_seconds=4, wait_all_alive_timeout_seconds=400)
-# Every protocol step of a broadcast is bounded by min(10 s, its share): a stopped engine costs 10 s.
+# The whole transfer (begin .. end) is bounded by 10 s, and each step by its share of that (the one bucket:
+# all of it, less what begin took): a stopped engine costs at most 10 s.
 WEIGHT_SYNC = WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=10, load_retries=1, verify_every=1)
 PROMPT = "Hello"
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"

@@ -40,14 +40,45 @@ def test_rank_offsets_follow_rank_zero_and_each_engines_ranks():
         plan.rank_offsets([0])
 
 
-def test_step_bounds_come_from_the_transfer_timeout_and_the_bytes():
+def test_control_and_join_bounds_are_short_shares_of_the_transfer_timeout():
     bounds = plan.StepBounds(600)
     assert bounds.control_s == plan.CONTROL_TIMEOUT_S and bounds.join_s == plan.JOIN_TIMEOUT_S
-    assert bounds.bucket_s(0) == plan.BUCKET_FLOOR_S
-    assert bounds.bucket_s(10 * plan.SLOWEST_BYTES_PER_S) == pytest.approx(plan.BUCKET_FLOOR_S + 10)
-    assert bounds.bucket_s(10**15) == 600  # never beyond the transfer timeout
+    assert bounds.transfer_s == 600
     tight = plan.StepBounds(5)
-    assert tight.control_s == tight.join_s == tight.bucket_s(1) == 5
+    assert tight.control_s == tight.join_s == tight.bucket_s(1, 1) == tight.transfer_s == 5
+
+
+def test_a_bucket_gets_its_share_of_the_transfer_timeout_by_bytes():
+    gib = 1024**3
+    bounds = plan.StepBounds(600)
+    assert bounds.bucket_s(gib // 2, gib) == pytest.approx(300)  # two 512 MiB buckets of 1 GiB: T/2 each
+    assert bounds.bucket_s(gib // 4, gib) == pytest.approx(150)
+    assert bounds.bucket_s(10**7, 10**7) == 600  # one bucket: the whole transfer timeout
+    # Raising T gives a slow link more time (a fixed rate would give 512 MiB 20.24 s whatever T is).
+    assert plan.StepBounds(3600).bucket_s(gib // 2, gib) == pytest.approx(1800)
+
+
+def test_a_bucket_never_gets_less_than_a_healthy_peer_always_meets_nor_more_than_t():
+    gib = 1024**3
+    bounds = plan.StepBounds(600)
+    tiny = bounds.bucket_s(1024, gib)  # share 0.6 ms: the floor instead
+    assert tiny == pytest.approx(plan.bucket_floor_s(1024)) and tiny >= plan.BUCKET_FLOOR_S
+    assert plan.bucket_floor_s(10 * plan.SLOWEST_BYTES_PER_S) == pytest.approx(plan.BUCKET_FLOOR_S + 10)
+    # 100 GiB in 1 GiB buckets at T=600: a share of 6 s is below the floor of 30.48 s.
+    assert bounds.bucket_s(gib, 100 * gib) == pytest.approx(plan.BUCKET_FLOOR_S + gib / plan.SLOWEST_BYTES_PER_S)
+    assert bounds.bucket_s(10**15, 10**15) == 600  # never beyond the transfer timeout
+    assert plan.StepBounds(60).bucket_s(gib, gib) == 60  # even when the floor is larger
+    assert bounds.bucket_s(0, 10**6) == plan.BUCKET_FLOOR_S  # empty tensors only: the floor
+    assert bounds.bucket_s(0, 0) == 600  # a transfer of nothing: all of it is the one bucket's share
+
+
+def test_a_step_gets_at_most_what_is_left_of_the_transfer():
+    bounds = plan.StepBounds(60)
+    assert bounds.within_transfer(30, 0) == 30  # its own bound while there is time
+    assert bounds.within_transfer(30, 45) == 15  # cut to what is left
+    assert bounds.within_transfer(bounds.bucket_s(10**7, 10**7), 2) == 58
+    assert bounds.within_transfer(30, 60) <= 0  # nothing left: the transfer has overrun
+    assert bounds.within_transfer(30, 75) <= 0
 
 
 def test_checksum_is_sglangs():
@@ -81,6 +112,25 @@ def test_verification_rate():
     assert [plan.verification_due(i, 1) for i in range(1, 4)] == [True, True, True]
     assert [plan.verification_due(i, 3) for i in range(1, 7)] == [False, False, True, False, False, True]
     assert not any(plan.verification_due(i, 0) for i in range(1, 10))
+
+
+def test_only_syncs_that_carry_tensors_count_toward_the_verification_rate():
+    """A recovery or launch re-sync (no tensors) between steps does not shift which steps are verified."""
+    def verified_steps(carries: list[bool], every: int) -> list[int]:
+        count, verified = 0, []
+        for i, carries_tensors in enumerate(carries):
+            count = plan.count_verifiable(count, carries_tensors)
+            if carries_tensors and plan.verification_due(count, every):
+                verified.append(i)
+        return verified
+
+    assert plan.count_verifiable(4, True) == 5 and plan.count_verifiable(4, False) == 4
+    steps = [True] * 6
+    with_resyncs = [False, True, True, False, True, True, False, True, True]  # the same 6 steps, 3 re-syncs
+    assert verified_steps(steps, 2) == [1, 3, 5]  # the 2nd, 4th and 6th step
+    assert [with_resyncs[:i + 1].count(True) for i in verified_steps(with_resyncs, 2)] == [2, 4, 6]
+    assert verified_steps(with_resyncs, 1) == [i for i, c in enumerate(with_resyncs) if c]
+    assert verified_steps(with_resyncs, 0) == []
 
 
 def test_served_dtype_is_what_the_engine_launch_asks_for():

@@ -227,6 +227,16 @@ def test_trainer_pod_gets_the_wandb_api_key_from_the_users_secret_only():
     assert env(tensorboard={}) == [{"name": "WANDB_API_KEY", "value": "x"}]
 
 
+def test_trainer_pod_runs_the_operators_trainer_image_unless_the_spec_names_one():
+    unset = run(trainer={"gpus": 0})
+    assert b.build_trainer_pod(unset)["spec"]["containers"][0]["image"] == b.DEFAULT_RLFLEET_IMAGE
+    pods = b.build_trainer_pods(unset, rlfleet_image="reg.example/rl/trainer:9")
+    assert [p["spec"]["containers"][0]["image"] for p in pods] == ["reg.example/rl/trainer:9"]
+    named = run(trainer={"gpus": 0, "image": "reg.example/mine:1"})
+    assert b.build_trainer_pod(named, rlfleet_image="reg.example/rl/trainer:9")["spec"]["containers"][0][
+        "image"] == "reg.example/mine:1"
+
+
 def test_trainer_pod_asks_for_a_device_per_rank():
     def resources(**trainer):
         spec = run(trainer={"image": "rlfleet/rlfleet:0.1.0", **trainer})
@@ -236,6 +246,11 @@ def test_trainer_pod_asks_for_a_device_per_rank():
     assert resources(gpus=0, dataParallelSize=2) == {"requests": {"cpu": "2"}}
     assert resources(gpus=0, dataParallelSize=2, resources={"requests": {"cpu": "500m"}}) == {
         "requests": {"cpu": "500m"}}
+    # A CPU limit below a core per rank caps the request (the API server refuses a request over its limit).
+    assert resources(gpus=0, dataParallelSize=4, resources={"limits": {"cpu": "2"}}) == {
+        "requests": {"cpu": "2"}, "limits": {"cpu": "2"}}
+    assert resources(gpus=0, dataParallelSize=2, resources={"limits": {"cpu": "8"}}) == {
+        "requests": {"cpu": "2"}, "limits": {"cpu": "8"}}
     assert resources(gpus=4, backend="megatron", tensorParallelSize=2, dataParallelSize=2) == {
         "requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}
 

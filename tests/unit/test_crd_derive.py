@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from rlfleet.crds.derive import (
     TinyModelRef,
@@ -38,7 +39,7 @@ def test_an_override_replaces_only_its_field():
 
 def test_a_different_tensor_parallel_size_resets_the_coupled_settings():
     base = rollout(tensor_parallel_size=8, expert_parallel_size=8, data_parallel_size=2, pipeline_parallel_size=2,
-                   gpus_per_engine=16)
+                   gpus_per_engine=32)
     merged = effective_eval_engine(base, EngineOverridesSpec(tensor_parallel_size=1))
     assert (merged.tensor_parallel_size, merged.expert_parallel_size, merged.data_parallel_size,
             merged.pipeline_parallel_size, merged.gpus_per_engine) == (1, 1, 1, 1, 1)
@@ -89,9 +90,13 @@ def test_no_eval_fleet_without_posture_fleet():
     assert eval_engine(spec) is None and eval_fleet_spec("r", spec) is None
 
 
-def test_rollout_engine_model_path_override():
-    spec = TrainingRunSpec(model_path="/trainer-model", rollout={"engine": {"model_path": "/served"}})
-    assert rollout_engine(spec).model_path == "/served"
+def test_rollout_engines_serve_the_runs_model():
+    assert rollout_engine(TrainingRunSpec(model_path="/trainer-model")).model_path == "/trainer-model"
+    same = TrainingRunSpec(model_path="/trainer-model", rollout={"engine": {"model_path": "/trainer-model"}})
+    assert rollout_engine(same).model_path == "/trainer-model"
+    # Another model would be served at step 0 while the trainer scores its own: refused, naming the field.
+    with pytest.raises(ValidationError, match="rollout.engine.modelPath"):
+        TrainingRunSpec(model_path="/trainer-model", rollout={"engine": {"model_path": "/served"}})
 
 
 @pytest.mark.parametrize(
@@ -138,3 +143,32 @@ def test_status_is_written_with_the_fields_given_only():
                                engines=[EngineSlotStatus.model_validate(copied)])
     assert status_dump(status) == {"phase": "Running", "message": "", "readyEngines": 1, "totalEngines": 3,
                                    "ready": "1/3", "engines": [copied]}
+
+
+def test_an_eval_engine_on_cuda_asks_for_the_gpus_of_its_own_layout():
+    from rlfleet.crds.eval_specs import EngineOverridesSpec, effective_eval_engine
+    from rlfleet.crds.specs import EngineSpec
+
+    def gpus(rollout: dict, **overrides) -> int:
+        engine = EngineSpec.model_validate({"modelPath": "/m", **rollout})
+        return effective_eval_engine(engine, EngineOverridesSpec(**overrides)).gpus_per_engine
+
+    # CPU rollout engines (no GPUs) and a cuda eval engine of tensor parallel 2: two GPUs.
+    assert gpus({"device": "cpu", "gpusPerEngine": 0}, device="cuda", tensor_parallel_size=2) == 2
+    # Only the pipeline grows: its GPUs follow.
+    assert gpus({"device": "cuda"}, pipeline_parallel_size=2) == 2
+    # The same layout: the rollout engines' count, when it is more.
+    assert gpus({"device": "cuda", "gpusPerEngine": 4}, max_total_tokens=100) == 4
+    # Set here: as given (the engine's own rule checks it).
+    assert gpus({"device": "cuda", "gpusPerEngine": 4}, tensor_parallel_size=2, gpus_per_engine=8) == 8
+
+
+def test_the_first_start_waits_at_least_an_engines_startup_bound():
+    from rlfleet.crds.fleet_specs import RolloutTemplateSpec
+    from rlfleet.orchestrator.run.loop import first_start_bound
+
+    slow_model = RolloutTemplateSpec.model_validate({"health": {"startupTimeoutSeconds": 1200}})
+    assert first_start_bound(slow_model) == 1200  # not waitAllAlive's 300
+    long_syncs = RolloutTemplateSpec.model_validate({"health": {"startupTimeoutSeconds": 180},
+                                                     "recovery": {"waitAllAliveTimeoutSeconds": 400}})
+    assert first_start_bound(long_syncs) == 400

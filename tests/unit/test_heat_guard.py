@@ -11,8 +11,10 @@ from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.orchestrator.guards.heat_guard import EngineHeat, HeatAction, HeatGuardTask, PauseLedger
 from rlfleet.orchestrator.guards.heat_sources import (
     FileSource,
+    SlotsByGpu,
+    SlotsByPod,
     TemperatureReadError,
-    parse_dcgm_metrics,
+    parse_dcgm_samples,
     parse_temperature_lines,
 )
 
@@ -84,11 +86,14 @@ DCGM_FI_DEV_SM_CLOCK{gpu="0",UUID="GPU-aaa"} 1980
 
 
 def test_dcgm_exporter_text_by_gpu_index_and_by_pod():
-    assert parse_dcgm_metrics(DCGM_TEXT) == {"0": 86.0, "1": 63.0}
-    by_pod = parse_dcgm_metrics(DCGM_TEXT, key_label="pod", slot_by_key={"run-rollout-1": "rollout-1"})
-    assert by_pod == {"rollout-1": 63.0}  # pods outside the map are not ours
+    samples = parse_dcgm_samples(DCGM_TEXT)
+    assert [(s.labels["gpu"], s.celsius) for s in samples] == [("0", 86.0), ("1", 63.0)]  # temperatures only
+    assert SlotsByGpu({"rollout-0": "1"}).assign(samples).temps == {"rollout-0": 63.0}
+    by_pod = SlotsByPod({"run-rollout-1": "rollout-1"}).assign(samples)
+    assert by_pod.temps == {"rollout-1": 63.0}  # pods outside the map are not ours
+    assert by_pod.unmapped == ("run-rollout-0",)
     with pytest.raises(TemperatureReadError):
-        parse_dcgm_metrics("DCGM_FI_DEV_GPU_TEMP{gpu=\"0\" 86\n")
+        parse_dcgm_samples("DCGM_FI_DEV_GPU_TEMP{gpu=\"0\" 86\n")
 
 
 async def test_file_source_reads_the_file(tmp_path):
@@ -106,6 +111,7 @@ class Temps:
     """A settable temperature source."""
 
     name = "test"
+    unmapped_keys: tuple[str, ...] = ()
 
     def __init__(self, **temps: float):
         self.temps = dict(temps)

@@ -9,7 +9,7 @@ import pytest
 
 from helpers.manifests import RUN, errors
 from rlfleet.crds.loader import load_text
-from rlfleet.crds.managed import ENGINE_FLAGS, MANAGED_OPTION_STRINGS, RESERVED_ENV, USER_SETTABLE_ENGINE_FLAGS
+from rlfleet.crds.managed import BUILDER_ENV, ENGINE_FLAGS, MANAGED_OPTION_STRINGS, USER_SETTABLE_ENGINE_FLAGS
 from rlfleet.crds.specs import EngineSpec
 from rlfleet.operator import builders as b
 from rlfleet.sglang.launch import BASE_ENV, CPU_ENV, build_engine_launch
@@ -27,7 +27,7 @@ def test_the_managed_flags_are_exactly_what_the_command_builder_sets():
     ):
         engine = EngineSpec.model_validate({
             "modelPath": "/m", "device": device, "tensorParallelSize": sizes, "pipelineParallelSize": sizes,
-            "dataParallelSize": sizes, "expertParallelSize": sizes, "gpusPerEngine": 4,
+            "dataParallelSize": sizes, "expertParallelSize": sizes, "gpusPerEngine": 8,
             **({"maxTotalTokens": 100, "memFractionStatic": 0.5, "attentionBackend": "torch_native"}
                if optional else {}),
         })
@@ -97,7 +97,7 @@ def test_every_variable_the_builders_set_is_reserved_or_a_default_the_user_repla
     names = {e["name"] for p in (pod, trainer, member)
              for c in p["spec"].get("initContainers", []) + p["spec"]["containers"] for e in c["env"]}
     defaults = set(BASE_ENV) | set(CPU_ENV) | {"PYTHONUNBUFFERED", "HF_HUB_OFFLINE"}
-    assert names - defaults == set(RESERVED_ENV)
+    assert names - defaults == set(BUILDER_ENV)
 
 
 def test_value_from_and_user_defaults_reach_the_pods_without_duplicates():

@@ -64,8 +64,12 @@ def test_exact_reward_needs_the_whole_answer():
 
 def test_reward_functions_load_by_import_path():
     assert load_reward_fn("rlfleet.trainer.tasks:exact_match") is exact_match
+    # A dotted attribute (the API's pattern accepts module:Class.method) is looked up part by part.
+    assert load_reward_fn("rlfleet.trainer.tasks:ProblemStream.take") is ProblemStream.take
     for bad, message in [("rlfleet.trainer.tasks", "module:object"), ("no.such.module:f", "cannot import"),
-                         ("rlfleet.trainer.tasks:nothing", "no callable")]:
+                         ("rlfleet.trainer.tasks:nothing", "has no 'nothing'"),
+                         ("rlfleet.trainer.tasks:ProblemStream.nothing", "has no 'ProblemStream.nothing'"),
+                         ("rlfleet.trainer.tasks:TASKS", "not callable")]:
         with pytest.raises(ValueError, match=message):
             load_reward_fn(bad)
 

@@ -298,6 +298,10 @@ async def test_a_trip_after_the_period_gets_its_own_recovery():
 
 def test_the_retrip_period_defaults_to_twice_the_time_to_trip_and_is_validated():
     assert WatchdogSpec(checks=4, check_interval_seconds=15, window_seconds=30).retrip_period() == 120
-    assert WatchdogSpec(retrip_period_seconds=50).retrip_period() == 50
+    assert WatchdogSpec(retrip_period_seconds=300).retrip_period() == 300
     with pytest.raises(ValidationError):
         WatchdogSpec.model_validate({"retripPeriodSeconds": 0})
+    # A trip after a recovery takes checks x checkIntervalSeconds (300 s by default): a shorter period would
+    # never see one, and the recoveries would go unbounded.
+    with pytest.raises(ValidationError, match="at least checks x checkIntervalSeconds"):
+        WatchdogSpec.model_validate({"retripPeriodSeconds": 299})

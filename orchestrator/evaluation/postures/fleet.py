@@ -232,7 +232,8 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     eval_dir = Path(run_dir) / "eval"
     router_spec = fleet_spec.router
     router = LocalRouter(eval_dir, name="eval-router", health_interval_s=router_spec.health_check_interval_seconds,
-                         health_failure_threshold=router_spec.health_failure_threshold, api_key=api_key)
+                         health_failure_threshold=router_spec.health_failure_threshold, api_key=api_key,
+                         policy=router_spec.policy)
     router_url = await router.start()
     try:
         engine = fleet_spec.engine.model_copy(update={"model_path": str(launch_model)})

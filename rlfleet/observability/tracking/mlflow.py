@@ -1,13 +1,15 @@
 """An MLflow tracking server over its REST API (aiohttp, every call bounded): no MLflow package in the run.
 
 open: the experiment (created when missing), a run named after the TrainingRun, the flattened spec as
-params (100 a batch, values cut to MLflow's 6000 characters); log: one `runs/log-batch` per record;
-close: the run's status (FINISHED, FAILED).
+params (100 a batch, values cut to MLflow's 6000 characters), resumed where it stopped when tried again;
+log: one `runs/log-batch` per record; close: the run's status (FINISHED, FAILED).
 """
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import aiohttp
@@ -16,6 +18,8 @@ API = "/api/2.0/mlflow"
 PARAM_VALUE_MAX = 6000
 PARAMS_PER_BATCH = 100
 METRICS_PER_BATCH = 1000
+OPEN_TAG = "rlfleet.openToken"
+PARAM_KEY_MAX = 250
 
 
 class MlflowError(Exception):
@@ -34,6 +38,9 @@ class MlflowTracker:
         self.tags = dict(tags or {})
         self.run_id: str | None = None
         self.experiment_id: str | None = None
+        self.open_token = uuid.uuid4().hex  # tags the run, so a retried open finds a run it made unawares
+        self._create_sent = False
+        self._params_logged: set[str] = set()  # param keys (as cut) the server has taken
         self._session: aiohttp.ClientSession | None = None
 
     async def _request(self, method: str, path: str, *, params: dict | None = None,
@@ -49,24 +56,50 @@ class MlflowTracker:
             return body or {}
 
     async def open(self, params: Mapping[str, str]) -> None:
+        """Idempotent: a retry after an open cut short (a bound, a failed call) resumes it, with the same
+        experiment and run and only the params not yet logged, so one TrainingRun is one MLflow run."""
+        if self.experiment_id is None:
+            self.experiment_id = await self._experiment_id()
+        if self.run_id is None:
+            self.run_id = await self._run_id(self.experiment_id)
+        await self._log_params(params)
+
+    async def _experiment_id(self) -> str:
+        # A create whose answer was lost is found here on the retry.
         found = await self._request("GET", "/experiments/get-by-name", params={"experiment_name": self.experiment},
                                     missing_ok=True)
-        if found is None:
-            created = await self._request("POST", "/experiments/create", json={"name": self.experiment})
-            assert created is not None
-            self.experiment_id = str(created["experiment_id"])
-        else:
-            self.experiment_id = str(found["experiment"]["experiment_id"])
+        if found is not None:
+            return str(found["experiment"]["experiment_id"])
+        created = await self._request("POST", "/experiments/create", json={"name": self.experiment})
+        assert created is not None
+        return str(created["experiment_id"])
+
+    async def _run_id(self, experiment_id: str) -> str:
+        # A runs/create sent before may have made the run even though its answer never came: look for it
+        # by this tracker's open tag before making another.
+        if self._create_sent and (found := await self._find_run(experiment_id)) is not None:
+            return found
+        self._create_sent = True
+        tags = {**self.tags, OPEN_TAG: self.open_token}
         run = await self._request("POST", "/runs/create", json={
-            "experiment_id": self.experiment_id, "run_name": self.run_name, "start_time": _now_ms(),
-            "tags": [{"key": k, "value": v} for k, v in self.tags.items()],
+            "experiment_id": experiment_id, "run_name": self.run_name, "start_time": _now_ms(),
+            "tags": [{"key": k, "value": v} for k, v in tags.items()],
         })
         assert run is not None
-        self.run_id = str(run["run"]["info"]["run_id"])
-        items = [{"key": k[:250], "value": str(v)[:PARAM_VALUE_MAX]} for k, v in sorted(params.items())]
-        for i in range(0, len(items), PARAMS_PER_BATCH):
-            await self._request("POST", "/runs/log-batch",
-                                json={"run_id": self.run_id, "params": items[i:i + PARAMS_PER_BATCH]})
+        return str(run["run"]["info"]["run_id"])
+
+    async def _find_run(self, experiment_id: str) -> str | None:
+        found = await self._request("POST", "/runs/search", json={
+            "experiment_ids": [experiment_id], "filter": f"tags.`{OPEN_TAG}` = '{self.open_token}'",
+            "max_results": 1})
+        runs = (found or {}).get("runs", [])
+        return str(runs[0]["info"]["run_id"]) if runs else None
+
+    async def _log_params(self, params: Mapping[str, str]) -> None:
+        assert self.run_id is not None
+        for batch in param_batches(params, self._params_logged):
+            await self._request("POST", "/runs/log-batch", json={"run_id": self.run_id, "params": batch})
+            self._params_logged.update(item["key"] for item in batch)
 
     async def log(self, step: int, scalars: Mapping[str, float]) -> None:
         assert self.run_id is not None, "open() first"
@@ -85,6 +118,24 @@ class MlflowTracker:
             if self._session is not None:
                 await self._session.close()
                 self._session = None
+
+
+def param_batches(params: Mapping[str, str], logged: Collection[str] = ()) -> list[list[dict[str, str]]]:
+    """The params not yet `logged` (keys as cut), as runs/log-batch bodies of at most PARAMS_PER_BATCH."""
+    items = [{"key": k[:PARAM_KEY_MAX], "value": str(v)[:PARAM_VALUE_MAX]} for k, v in sorted(params.items())]
+    items = [item for item in items if item["key"] not in logged]
+    return [items[i:i + PARAMS_PER_BATCH] for i in range(0, len(items), PARAMS_PER_BATCH)]
+
+
+def open_requests(n_params: int) -> int:
+    """The most requests one `open` makes: the experiment looked up and created, the run created, the params
+    in batches (a retry that searches for its run first has its experiment already: no more than that)."""
+    return 3 + math.ceil(n_params / PARAMS_PER_BATCH)
+
+
+def open_bound_s(request_timeout_s: float, n_params: int, slack_s: float = 1.0) -> float:
+    """A bound on a whole `open`: each of its requests has `request_timeout_s` (aiohttp's own bound)."""
+    return open_requests(n_params) * request_timeout_s + slack_s
 
 
 def _now_ms() -> int:

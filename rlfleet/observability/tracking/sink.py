@@ -35,15 +35,18 @@ class SinkCounts:
 
 
 class TrackerSink:
-    """Feeds one tracker from a bounded queue. Every call is bounded by `call_timeout_s`; a call that fails
-    or runs past it drops its record (an `open` that fails is tried again before the next record). The
-    first failure is a warning (`on_warning`), later ones are only counted."""
+    """Feeds one tracker from a bounded queue. Every call is bounded by `call_timeout_s`, `open` by
+    `open_timeout_s` (unset: the same; a tracker whose open makes many calls gets a bound scaled to them); a
+    call that fails or runs past it drops its record (an `open` that fails is tried again before the next
+    record, so a tracker's open must resume what it got). The first failure is a warning (`on_warning`),
+    later ones are only counted."""
 
     def __init__(self, tracker: Tracker, params: Mapping[str, str], *, call_timeout_s: float = 10.0,
-                 queue_size: int = 10_000, on_warning=None):
+                 open_timeout_s: float | None = None, queue_size: int = 10_000, on_warning=None):
         self.tracker = tracker
         self.params = dict(params)
         self.call_timeout_s = call_timeout_s
+        self.open_timeout_s = call_timeout_s if open_timeout_s is None else open_timeout_s
         self.counts = SinkCounts()
         self._queue: asyncio.Queue[tuple[int, dict[str, float]]] = asyncio.Queue(queue_size)
         self._on_warning = on_warning
@@ -87,7 +90,7 @@ class TrackerSink:
             self._in_flight = 1  # dropped if the run ends while it is being written
             try:
                 if not self._opened:
-                    self._opened = await self._call(self.tracker.open(self.params), "open")
+                    self._opened = await self._call(self.tracker.open(self.params), "open", self.open_timeout_s)
                 if self._opened and await self._call(self.tracker.log(step, scalars), f"step {step}"):
                     self.counts.written += 1
                     metrics.TRACKER_RECORDS.labels(tracker=self.tracker.name, outcome="written").inc()
@@ -97,15 +100,16 @@ class TrackerSink:
             finally:
                 self._queue.task_done()
 
-    async def _call(self, call, what: str) -> bool:
+    async def _call(self, call, what: str, bound_s: float | None = None) -> bool:
+        bound_s = self.call_timeout_s if bound_s is None else bound_s
         try:
-            async with asyncio.timeout(self.call_timeout_s):
+            async with asyncio.timeout(bound_s):
                 await call
             return True
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            self._warn(f"{what}: no answer within {self.call_timeout_s:g} s")
+            self._warn(f"{what}: no answer within {bound_s:g} s")
         except Exception as exc:  # a tracker's failure is never the run's
             self._warn(f"{what}: {type(exc).__name__}: {exc}")
         return False
