@@ -180,15 +180,21 @@ class EvalSpec(ApiModel):
         "backpressure",
         description="When maxInFlight points are pending: backpressure waits for the oldest; skip records a busy skip.",
     )
-    keep_snapshots: int = Field(2, ge=1, le=100, description="Consumed eval snapshots kept on the volume.")
+    keep_snapshots: int = Field(2, ge=1, le=100,
+                                description="Consumed eval snapshots kept on the volume (postures fleet and external; "
+                                "shared evaluates the live weights and writes none).")
     pin_timeout_seconds: float = Field(
         600.0, ge=1, le=86400,
-        description="Bound on loading a snapshot on every eval engine and reading the version back."
+        description="Bound on loading a snapshot on every eval engine and reading the version back (posture "
+        "fleet)."
     )
     pin_retries: int = Field(2, ge=1, le=10,
-                             description="Attempts to pin the eval fleet before the point is skipped pin_violation.")
+                             description="Attempts to pin the eval fleet before the point is skipped pin_violation "
+                             "(posture fleet).")
     router_probe_timeout_seconds: float = Field(
-        180.0, ge=1, le=3600, description="Bound on the one-token probe through the eval router after pinning."
+        180.0, ge=1, le=3600,
+        description="Bound on admitting the pinned engines to the eval router and on the one-token probe through "
+        "it, each (posture fleet)."
     )
     fleet: EvalFleetTemplateSpec | None = Field(
         None, description="The dedicated eval fleet (posture fleet); unset settings are the rollout fleet's."

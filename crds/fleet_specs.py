@@ -143,7 +143,9 @@ class FleetSpec(ApiModel):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     run_name: str | None = Field(None, max_length=40, pattern=kv.DNS1035_LABEL,
-                                 description="The TrainingRun this fleet belongs to, if any (a label value).")
+                                 description="The TrainingRun this fleet belongs to: set by the operator on the "
+                                 "fleets a run creates (their only client is its trainer); on a fleet no run "
+                                 "created it changes nothing.")
     snapshots: SnapshotMountSpec | None = Field(None, description="Shared snapshot volume mounted in every engine pod.")
 
     cel_rules = (FLEET_MIN_READY_RULE,)

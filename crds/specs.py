@@ -85,7 +85,9 @@ class ApiModel(BaseModel):
 
 
 class HealthSpec(ApiModel):
-    """Heart-beat of every engine with GET /health_generate (all engines probed concurrently)."""
+    """Heart-beat of every engine with GET /health_generate (all engines probed concurrently), by the
+    orchestrator of the run the fleet serves; the operator applies startupTimeoutSeconds to every fleet, and
+    a fleet no run drives is otherwise watched by its pods' readiness (GET /health)."""
 
     interval_seconds: float = Field(5.0, gt=0, le=3600, description="Seconds between probe rounds.")
     timeout_seconds: float = Field(5.0, gt=0, le=600, description="Bound on each probe.")
@@ -109,7 +111,9 @@ class RecoverySpec(ApiModel):
     backoff_base_seconds: float = Field(1.0, ge=0, le=3600, description="First backoff delay; doubles per restart.")
     backoff_max_seconds: float = Field(60.0, ge=0, le=86400, description="Cap on the backoff delay.")
     wait_all_alive_timeout_seconds: float = Field(
-        300.0, ge=1, le=86400, description="Bound on waiting for every slot to serve before a weight sync."
+        300.0, ge=1, le=86400,
+        description="Bound on waiting for every slot to serve before a weight sync (the run's first start waits at "
+        "least health.startupTimeoutSeconds).",
     )
 
     cel_rules = (

@@ -111,6 +111,18 @@ def owner_reference(owner: dict) -> dict:
     }
 
 
+def owning_run(fleet: dict, spec: FleetSpec) -> str | None:
+    """The TrainingRun a fleet belongs to: its runName, when that run is the fleet's controller (the run
+    created it). A fleet someone else created and labelled with a runName is a fleet of no run: it holds
+    its own API key and serves client pods, as the run's trainer could never reach it."""
+    if spec.run_name is None:
+        return None
+    refs = fleet.get("metadata", {}).get("ownerReferences") or []
+    owned = any(r.get("controller") and r.get("kind") == "TrainingRun" and r.get("name") == spec.run_name
+                for r in refs)
+    return spec.run_name if owned else None
+
+
 def _meta(name: str, owner: dict, labels: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
     meta: dict[str, Any] = {
         "name": name,
@@ -266,8 +278,8 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     if eng.tolerations:
         pod_spec["tolerations"] = _tolerations(eng.tolerations)
     pod_labels = engine_labels(fname, slot)
-    if spec.run_name:
-        pod_labels[LABEL_RUN] = spec.run_name
+    if run := owning_run(fleet, spec):
+        pod_labels[LABEL_RUN] = run
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -389,8 +401,8 @@ def build_engine_network_policy(fleet: dict, *, metrics_from: Sequence[dict] = (
     http = [{"port": spec.engine.port, "protocol": "TCP"}]
     router = {"podSelector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}}}
     ingress: list[dict] = [{"from": [router], "ports": http}]
-    if spec.run_name:
-        trainer = {LABEL_COMPONENT: "trainer", LABEL_RUN: spec.run_name}
+    if run := owning_run(fleet, spec):
+        trainer = {LABEL_COMPONENT: "trainer", LABEL_RUN: run}
         ingress.append({"from": [{"podSelector": {"matchLabels": trainer}}]})
     else:
         ingress.append({"from": [{"podSelector": {"matchLabels": {LABEL_CLIENT: "true"}}}], "ports": http})
@@ -428,8 +440,8 @@ def build_router_network_policy(fleet: dict, *, metrics_from: Sequence[dict] = (
     spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     http = [{"port": spec.router.port, "protocol": "TCP"}]
-    if spec.run_name:
-        client = {LABEL_COMPONENT: "trainer", LABEL_RUN: spec.run_name}
+    if run := owning_run(fleet, spec):
+        client = {LABEL_COMPONENT: "trainer", LABEL_RUN: run}
     else:
         client = {LABEL_CLIENT: "true"}
     ingress: list[dict] = [{"from": [{"podSelector": {"matchLabels": client}}], "ports": http}]

@@ -229,7 +229,7 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
     """The fleet's API key Secret (a fleet of no run), engine pods, the router Deployment and Service,
     the engine and router NetworkPolicies; refusals to `refused`."""
     router = decide_router_deployment(fleet, router_deployment, spec)
-    if not spec.run_name and (plan.create or (router is not None and router.verb == "create")):
+    if not b.owning_run(fleet, spec) and (plan.create or (router is not None and router.verb == "create")):
         # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
         await _create(kube, SECRETS, b.build_api_key_secret(fleet, fleet["metadata"]["name"], new_api_key()),
                       refused, readable=False)
@@ -257,7 +257,8 @@ async def _apply_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, 
 async def _apply_router_network_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current: dict | None,
                                        plan: FleetPlan, settings: Settings, refused: list[Rejection]) -> None:
     """The router's NetworkPolicy: only the run's trainer (or client pods) reach its HTTP port."""
-    who = f"the trainer pod of run {spec.run_name}" if spec.run_name else f'pods labelled {b.LABEL_CLIENT}: "true"'
+    run = b.owning_run(fleet, spec)
+    who = f"the trainer pod of run {run}" if run else f'pods labelled {b.LABEL_CLIENT}: "true"'
     await _apply_policy(kube, fleet, spec, current, plan, settings, refused, build=b.build_router_network_policy,
                         admits=f"the router admits only {who}")
 
@@ -285,7 +286,7 @@ async def _apply_policy(kube: KubeClient, fleet: dict, spec: FleetSpec, current:
 
 
 def _admitted(fleet: dict, spec: FleetSpec, settings: Settings) -> str:
-    run_name = spec.run_name
+    run_name = b.owning_run(fleet, spec)
     who = [f"router pods of {fleet['metadata']['name']}",
            f"the trainer pod of run {run_name}" if run_name else f'pods labelled {b.LABEL_CLIENT}: "true"']
     if settings.network_policy_metrics_from:

@@ -11,12 +11,16 @@ PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.nam
                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
 
 
-def fleet(name="run1-rollout", kind="RolloutFleet", run_name="run1", port=30000):
+def fleet(name="run1-rollout", kind="RolloutFleet", run_name="run1", port=30000, owned=True):
+    """A fleet; with `run_name`, one its run created (the run its controller) unless `owned` is False."""
     spec = {"replicas": 2, "engine": {"modelPath": "/models/tiny", "device": "cpu", "port": port}}
+    meta: dict = {"name": name, "namespace": "team", "uid": "fleet-uid"}
     if run_name:
         spec["runName"] = run_name
-    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": kind,
-            "metadata": {"name": name, "namespace": "team", "uid": "fleet-uid"}, "spec": spec}
+        if owned:
+            meta["ownerReferences"] = [{"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun", "name": run_name,
+                                        "uid": "run-uid", "controller": True, "blockOwnerDeletion": True}]
+    return {"apiVersion": "rlfleet.io/v1alpha1", "kind": kind, "metadata": meta, "spec": spec}
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -269,3 +273,16 @@ def test_only_the_runs_engines_reach_the_trainers_update_group_and_each_other():
     assert not admitted_range(engines_policy, b.engine_labels("run1-rollout", 1), 30000)  # HTTP: the fleet's own
     assert not admitted_range(engines_policy, other_engine, 40000)
     assert not admitted_range(engines_policy, router, 40000)
+
+
+def test_a_fleet_labelled_with_a_run_it_does_not_belong_to_serves_client_pods():
+    """runName on a fleet someone else created: no run's trainer holds its key, so it is a fleet of no run."""
+    mine = fleet(run_name="run1", owned=False)
+    assert b.owning_run(mine, b.fleet_spec(mine)) is None
+    port = b.fleet_spec(mine).router.port
+    policy = b.build_router_network_policy(mine)
+    assert admitted(policy, {b.LABEL_CLIENT: "true"}, port)
+    trainer = {b.LABEL_COMPONENT: "trainer", b.LABEL_RUN: "run1"}
+    assert not admitted(policy, trainer, port)
+    assert b.LABEL_RUN not in b.build_engine_pod(mine, 0)["metadata"]["labels"]
+    assert b.owning_run(fleet(), b.fleet_spec(fleet())) == "run1"
