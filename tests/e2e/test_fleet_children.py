@@ -31,8 +31,9 @@ from rlfleet.operator import builders as b
 pytestmark = [pytest.mark.cluster]
 
 NS = "rlfleet-netpol"
-RUN_FLEET, RUN = "np-run-rollout", "np-run"
+RUN_FLEET, RUN = "np-run-rollout", "np-run"  # the rollout fleet the run np-run creates
 SOLO_FLEET = "np-solo"
+LABELLED_FLEET = "np-labelled"  # names np-run in runName, but no run created it: a fleet of no run
 ENGINE_PORT = 31000
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 PROMETHEUS = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
@@ -70,12 +71,29 @@ def fleet_manifest(name: str, *, run_name: str | None) -> dict:
             "metadata": {"name": name, "namespace": NS}, "spec": spec}
 
 
+def run_of_one_engine(name: str) -> dict:
+    """The quickstart as a run of one rollout engine on ENGINE_PORT and no eval fleet; its pods never run."""
+    run = yaml.safe_load(QUICKSTART.read_text())
+    run["metadata"] = {"name": name, "namespace": NS}
+    run["spec"]["rollout"].update(replicas=1, minReadyEngines=1)
+    run["spec"]["rollout"]["engine"]["port"] = ENGINE_PORT
+    run["spec"]["rollout"]["health"]["startupTimeoutSeconds"] = 3600
+    del run["spec"]["eval"]
+    return run
+
+
 @pytest.fixture(scope="module")
 def fleets(control_plane, operator):
+    """The rollout fleet of a run (created by the operator), a fleet of no run, and a fleet of no run that
+    names the run in runName."""
     cp = control_plane
-    apply(cp, [fleet_manifest(RUN_FLEET, run_name=RUN), fleet_manifest(SOLO_FLEET, run_name=None)])
-    yield {name: get_json(cp, "rolloutfleet", name, namespace=NS) for name in (RUN_FLEET, SOLO_FLEET)}
-    for name in (RUN_FLEET, SOLO_FLEET):
+    apply(cp, [run_of_one_engine(RUN), fleet_manifest(SOLO_FLEET, run_name=None),
+               fleet_manifest(LABELLED_FLEET, run_name=RUN)])
+    wait_for(lambda: get_json(cp, "rolloutfleet", RUN_FLEET, namespace=NS), timeout=60, interval=0.5,
+             what=f"the run's fleet {RUN_FLEET}", context=operator.tail)
+    yield {name: get_json(cp, "rolloutfleet", name, namespace=NS) for name in (RUN_FLEET, SOLO_FLEET, LABELLED_FLEET)}
+    cp.kubectl("delete", "trainingrun", RUN, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
+    for name in (SOLO_FLEET, LABELLED_FLEET):
         cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--ignore-not-found", "--wait=false", check=False)
 
 
@@ -155,9 +173,10 @@ def test_each_fleet_gets_an_owned_policy_admitting_only_its_router_and_trainer(c
     run_rules = policy(cp, RUN_FLEET)["spec"]["ingress"]
     assert run_rules[1] == {"from": [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/component": "trainer", "rlfleet.io/run": RUN}}}]}
-    solo_rules = policy(cp, SOLO_FLEET)["spec"]["ingress"]
-    assert solo_rules[1] == {"from": [{"podSelector": {"matchLabels": {"rlfleet.io/client": "true"}}}],
-                             "ports": http}
+    for solo in (SOLO_FLEET, LABELLED_FLEET):  # runName alone does not make a fleet the run's
+        solo_rules = policy(cp, solo)["spec"]["ingress"]
+        assert solo_rules[1] == {"from": [{"podSelector": {"matchLabels": {"rlfleet.io/client": "true"}}}],
+                                 "ports": http}
     wait_for(lambda: "NetworkPolicyCreated" in event_reasons(cp, SOLO_FLEET), timeout=30, interval=0.5,
              what="the NetworkPolicyCreated Event")
 
@@ -176,19 +195,22 @@ def test_each_router_admits_only_its_trainer_and_a_fleet_of_no_run_holds_its_own
         assert all(r.startswith(f"{name}-router-") for r in routers), routers
         assert pods_selected(cp, pol["spec"]["podSelector"]).isdisjoint({f"{name}-engine-0"})
     assert policy_from(cp, RUN_FLEET) == {"app.kubernetes.io/component": "trainer", "rlfleet.io/run": RUN}
-    assert policy_from(cp, SOLO_FLEET) == {"rlfleet.io/client": "true"}
+    assert policy_from(cp, SOLO_FLEET) == policy_from(cp, LABELLED_FLEET) == {"rlfleet.io/client": "true"}
 
-    # The fleet of no run: its own Secret, owned by it, immutable; its engine and router read it.
-    secret = wait_for(lambda: get_json(cp, "secret", b.api_key_secret_name(SOLO_FLEET), namespace=NS),
-                      timeout=60, interval=0.5, what="the solo fleet's API key Secret", context=operator.tail)
-    assert secret["metadata"]["ownerReferences"][0]["uid"] == fleets[SOLO_FLEET]["metadata"]["uid"]
-    assert secret["immutable"] is True
-    assert len(fleet_api_key(cp, SOLO_FLEET, NS)) == 64
-    pod = get_json(cp, "pod", f"{SOLO_FLEET}-engine-0", namespace=NS)
-    key_env = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "RLFLEET_API_KEY")
-    assert key_env["valueFrom"]["secretKeyRef"]["name"] == b.api_key_secret_name(SOLO_FLEET)
-    # A run's fleet gets its key from the run, never from whoever names it in runName.
-    assert get_json(cp, "secret", b.api_key_secret_name(RUN_FLEET), namespace=NS) is None
+    # A fleet of no run (runName or not): its own Secret, owned by it, immutable; its engine and router read it.
+    for solo in (SOLO_FLEET, LABELLED_FLEET):
+        secret = wait_for(lambda solo=solo: get_json(cp, "secret", b.api_key_secret_name(solo), namespace=NS),
+                          timeout=60, interval=0.5, what=f"{solo}'s API key Secret", context=operator.tail)
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == fleets[solo]["metadata"]["uid"]
+        assert secret["immutable"] is True
+        assert len(fleet_api_key(cp, solo, NS)) == 64
+        pod = get_json(cp, "pod", f"{solo}-engine-0", namespace=NS)
+        key_env = next(e for e in pod["spec"]["containers"][0]["env"] if e["name"] == "RLFLEET_API_KEY")
+        assert key_env["valueFrom"]["secretKeyRef"]["name"] == b.api_key_secret_name(solo)
+    # A run's fleet gets its key from the run.
+    run_key = get_json(cp, "secret", b.api_key_secret_name(RUN_FLEET), namespace=NS)
+    assert run_key["metadata"]["ownerReferences"][0]["kind"] == "TrainingRun"
+    assert run_key["metadata"]["ownerReferences"][0]["name"] == RUN
 
 
 def test_a_run_creates_one_key_for_its_fleets_before_them_and_its_trainer_reads_it(control_plane, operator):
@@ -324,7 +346,10 @@ def test_deleting_a_fleet_garbage_collects_its_policy(control_plane, operator, f
     cp = control_plane
     for name in fleets:
         wait_policy(cp, name, operator)
-        cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--wait=false")
+        if name == RUN_FLEET:  # the run would create its fleet again: the run goes, and its fleet with it
+            cp.kubectl("delete", "trainingrun", RUN, "-n", NS, "--wait=false")
+        else:
+            cp.kubectl("delete", "rolloutfleet", name, "-n", NS, "--wait=false")
     wait_for(lambda: all(policy(cp, name) is None for name in fleets), timeout=120, interval=1,
              what="garbage collection of the fleets' policies",
              context=lambda: cp.kubectl("get", "networkpolicies,rolloutfleets", "-n", NS, check=False).stdout)
