@@ -107,7 +107,9 @@ class RecoverySpec(ApiModel):
     """Recreation of dead engine slots: budgets and exponential backoff."""
 
     max_restarts_per_engine: int = Field(5, ge=0, le=1000, description="Recreations allowed per slot.")
-    max_restarts_per_run: int = Field(20, ge=0, le=100000, description="Recreations allowed per run, all slots.")
+    max_restarts_per_run: int = Field(20, ge=0, le=100000,
+                                      description="Recreations allowed per run, all slots; a resumed run goes on "
+                                      "counting.")
     backoff_base_seconds: float = Field(1.0, ge=0, le=3600, description="First backoff delay; doubles per restart.")
     backoff_max_seconds: float = Field(60.0, ge=0, le=86400, description="Cap on the backoff delay.")
     wait_all_alive_timeout_seconds: float = Field(
@@ -447,7 +449,8 @@ class WandbSpec(ApiModel):
 class TrackingSpec(ApiModel):
     """Where the per-step record goes besides the run summary. A tracker that fails never fails or stalls the
     run: it warns once, counts what it drops (rlfleet_tracker_records_total{outcome="dropped"}) and training
-    goes on."""
+    goes on. A tracker whose client library is not installed where the run runs is refused before the run
+    starts."""
 
     tensorboard: TensorBoardSpec | None = Field(None, description="TensorBoard event files; unset: none.")
     mlflow: MlflowSpec | None = Field(None, description="An MLflow tracking server; unset: none.")

@@ -277,6 +277,10 @@ class SlotFleetBackend(FleetBackend):
     def run_restarts(self) -> int:
         return self._run_restarts
 
+    def count_earlier_restarts(self, restarts: int) -> None:
+        """A resumed run's recreations before its checkpoint: they spent maxRestartsPerRun too."""
+        self._run_restarts = max(self._run_restarts, restarts)
+
     def record_weight_version(self, slot: int, incarnation: int, version: str) -> None:
         rec = self._slots[slot]
         if rec.incarnation == incarnation:

@@ -64,6 +64,7 @@ class LocalRun(RunLoop):
                                     weight_version=self.launch_version, api_key=self.api_key,
                                     gpu_bases=self.gpus.rollout,
                                     startup_timeout_s=spec.rollout.health.startup_timeout_seconds)
+        self.backend.count_earlier_restarts(self._recreated_before)  # a resumed run's budget goes on
         self.fleet = FleetRuntime(self.backend, router_url, health=spec.rollout.health,
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
                                   api_key=self.api_key,

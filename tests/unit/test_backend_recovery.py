@@ -130,6 +130,22 @@ async def test_wait_returns_degraded_when_the_floor_is_met():
     await backend.stop()
 
 
+async def test_a_resumed_runs_earlier_recreations_count_against_its_budget():
+    spec = RecoverySpec(max_restarts_per_engine=5, max_restarts_per_run=2, backoff_base_seconds=0)
+    backend = ScriptedBackend({0: [("die", 1, 1), ("up", 1)]}, recovery=spec)
+    backend.count_earlier_restarts(2)  # the run recreated two engines before its checkpoint
+    await backend.start()
+    with pytest.raises(FleetFailed, match="per run"):
+        await backend.wait_all_alive()
+    assert len(backend.launched) == 1 and backend.run_restarts == 2
+    await backend.stop()
+
+    fresh = ScriptedBackend({0: [("die", 1, 1), ("up", 1)]}, recovery=spec)
+    await fresh.start()
+    assert len(await fresh.wait_all_alive()) == 1 and fresh.run_restarts == 1
+    await fresh.stop()
+
+
 async def test_run_budget_spans_slots():
     spec = RecoverySpec(max_restarts_per_engine=5, max_restarts_per_run=1, backoff_base_seconds=0)
     backend = ScriptedBackend({0: [("die", 1, 1)], 1: [("die", 1, 1)]}, recovery=spec)
