@@ -66,6 +66,15 @@ async def test_tensorboard_series_read_back(tmp_path):
     assert [(e.step, e.value) for e in evals.Scalars("eval/rotate")] == [(0, 0.125)]
 
 
+async def test_tensorboard_open_tried_again_keeps_one_event_file(tmp_path):
+    tracker = TensorBoardTracker(tmp_path / "run")
+    await tracker.open({"trainer.steps": "3"})
+    await tracker.open({"trainer.steps": "3"})  # as the sink does after an open that timed out
+    await tracker.log(1, {"train/loss": 0.5})
+    await tracker.close("FINISHED")
+    assert len(list((tmp_path / "run").glob("events.out.tfevents.*"))) == 1
+
+
 async def test_server_down_warns_once_and_counts_drops():
     port = free_port()  # nothing listens there
     warnings: list[str] = []

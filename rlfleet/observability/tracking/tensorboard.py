@@ -47,7 +47,8 @@ class TensorBoardTracker:
         from tensorboard.util import tensor_util
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = EventFileWriter(str(self.log_dir), flush_secs=5)
+        if self._writer is None:  # an open tried again (the sink retries a failed one) keeps one event file
+            self._writer = EventFileWriter(str(self.log_dir), flush_secs=5)
         table = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
         text = tensor_util.make_tensor_proto(["| param | value |\n|---|---|\n" + table])
         meta = text_metadata.create_summary_metadata(display_name="spec", description="the TrainingRun spec")
