@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -650,6 +651,11 @@ def engine_gpus_needed(engine: EngineSpec) -> int:
     worth when the replicas share them (data-parallel attention)."""
     replicas = 1 if DP_ATTENTION_FLAG in engine.extra_args else engine.data_parallel_size
     return engine.tensor_parallel_size * engine.pipeline_parallel_size * replicas
+
+
+def literal_env(env: Sequence[EnvVarSpec]) -> dict[str, str]:
+    """The variables of `env` given as values (a local process's; valueFrom is for pods only)."""
+    return {e.name: e.value for e in env if e.value is not None}
 
 
 def wire_dump(model: BaseModel) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from rlfleet.crds.loader import FieldError, ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
+from rlfleet.crds.specs import literal_env
 from rlfleet.observability.report import report_path_for, write_report
 from rlfleet.orchestrator.run import tracking
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path("runs") / f"{run.metadata.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     # The trainer's variables (spec.trainer.env): this process and its ranks are the trainer; the engines
     # and routers it starts get the environment as it was (a trainer pod's env is its own on Kubernetes).
-    set_trainer_environment({e.name: e.value for e in run.spec.trainer.env if e.value is not None})
+    set_trainer_environment(literal_env(run.spec.trainer.env))
     if run.spec.trainer.world_size > 1 and "RANK" not in os.environ:  # this process launches the ranks
         return _launch_ranks(run, list(sys.argv[1:] if argv is None else argv), run_dir)
     options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",

@@ -30,6 +30,7 @@ from typing import Any
 from rlfleet.crds.derive import parse_tiny_model
 from rlfleet.crds.fleet_specs import RolloutTemplateSpec
 from rlfleet.crds.models import TrainingRun
+from rlfleet.crds.specs import literal_env
 from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
@@ -643,7 +644,7 @@ class RunLoop:
         """Where the rollout engines run, so the heat guard reads their GPUs: by default processes on this
         machine, on `_rollout_gpu_bases()`, counted among the GPUs the engines' CUDA_VISIBLE_DEVICES shows
         (what they inherit, not the trainer's spec.trainer.env; or their own spec.rollout.engine.env)."""
-        engine_env = {e.name: e.value for e in self.spec.rollout.engine.env if e.value is not None}
+        engine_env = literal_env(self.spec.rollout.engine.env)
         visible = engine_visible_devices(outer_environment(os.environ), engine_env)
         return LocalEngines(self._rollout_gpu_bases(), visible_devices=visible)
 

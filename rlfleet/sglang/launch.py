@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlfleet.crds.managed import USER_SETTABLE_ENGINE_FLAGS, EngineFlags
-from rlfleet.crds.specs import EngineSpec
+from rlfleet.crds.specs import EngineSpec, literal_env
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 
@@ -126,7 +126,7 @@ def build_engine_launch(
         env |= {"LD_PRELOAD": malloc_library, "MALLOC_CONF": JEMALLOC_CONF}
     if engine.device == "cpu" and cpu_threads:
         env["OMP_NUM_THREADS"] = str(cpu_threads)
-    env.update({e.name: e.value for e in engine.env if e.value is not None})
+    env.update(literal_env(engine.env))
     return EngineLaunch(args=tuple(args), env=env)
 
 
