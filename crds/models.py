@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import ConfigDict, Field
 
@@ -16,7 +16,7 @@ from rlfleet.crds import k8s_values as kv
 from rlfleet.crds.conventions import TRAINER_RENDEZVOUS_PORT, UPDATE_GROUP_PORT
 from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
 from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
-from rlfleet.crds.rules import Rule, immutable
+from rlfleet.crds.rules import Rule, fixed_except, immutable
 from rlfleet.crds.specs import (
     IMAGE,
     NODE_SELECTOR_RULE,
@@ -140,7 +140,7 @@ class TrainerSpec(ApiModel):
                                               description="Pod tolerations (pods only).")
     env: list[EnvVarSpec] = Field(default_factory=list, max_length=128, description="Extra environment variables.")
 
-    cel_rules = (
+    cel_rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
             cel="self.backend == 'megatron' || (self.tensorParallelSize == 1 && self.pipelineParallelSize == 1)",
             check=lambda s: s.backend == "megatron" or (s.tensor_parallel_size == 1 and s.pipeline_parallel_size == 1),
@@ -201,6 +201,8 @@ class TrainerSpec(ApiModel):
         # The trainer group's pods are named and ranked by node: a run keeps its group's size.
         immutable("nodes", "nodes", "trainer nodes"),
     )
+    # Fields the operator applies to a running run (the rest is read by the trainer pods when they start).
+    LIVE_FIELDS: ClassVar[frozenset[str]] = frozenset({"max_restarts"})
 
     @property
     def world_size(self) -> int:
@@ -217,6 +219,15 @@ class TrainerSpec(ApiModel):
     def ranks_per_node(self) -> int:
         """Ranks of each trainer pod: one per GPU, or on CPU an equal share of the world."""
         return self.gpus if self.gpus > 0 else self.world_size // self.nodes
+
+
+# A run's trainer pods and orchestrator read the spec when they start; an edit would reach them only at a
+# recreation (mid-run, against a checkpoint of the old layout), so what they read is fixed at creation.
+FIXED_MESSAGE = ("{what} is fixed once the run exists: the run's trainer and orchestrator read it when they start "
+                 "(create a new TrainingRun to change it)")
+TrainerSpec.cel_rules = (*TrainerSpec.cel_rules, fixed_except(
+    TrainerSpec, TrainerSpec.LIVE_FIELDS | {"backend", "nodes"},
+    message=FIXED_MESSAGE.format(what="spec.trainer (all but maxRestarts)")))
 
 
 class TrainingRunSpec(ApiModel):
@@ -295,6 +306,10 @@ class TrainingRunSpec(ApiModel):
             "(use file for cpu engines)",
         ),
         immutable("modelPath", "model_path"),
+        *(immutable(alias, name, message=FIXED_MESSAGE.format(what=f"spec.{alias}")) for name, alias in (
+            ("rollout", "rollout"), ("watchdog", "watchdog"), ("heat_guard", "heatGuard"),
+            ("weight_sync", "weightSync"), ("eval", "eval"), ("metrics_port", "metricsPort"),
+            ("checkpoint", "checkpoint"), ("tracking", "tracking"))),
     )
 
 

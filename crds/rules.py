@@ -11,7 +11,7 @@ CEL, `(new, old)` in Python). They hold only on updates, so the API server check
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,20 +59,36 @@ class Rule:
         return entry
 
 
-def immutable(field: str, attribute: str, what: str | None = None) -> Rule:
+def _unchanged_cel(field: str) -> str:
+    """CEL: `field` is absent in both versions, or present in both with equal values."""
+    return f"has(self.{field}) == has(oldSelf.{field}) && (!has(self.{field}) || self.{field} == oldSelf.{field})"
+
+
+def immutable(field: str, attribute: str, what: str | None = None, *, message: str | None = None) -> Rule:
     """A transition rule: `field` (camelCase; python `attribute`) may not change once set.
 
     Absent-to-absent is allowed; any other change (set, unset, new value) is rejected.
     """
-    cel = (
-        f"has(self.{field}) == has(oldSelf.{field}) && "
-        f"(!has(self.{field}) || self.{field} == oldSelf.{field})"
-    )
     return Rule(
-        cel=cel,
+        cel=_unchanged_cel(field),
         check=lambda new, old: getattr(new, attribute) == getattr(old, attribute),
         field=field,
-        message=f"{what or field} is immutable once the object exists",
+        message=message or f"{what or field} is immutable once the object exists",
+        transition=True,
+    )
+
+
+def fixed_except(model_cls: type[BaseModel], keep: Collection[str], *, message: str) -> Rule:
+    """A transition rule: every field of `model_cls` but those in `keep` (python names) may not change.
+
+    One rule for the whole object, so a CEL budget is spent once and the message says what stays open.
+    """
+    fields = [(name, info.alias or name) for name, info in model_cls.model_fields.items() if name not in keep]
+    return Rule(
+        cel=" && ".join(f"({_unchanged_cel(alias)})" for _, alias in fields),
+        check=lambda new, old: all(getattr(new, name) == getattr(old, name) for name, _ in fields),
+        field="",
+        message=message,
         transition=True,
     )
 

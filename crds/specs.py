@@ -30,7 +30,7 @@ from rlfleet.crds.managed import (
     env_name_reserved,
     extra_arg_allowed,
 )
-from rlfleet.crds.rules import Rule, immutable, raise_violations, value_rule
+from rlfleet.crds.rules import Rule, raise_violations, value_rule
 
 # Bounds on strings and lists keep the API server's CEL cost estimates finite and inputs sane.
 SHORT = 253  # a Kubernetes name or label value
@@ -264,10 +264,8 @@ class SnapshotVolumeSpec(ApiModel):
             field="size",
             message="size must be greater than 0",
         ),
-        immutable("claimName", "claim_name", "the snapshot volume's claimName"),
-        # The operator creates the claim once; an edit would be accepted and never reach it.
-        immutable("size", "size", "the snapshot volume's size"),
-        immutable("storageClassName", "storage_class_name", "the snapshot volume's storageClassName"),
+        # Fixed once a run exists with the rest of spec.weightSync (models.TrainingRunSpec): the operator
+        # creates the claim once.
     )
 
 
@@ -332,9 +330,9 @@ class WeightSyncSpec(ApiModel):
         description="Where the snapshot volume is mounted in pods (absolute; not /dev/shm, no `..`).",
     )
 
-    # A running trainer sends engines paths under its own mount: replacements mounting elsewhere could not
-    # load them.
-    cel_rules = (MOUNT_PATH_RULE, immutable("mountPath", "mount_path", "weightSync.mountPath"))
+    # Fixed once a run exists with the rest of spec.weightSync (models.TrainingRunSpec): a running trainer
+    # sends engines paths under its own mount; replacements mounting elsewhere could not load them.
+    cel_rules = (MOUNT_PATH_RULE,)
     snapshot_volume: SnapshotVolumeSpec = Field(default_factory=SnapshotVolumeSpec)
 
 

@@ -20,10 +20,13 @@ The names, labels and annotations the children carry are the contract in rlfleet
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules read them as b.NAME
+    ANN_ENGINE_SPEC,
     ANN_RESTARTS,
     API_KEY_ENV,
     API_KEY_SECRET_KEY,
@@ -193,6 +196,13 @@ def run_spec(run: dict) -> TrainingRunSpec:
 
 
 # Engines ---------------------------------------------------------------------------------------------
+def engine_spec_digest(spec: FleetSpec) -> str:
+    """What an engine pod is built from in the fleet's spec (its engine and snapshot mount), as a short digest:
+    equal digests, equal pods (but for the slot and the pinned weights)."""
+    parts = {"engine": wire_dump(spec.engine), "snapshots": wire_dump(spec.snapshots) if spec.snapshots else None}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE,
                      spec: FleetSpec | None = None) -> dict:
     """The pod of one engine slot: `<fleet>-engine-<slot>`, running the one SGLang command builder.
@@ -283,7 +293,8 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _meta(engine_pod_name(fname, slot), fleet, pod_labels, {ANN_RESTARTS: str(restarts)}),
+        "metadata": _meta(engine_pod_name(fname, slot), fleet, pod_labels,
+                          {ANN_RESTARTS: str(restarts), ANN_ENGINE_SPEC: engine_spec_digest(spec)}),
         "spec": pod_spec,
     }
 

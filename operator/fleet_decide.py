@@ -40,6 +40,7 @@ from rlfleet.kube.conditions import clip, condition, find, iso, parse_time
 from rlfleet.kube.marks import engine_marks
 from rlfleet.kube.pods import FAILURE_MESSAGE_MAX, Failure, PodView, int_or, view_marked
 from rlfleet.operator import builders as b
+from rlfleet.operator.engine_update_decide import SlotPod, outdated, slots_to_replace
 from rlfleet.policy.recovery import GiveUp, backoff_delay, decide_dead_slot
 
 
@@ -78,11 +79,13 @@ def _short(text: str, limit: int = 300) -> str:
 
 
 def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None, *, fleet_name: str, now: float,
-                         generation: int | None = None) -> FleetPlan:
+                         generation: int | None = None, engine_spec: str | None = None) -> FleetPlan:
     """One level-based reconcile of a fleet: new status, pods to create/delete, events, requeue time.
 
     Composes the policies below: scale-down (which pods belong to a slot), per slot its state with
-    the startup timeout and the restart policy, then the fleet's conditions.
+    the startup timeout and the restart policy, the replacement of pods built from an earlier engine
+    spec (`engine_spec`: the digest of the fleet's; None: none are replaced, as for a run's fleet), then
+    the fleet's conditions.
     """
     status = status or {}
     old_slots = {e["slot"]: e for e in status.get("engines") or [] if isinstance(e.get("slot"), int)}
@@ -95,13 +98,15 @@ def decide_fleet_actions(spec: FleetSpec, pods: list[dict], status: dict | None,
         engine, total = decide_slot(spec, slot, old_slots.get(slot), by_slot.get(slot), total, plan,
                                     fleet_name=fleet_name, now=now)
         engines.append(engine)
+    stale = replace_outdated(engines, by_slot, engine_spec, plan) if engine_spec is not None else 0
     new_slots = [slot for slot in range(spec.replicas) if slot not in old_slots and slot not in by_slot]
     if new_slots:  # one Event for a whole scale-up, not one per pod
         what = f"slot {new_slots[0]}" if len(new_slots) == 1 else f"slots {new_slots[0]}-{new_slots[-1]}"
         plan.events.insert(0, Event("Normal", reasons.CREATING_ENGINES,
                                     f"creating {len(new_slots)} engine pod(s): {what}"))
     plan.status = fleet_status(spec, engines, total, status.get("conditions"), fleet_name=fleet_name, now=now,
-                               generation=generation, existing=sum(1 for s in by_slot.values() if not s.terminating))
+                               generation=generation, existing=sum(1 for s in by_slot.values() if not s.terminating),
+                               outdated=stale)
     plan.events.extend(failed_events(plan.status["conditions"], status.get("conditions")))
     return plan
 
@@ -163,6 +168,26 @@ def decide_slot(spec: FleetSpec, slot: int, old: dict | None, pod: PodView | Non
     if last_failure:
         engine.last_failure = last_failure
     return engine, total
+
+
+def replace_outdated(engines: list[EngineSlotStatus], by_slot: dict[int, PodView], digest: str,
+                     plan: FleetPlan) -> int:
+    """Delete the pods `engine_update_decide` replaces for an edit of the engine spec (no restart counted:
+    the slot is Recreating and its next pod is built from the spec as it is now). Returns how many
+    slots still run a pod of an earlier spec."""
+    slots = [SlotPod(e.slot, e.state, by_slot[e.slot].engine_spec if e.slot in by_slot else None) for e in engines]
+    stale = outdated(slots, digest)
+    for slot in slots_to_replace(slots, digest):
+        pod, engine = by_slot[slot], engines[slot]
+        plan.delete.append((pod.name, pod.uid))
+        plan.events.append(Event("Normal", reasons.UPDATING_ENGINE, f"replacing slot {slot} ({pod.name}, "
+                                 f"{engine.state}) with a pod of the fleet's changed engine spec "
+                                 f"({len(stale)} of {len(engines)} slots on an earlier one)"))
+        engine.state = "Recreating"
+        engine.url = None
+        engine.weight_version = None
+        plan.wake_in(2.0)
+    return len(stale)
 
 
 def slot_failure(spec: FleetSpec, pod: PodView | None, state: str, pod_name: str, plan: FleetPlan, *,
@@ -232,7 +257,7 @@ def restart_policy(spec: FleetSpec, plan: FleetPlan, slot: int, pod_name: str, p
 
 def fleet_status(spec: FleetSpec, engines: list[EngineSlotStatus], total_restarts: int,
                  previous_conditions: list[dict] | None, *, fleet_name: str, now: float, generation: int | None,
-                 existing: int) -> dict:
+                 existing: int, outdated: int = 0) -> dict:
     """The fleet's status object: counts, slots and the four conditions."""
     ready = sum(1 for e in engines if e.state == "Ready")
     versions = {e.weight_version for e in engines if e.state == "Ready"}
@@ -240,7 +265,7 @@ def fleet_status(spec: FleetSpec, engines: list[EngineSlotStatus], total_restart
         replicas=existing, ready_replicas=ready, selector=b.engine_selector(fleet_name), restarts=total_restarts,
         engines=engines,
         conditions=fleet_conditions(spec, engines, total_restarts, previous_conditions, now=now,
-                                    generation=generation),
+                                    generation=generation, outdated=outdated),
     )
     if len(versions) == 1 and None not in versions:
         status.weight_version = versions.pop()
@@ -250,9 +275,11 @@ def fleet_status(spec: FleetSpec, engines: list[EngineSlotStatus], total_restart
 
 
 def fleet_conditions(spec: FleetSpec, engines: list[EngineSlotStatus], total_restarts: int,
-                     previous: list[dict] | None, *, now: float, generation: int | None) -> list[Condition]:
-    """Ready (enough engines serve), Progressing (slots starting), Degraded (slots down), Failed
-    (fewer slots than minReadyEngines can ever serve again)."""
+                     previous: list[dict] | None, *, now: float, generation: int | None,
+                     outdated: int = 0) -> list[Condition]:
+    """Ready (enough engines serve), Progressing (slots starting, or `outdated` pods of an earlier engine
+    spec still to replace), Degraded (slots down), Failed (fewer slots than minReadyEngines can ever
+    serve again)."""
     replicas = spec.replicas
     ready = sum(1 for e in engines if e.state == "Ready")
     failed = [e for e in engines if e.state == "Failed"]
@@ -272,9 +299,12 @@ def fleet_conditions(spec: FleetSpec, engines: list[EngineSlotStatus], total_res
         condition("Ready", ok, reasons.ENGINES_READY if ok else reasons.ENGINES_NOT_READY,
                   f"{ready_text(ready, replicas)} engines ready (minReadyEngines {spec.min_ready_engines})",
                   now=now, previous=previous, generation=generation),
-        condition("Progressing", bool(starting) and not fleet_failed,
-                  reasons.ENGINES_STARTING if starting else reasons.STABLE,
-                  ", ".join(f"slot {e.slot} {e.state}" for e in starting) or "all slots settled",
+        condition("Progressing", bool(starting or outdated) and not fleet_failed,
+                  reasons.ENGINES_UPDATING if outdated else reasons.ENGINES_STARTING if starting else reasons.STABLE,
+                  "; ".join(filter(None, (
+                      f"{outdated} of {replicas} slots on an earlier engine spec, replaced one at a time"
+                      if outdated else "",
+                      ", ".join(f"slot {e.slot} {e.state}" for e in starting)))) or "all slots settled",
                   now=now, previous=previous, generation=generation),
         condition("Degraded", bool(degraded_slots), reasons.ENGINES_DOWN if degraded_slots else reasons.AS_EXPECTED,
                   "; ".join(f"slot {e.slot} {e.state}: {e.last_failure.reason if e.last_failure else ''}"

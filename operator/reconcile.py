@@ -191,7 +191,10 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     now = now or time.time()
     generation = meta.get("generation")
     spec = b.fleet_spec(fleet)  # validated once here; the deciders and builders below take it typed
-    plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now, generation=generation)
+    # A fleet of no run takes an edit of its engine spec by replacing its pods; a run's fleet follows its run.
+    digest = None if b.owning_run(fleet, spec) else b.engine_spec_digest(spec)
+    plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now, generation=generation,
+                                engine_spec=digest)
     res = custom(PLURALS[fleet["kind"]])
     # The orchestrator's marks are the trainer's part of the status: never written (nor removed) here.
     old = {k: v for k, v in (fleet.get("status") or {}).items() if k != ORCHESTRATOR}

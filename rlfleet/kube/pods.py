@@ -37,6 +37,7 @@ class PodView:
     created: float | None
     failure: Failure | None
     weight_version: str | None
+    engine_spec: str | None = None  # the digest of the fleet spec it was built from (None: an older operator's)
 
 
 def int_or(value, default: int = 0) -> int:
@@ -102,6 +103,7 @@ def view_pod(pod: dict, mark: dict | None = None) -> PodView:
         terminating=bool(meta.get("deletionTimestamp")),
         pod_ip=status.get("podIP"), created=parse_time(meta.get("creationTimestamp")),
         failure=pod_failure(pod, mark), weight_version=(mark or {}).get("weightVersion"),
+        engine_spec=ann.get(conventions.ANN_ENGINE_SPEC),
     )
 
 

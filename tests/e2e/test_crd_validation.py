@@ -401,14 +401,24 @@ GOOD_INPUT: list[Case] = [
 UPDATES = [
     ("model-path-changed", {"modelPath": "tiny://qwen2"}, "spec.modelPath", "immutable"),
     ("backend-changed", {"trainer": {"backend": "megatron"}}, "spec.trainer.backend", "immutable"),
-    ("claim-changed", {"weightSync": {"snapshotVolume": {"claimName": "other"}}},
-     "spec.weightSync.snapshotVolume.claimName", "immutable"),
-    ("claim-removed", {"weightSync": {"snapshotVolume": {"claimName": DELETE}}},
-     "spec.weightSync.snapshotVolume.claimName", "immutable"),
-    ("mount-path-changed", {"weightSync": {"mountPath": "/elsewhere"}}, "spec.weightSync.mountPath", "immutable"),
-    ("volume-size-changed", {"weightSync": {"snapshotVolume": {"size": "40Gi"}}},
-     "spec.weightSync.snapshotVolume.size", "immutable"),
-    ("steps-changed", {"trainer": {"steps": 500}}, None, ""),
+    ("claim-changed", {"weightSync": {"snapshotVolume": {"claimName": "other"}}}, "spec.weightSync", "fixed"),
+    ("claim-removed", {"weightSync": {"snapshotVolume": {"claimName": DELETE}}}, "spec.weightSync", "fixed"),
+    ("mount-path-changed", {"weightSync": {"mountPath": "/elsewhere"}}, "spec.weightSync", "fixed"),
+    ("volume-size-changed", {"weightSync": {"snapshotVolume": {"size": "40Gi"}}}, "spec.weightSync", "fixed"),
+    # What the trainer pods and the orchestrator read when they start is fixed: a live edit would reach
+    # them only at a recreation.
+    ("steps-changed", {"trainer": {"steps": 500}}, "spec.trainer", "fixed once the run exists"),
+    ("trainer-image-changed", {"trainer": {"image": "example.com/other:1"}}, "spec.trainer", "all but maxRestarts"),
+    ("replicas-changed", {"rollout": {"replicas": 3}}, "spec.rollout", "fixed once the run exists"),
+    ("weight-sync-mode-changed", {"weightSync": {"mode": "broadcast"}}, "spec.weightSync", "fixed"),
+    ("watchdog-changed", {"watchdog": {"checks": 7}}, "spec.watchdog", "fixed"),
+    ("heat-guard-changed", {"heatGuard": {"pauseAtC": 80}}, "spec.heatGuard", "fixed"),
+    ("eval-added", {"eval": {"datasets": [{"name": "a", "task": "reverse"}]}}, "spec.eval", "fixed"),
+    ("checkpoint-added", {"checkpoint": {"intervalSteps": 2}}, "spec.checkpoint", "fixed"),
+    ("tracking-added", {"tracking": {"tensorboard": {}}}, "spec.tracking", "fixed"),
+    ("metrics-port-changed", {"metricsPort": 9500}, "spec.metricsPort", "fixed"),
+    # The operator reads the trainer's restart budget at every reconcile: it may change.
+    ("max-restarts-changed", {"trainer": {"maxRestarts": 7}}, None, ""),
 ]
 UPDATE_BASE = run_manifest("update-base",
                            {"modelPath": "tiny://llama", "weightSync": {"snapshotVolume": {"claimName": "snaps"}}})

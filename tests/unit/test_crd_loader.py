@@ -80,11 +80,14 @@ def test_errors_inside_lists_carry_the_index():
 
 def test_updates_may_not_change_immutable_fields():
     old = load_text(RUN)[0].data
-    new = load_text(RUN.replace("tiny://llama", "tiny://qwen2") + "  trainer: {steps: 5}\n")[0].data
+    new = load_text(RUN.replace("tiny://llama", "tiny://qwen2") + "  trainer: {maxRestarts: 5}\n")[0].data
     assert [(e.path, e.message) for e in validate_update(old, new)] == [
         ("spec.modelPath", "modelPath is immutable once the object exists")
     ]
-    assert validate_update(old, load_text(RUN + "  trainer: {steps: 5}\n")[0].data) == []
+    steps = validate_update(old, load_text(RUN + "  trainer: {steps: 5}\n")[0].data)
+    assert [(e.path, e.message.split(" is fixed")[0]) for e in steps] == [
+        ("spec.trainer", "spec.trainer (all but maxRestarts)")]
+    assert validate_update(old, load_text(RUN + "  trainer: {maxRestarts: 5}\n")[0].data) == []
 
 
 def test_load_training_run_returns_the_run_or_every_error(tmp_path):
