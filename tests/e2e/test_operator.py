@@ -674,6 +674,43 @@ def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_age
         delete_and_wait(cp, "rolloutfleet", "rf-s", "rlfleet.io/fleet=rf-s", node_agent, operator)
 
 
+@pytest.mark.engines
+@pytest.mark.timeout(1200)
+def test_an_edit_of_a_fleets_engine_spec_replaces_its_ready_engine(control_plane, operator, node_agent, tiny_model):
+    """A fleet of no run, its one engine serving: an edit of `spec.engine` replaces the pod with one built
+    from the new spec, which serves; no restart is counted and the fleet says what it did."""
+    cp = control_plane
+    apply(cp, fleet_manifest("rf-u", tiny_model, replicas=1))
+    try:
+        ready = lambda: (fleet_status(cp, "rf-u").get("readyReplicas") == 1  # noqa: E731
+                         and condition(fleet_status(cp, "rf-u"), "Progressing").get("status") == "False")
+        wait_for(ready, timeout=ENGINE_START_S, what="rf-u's engine to serve",
+                 context=lambda: diagnostics(cp, node_agent, operator))
+        (before,) = engine_pods(cp, "rf-u")
+        cp.kubectl("patch", "rolloutfleet", "rf-u", "-n", NS, "--type", "merge", "-p", json.dumps(
+            {"spec": {"engine": {"env": [{"name": "E2E_EDIT", "value": "2"}]}}}))
+        wait_for(lambda: any(e["reason"] == "UpdatingEngine" for e in events_of(cp, "rf-u")), timeout=60,
+                 what="the UpdatingEngine Event", context=lambda: diagnostics(cp, operator))
+        uids = lambda: [p["metadata"]["uid"] for p in engine_pods(cp, "rf-u")]  # noqa: E731
+        wait_for(lambda: uids() not in ([], [before["metadata"]["uid"]]) and ready(), timeout=ENGINE_START_S,
+                 what="the replacement to serve",
+                 context=lambda: diagnostics(cp, node_agent, operator))
+        (after,) = engine_pods(cp, "rf-u")
+        env = {e["name"]: e.get("value") for e in after["spec"]["containers"][0]["env"]}
+        assert env["E2E_EDIT"] == "2"
+        digest = "rlfleet.io/engine-spec"
+        assert after["metadata"]["annotations"][digest] != before["metadata"]["annotations"][digest]
+        status = fleet_status(cp, "rf-u")
+        assert status["restarts"] == 0 and status["engines"][0]["restarts"] == 0
+        assert condition(status, "Degraded")["status"] == "False"
+        key = fleet_api_key(cp, "rf-u", NS)
+        assert http_json(status["engines"][0]["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
+        (event,) = [e for e in events_of(cp, "rf-u") if e["reason"] == "UpdatingEngine"]
+        assert "replacing slot 0 (rf-u-engine-0, Ready)" in event["message"]
+    finally:
+        delete_and_wait(cp, "rolloutfleet", "rf-u", "rlfleet.io/fleet=rf-u", node_agent, operator)
+
+
 def pod_log(agent, namespace: str, pod: str, container: str) -> str:
     logs = list((agent.log_path.parent / "logs").glob(f"{namespace}_{pod}_*/{container}.log"))
     return logs[0].read_text() if logs else ""
