@@ -29,7 +29,7 @@ LABEL_CLIENT = f"{GROUP}/client"
 LABEL_TRAINER_NODE = f"{GROUP}/trainer-node"  # a trainer pod's node rank (0 for a trainer of one node)
 
 ANN_RESTARTS = f"{GROUP}/restarts"
-# A digest of the fleet spec an engine pod was built from (its engine and snapshots): a pod whose digest
+# A digest of the fleet spec an engine pod was built from (its engine, health and snapshots): a pod whose digest
 # differs from the fleet's is replaced (fleets of no run; see operator/engine_update_decide.py).
 ANN_ENGINE_SPEC = f"{GROUP}/engine-spec"
 

@@ -9,6 +9,7 @@ from rlfleet.crds import k8s_values as kv
 from rlfleet.crds.conventions import ROUTER_METRICS_PORT
 from rlfleet.crds.rules import Rule
 from rlfleet.crds.specs import (
+    DEFAULT_WAIT_ALL_ALIVE_S,
     IMAGE,
     MOUNT_PATH_RULE,
     PATH,
@@ -148,7 +149,25 @@ class FleetSpec(ApiModel):
                                  "created it changes nothing.")
     snapshots: SnapshotMountSpec | None = Field(None, description="Shared snapshot volume mounted in every engine pod.")
 
-    cel_rules = (FLEET_MIN_READY_RULE,)
+    cel_rules = (
+        FLEET_MIN_READY_RULE,
+        # What only a run's orchestrator does: a fleet of no run has none to do it.
+        Rule(
+            cel="has(self.runName) || self.health.firstWaitSeconds == 0.0",
+            check=lambda s: s.run_name is not None or s.health.first_wait_seconds == 0,
+            field="health.firstWaitSeconds",
+            message="firstWaitSeconds is the wait after a run's orchestrator resumes an engine it paused: a fleet "
+            "of no run (no runName) is never paused; leave it 0",
+        ),
+        Rule(
+            cel=f"has(self.runName) || self.recovery.waitAllAliveTimeoutSeconds == {DEFAULT_WAIT_ALL_ALIVE_S}",
+            check=lambda s: (s.run_name is not None
+                             or s.recovery.wait_all_alive_timeout_seconds == DEFAULT_WAIT_ALL_ALIVE_S),
+            field="recovery.waitAllAliveTimeoutSeconds",
+            message="waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a weight sync: a fleet "
+            f"of no run (no runName) has no weight sync; leave it unset ({DEFAULT_WAIT_ALL_ALIVE_S:g})",
+        ),
+    )
 
 
 class RolloutFleetSpec(FleetSpec):

@@ -86,14 +86,17 @@ class ApiModel(BaseModel):
 
 
 class HealthSpec(ApiModel):
-    """Heart-beat of every engine with GET /health_generate (all engines probed concurrently), by the
-    orchestrator of the run the fleet serves; the operator applies startupTimeoutSeconds to every fleet, and
-    a fleet no run drives is otherwise watched by its pods' readiness (GET /health)."""
+    """Heart-beat of every engine with GET /health_generate (a one-token generation): by the orchestrator of
+    the run the fleet serves (all engines probed concurrently), or, in a fleet no run drives, by the kubelet
+    (the engine pods' liveness probe, seconds rounded up; a startup probe holds it off while the model loads).
+    A dead engine's slot is recreated within the fleet's recovery budgets. The operator applies
+    startupTimeoutSeconds to every fleet."""
 
-    interval_seconds: float = Field(5.0, gt=0, le=3600, description="Seconds between probe rounds.")
+    interval_seconds: float = Field(5.0, gt=0, le=3600, description="Seconds between probes of an engine.")
     timeout_seconds: float = Field(5.0, gt=0, le=600, description="Bound on each probe.")
     first_wait_seconds: float = Field(
-        0.0, ge=0, le=3600, description="Seconds to wait after every resume before probing again."
+        0.0, ge=0, le=3600, description="Seconds to wait after the run's orchestrator resumes an engine (pauses "
+        "for weight syncs and the heat guard) before probing it again; a fleet of no run is never paused (0)."
     )
     failure_threshold: int = Field(
         3, ge=1, le=100, description="Consecutive failed probes that mark an engine dead."
@@ -102,6 +105,9 @@ class HealthSpec(ApiModel):
         900.0, ge=1, le=86400,
         description="Bound on a new engine becoming healthy after it starts; past it the start counts as failed.",
     )
+
+
+DEFAULT_WAIT_ALL_ALIVE_S = 300.0
 
 
 class RecoverySpec(ApiModel):
@@ -114,7 +120,7 @@ class RecoverySpec(ApiModel):
     backoff_base_seconds: float = Field(1.0, ge=0, le=3600, description="First backoff delay; doubles per restart.")
     backoff_max_seconds: float = Field(60.0, ge=0, le=86400, description="Cap on the backoff delay.")
     wait_all_alive_timeout_seconds: float = Field(
-        300.0, ge=1, le=86400,
+        DEFAULT_WAIT_ALL_ALIVE_S, ge=1, le=86400,
         description="Bound on waiting for every slot to serve before a weight sync (the run's first start waits at "
         "least health.startupTimeoutSeconds).",
     )

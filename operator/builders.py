@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,7 @@ from rlfleet.crds.fleet_specs import FleetSpec, RouterSpec, SnapshotMountSpec
 from rlfleet.crds.k8s_values import quantity
 from rlfleet.crds.managed import ReservedEnv
 from rlfleet.crds.models import TrainingRunSpec
-from rlfleet.crds.specs import EngineSpec, EnvVarSpec, ResourcesSpec, wire_dump
+from rlfleet.crds.specs import EngineSpec, EnvVarSpec, HealthSpec, ResourcesSpec, wire_dump
 from rlfleet.kube.marks import pinned_snapshot
 from rlfleet.sglang.launch import build_engine_launch, build_router_args
 
@@ -197,10 +198,33 @@ def run_spec(run: dict) -> TrainingRunSpec:
 
 # Engines ---------------------------------------------------------------------------------------------
 def engine_spec_digest(spec: FleetSpec) -> str:
-    """What an engine pod is built from in the fleet's spec (its engine and snapshot mount), as a short digest:
+    """What an engine pod is built from in the fleet's spec (engine, health, snapshot mount), as a short digest:
     equal digests, equal pods (but for the slot and the pinned weights)."""
-    parts = {"engine": wire_dump(spec.engine), "snapshots": wire_dump(spec.snapshots) if spec.snapshots else None}
+    parts = {"engine": wire_dump(spec.engine), "health": wire_dump(spec.health),
+             "snapshots": wire_dump(spec.snapshots) if spec.snapshots else None}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The kubelet gives a starting engine this long between startup probes; the operator's own startup timeout
+# (health.startupTimeoutSeconds, with its clearer message) ends a start before the probe's budget does.
+STARTUP_PROBE_PERIOD_S = 10
+
+
+def engine_liveness(health: HealthSpec) -> dict[str, dict]:
+    """The probes of an engine of a fleet no run drives: the kubelet heart-beats it with GET /health_generate
+    (a one-token generation, as a run's orchestrator does) every `intervalSeconds`, each bounded by
+    `timeoutSeconds`, and kills it after `failureThreshold` failures in a row (the operator then recreates
+    the slot); a startup probe holds the liveness probe off while the model loads. A run's fleet has none:
+    its orchestrator probes the engines and marks the dead ones."""
+    return {
+        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": STARTUP_PROBE_PERIOD_S,
+                         "timeoutSeconds": 25, "successThreshold": 1,
+                         "failureThreshold": math.ceil(health.startup_timeout_seconds / STARTUP_PROBE_PERIOD_S) + 1},
+        "livenessProbe": {"httpGet": {"path": "/health_generate", "port": "http"},
+                          "periodSeconds": max(1, math.ceil(health.interval_seconds)),
+                          "timeoutSeconds": max(1, math.ceil(health.timeout_seconds)),
+                          "failureThreshold": health.failure_threshold, "successThreshold": 1},
+    }
 
 
 def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image: str = DEFAULT_RLFLEET_IMAGE,
@@ -271,6 +295,9 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
         "volumeMounts": engine_mounts,
         **_TERMINATION,
     })
+    run = owning_run(fleet, spec)
+    if run is None:
+        container.update(engine_liveness(spec.health))
     pod_spec: dict[str, Any] = {
         # The operator, not the kubelet, restarts engines: within a budget, with backoff, counted.
         "restartPolicy": "Never",
@@ -288,7 +315,7 @@ def build_engine_pod(fleet: dict, slot: int, *, restarts: int = 0, rlfleet_image
     if eng.tolerations:
         pod_spec["tolerations"] = _tolerations(eng.tolerations)
     pod_labels = engine_labels(fname, slot)
-    if run := owning_run(fleet, spec):
+    if run:
         pod_labels[LABEL_RUN] = run
     return {
         "apiVersion": "v1",

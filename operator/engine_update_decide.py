@@ -1,7 +1,7 @@
 """Which engine pods of a fleet to replace after an edit of its engine spec. Pure: no I/O, no clock.
 
-A fleet of no run takes an edit of `spec.engine` or `spec.snapshots` by replacing its engine pods: each pod
-carries the digest of the spec it was built from (`rlfleet.io/engine-spec`). A pod that serves nothing
+A fleet of no run takes an edit of `spec.engine`, `spec.health` or `spec.snapshots` by replacing its engine
+pods: each pod carries the digest of the spec it was built from (`rlfleet.io/engine-spec`). A pod that serves nothing
 (Pending, Starting, or a slot out of budget) is replaced at once; a Ready one only while every other slot
 is Ready or out of budget, lowest slot first, so the edit takes at most one serving engine away at a time.
 A Dead slot is left to the restart policy, whose recreation builds the new spec anyway. Replacing a pod

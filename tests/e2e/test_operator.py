@@ -675,29 +675,36 @@ def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_age
 
 
 @pytest.mark.engines
-@pytest.mark.timeout(1200)
-def test_an_edit_of_a_fleets_engine_spec_replaces_its_ready_engine(control_plane, operator, node_agent, tiny_model):
-    """A fleet of no run, its one engine serving: an edit of `spec.engine` replaces the pod with one built
-    from the new spec, which serves; no restart is counted and the fleet says what it did."""
+@pytest.mark.timeout(1800)
+def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a_hung_one(
+        control_plane, operator, node_agent, tiny_model):
+    """A fleet of no run, its one engine serving. An edit of its engine and health specs replaces the pod
+    with one built from them, which serves, with no restart counted. That engine then hangs (SIGSTOP): the
+    liveness probe built from the health spec ends it and the operator recreates the slot."""
     cp = control_plane
     apply(cp, fleet_manifest("rf-u", tiny_model, replicas=1))
     try:
-        ready = lambda: (fleet_status(cp, "rf-u").get("readyReplicas") == 1  # noqa: E731
-                         and condition(fleet_status(cp, "rf-u"), "Progressing").get("status") == "False")
-        wait_for(ready, timeout=ENGINE_START_S, what="rf-u's engine to serve",
+        def serving() -> bool:
+            status = fleet_status(cp, "rf-u")
+            return status.get("readyReplicas") == 1 and condition(status, "Progressing").get("status") == "False"
+
+        def uids() -> list[str]:
+            return [p["metadata"]["uid"] for p in engine_pods(cp, "rf-u")]
+
+        wait_for(serving, timeout=ENGINE_START_S, what="rf-u's engine to serve",
                  context=lambda: diagnostics(cp, node_agent, operator))
         (before,) = engine_pods(cp, "rf-u")
+        health = {"intervalSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 2, "startupTimeoutSeconds": 600}
         cp.kubectl("patch", "rolloutfleet", "rf-u", "-n", NS, "--type", "merge", "-p", json.dumps(
-            {"spec": {"engine": {"env": [{"name": "E2E_EDIT", "value": "2"}]}}}))
+            {"spec": {"engine": {"env": [{"name": "E2E_EDIT", "value": "2"}]}, "health": health}}))
         wait_for(lambda: any(e["reason"] == "UpdatingEngine" for e in events_of(cp, "rf-u")), timeout=60,
                  what="the UpdatingEngine Event", context=lambda: diagnostics(cp, operator))
-        uids = lambda: [p["metadata"]["uid"] for p in engine_pods(cp, "rf-u")]  # noqa: E731
-        wait_for(lambda: uids() not in ([], [before["metadata"]["uid"]]) and ready(), timeout=ENGINE_START_S,
-                 what="the replacement to serve",
-                 context=lambda: diagnostics(cp, node_agent, operator))
+        wait_for(lambda: uids() not in ([], [before["metadata"]["uid"]]) and serving(), timeout=ENGINE_START_S,
+                 what="the replacement to serve", context=lambda: diagnostics(cp, node_agent, operator))
         (after,) = engine_pods(cp, "rf-u")
-        env = {e["name"]: e.get("value") for e in after["spec"]["containers"][0]["env"]}
-        assert env["E2E_EDIT"] == "2"
+        container = after["spec"]["containers"][0]
+        assert {"name": "E2E_EDIT", "value": "2"} in container["env"]
+        assert container["livenessProbe"]["periodSeconds"] == 2 and container["livenessProbe"]["failureThreshold"] == 2
         digest = "rlfleet.io/engine-spec"
         assert after["metadata"]["annotations"][digest] != before["metadata"]["annotations"][digest]
         status = fleet_status(cp, "rf-u")
@@ -707,6 +714,19 @@ def test_an_edit_of_a_fleets_engine_spec_replaces_its_ready_engine(control_plane
         assert http_json(status["engines"][0]["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
         (event,) = [e for e in events_of(cp, "rf-u") if e["reason"] == "UpdatingEngine"]
         assert "replacing slot 0 (rf-u-engine-0, Ready)" in event["message"]
+
+        # Hung: it still accepts connections but answers nothing. No orchestrator watches this fleet.
+        os.killpg(engine_pgid(after["status"]["podIP"]), signal.SIGSTOP)
+        hung = time.monotonic()
+        wait_for(lambda: fleet_status(cp, "rf-u").get("restarts") == 1, timeout=180,
+                 what="the hung engine's slot to be recreated", context=lambda: diagnostics(cp, node_agent, operator))
+        recreated_s = time.monotonic() - hung
+        wait_for(lambda: after["metadata"]["uid"] not in uids() and serving(), timeout=ENGINE_START_S,
+                 what="the recreated engine to serve", context=lambda: diagnostics(cp, node_agent, operator))
+        status = fleet_status(cp, "rf-u")
+        assert status["engines"][0]["restarts"] == 1 and status["engines"][0]["lastFailure"]["exitCode"] == 137
+        print(f"\nfigures: hung engine recreated {recreated_s:.1f} s after SIGSTOP "
+              "(liveness 2 x 2 s, 30 s grace, then the SIGKILL)")
     finally:
         delete_and_wait(cp, "rolloutfleet", "rf-u", "rlfleet.io/fleet=rf-u", node_agent, operator)
 

@@ -50,6 +50,27 @@ def test_engine_command_is_the_one_builder_output_bound_to_the_pod_ip():
     assert c["ports"] == [{"name": "http", "containerPort": 30000, "protocol": "TCP"}]
 
 
+def test_engines_of_a_run_have_no_liveness_probe_and_a_fleet_of_no_run_takes_its_health_spec():
+    # A run's fleet: the run's orchestrator heart-beats its engines.
+    of_run = b.build_rollout_fleet(run())
+    of_run["metadata"]["uid"] = "fleet-uid"
+    run_pod = b.build_engine_pod(of_run, 0)["spec"]["containers"][0]
+    assert "livenessProbe" not in run_pod and "startupProbe" not in run_pod
+    solo = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+            "metadata": {"name": "solo", "namespace": "team", "uid": "solo-uid"},
+            "spec": {"engine": {"modelPath": "/m", "device": "cpu"},
+                     "health": {"intervalSeconds": 2.5, "timeoutSeconds": 0.5, "failureThreshold": 4,
+                                "startupTimeoutSeconds": 95}}}
+    c = b.build_engine_pod(solo, 0)["spec"]["containers"][0]
+    assert c["livenessProbe"] == {"httpGet": {"path": "/health_generate", "port": "http"}, "periodSeconds": 3,
+                                  "timeoutSeconds": 1, "failureThreshold": 4, "successThreshold": 1}
+    # The operator's startup timeout (95 s) ends a start before the startup probe's 10 x 11 s budget does.
+    assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 110
+    edited = {**solo, "spec": {**solo["spec"], "health": {"intervalSeconds": 5}}}
+    assert b.engine_spec_digest(b.fleet_spec(edited)) != b.engine_spec_digest(b.fleet_spec(solo))
+
+
 def test_gpu_engine_requests_gpus_and_shared_memory():
     f = fleet(engine={"modelPath": "/m", "device": "cuda", "gpusPerEngine": 2, "tensorParallelSize": 2})
     pod = b.build_engine_pod(f, 0)

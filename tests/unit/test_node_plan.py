@@ -284,3 +284,17 @@ def test_a_refused_pod_gets_a_warning_event_naming_why():
                                     "uid": "u-1"}
     assert (ev["type"], ev["reason"], ev["message"]) == ("Warning", "PathOutsideDataDir", "claim name '..' ...")
     assert ev["source"] == {"component": "kubelet", "host": "n1"}
+
+
+def test_liveness_and_startup_probes_are_read_like_readiness():
+    c = {"name": "e", "ports": [{"name": "http", "containerPort": 30000}],
+         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 91},
+         "livenessProbe": {"httpGet": {"path": "/health_generate", "port": 30000}, "periodSeconds": 2,
+                           "timeoutSeconds": 3, "failureThreshold": 2}}
+    probes = plan.container_probes(c, "127.0.0.12")
+    assert probes.readiness is None
+    assert probes.startup.url == "http://127.0.0.12:30000/health" and probes.startup.failure_threshold == 91
+    assert probes.liveness.url == "http://127.0.0.12:30000/health_generate"
+    assert (probes.liveness.period_s, probes.liveness.timeout_s, probes.liveness.failure_threshold) == (2, 3, 2)
+    with pytest.raises(plan.PodConfigError, match="only httpGet liveness probes"):
+        plan.container_probes({"name": "e", "livenessProbe": {"tcpSocket": {"port": 1}}}, "x")

@@ -301,13 +301,13 @@ class PodWorker:
             self.procs[run.name] = proc
             run.started_at, run.exit_code, run.waiting_reason, run.ready = now_iso(), None, None, False
             log.info("pod %s/%s container %s started: pid %s", self.namespace, self.name, run.name, proc.pid)
-            probe_spec = plan.readiness_probe(container, self.pod_ip or "")
-            if probe_spec is None:
+            probes = plan.container_probes(container, self.pod_ip or "")
+            if probes.startup is None and probes.readiness is None:
                 run.ready = True
             self.mark_dirty()
             helpers = [asyncio.create_task(self._track_shm(proc))]
-            if probe_spec:
-                helpers.append(asyncio.create_task(self._probe_loop(run, probe_spec)))
+            if probes.startup or probes.readiness or probes.liveness:
+                helpers.append(asyncio.create_task(self._probe_container(run, proc, probes)))
             try:
                 code = exit_code_of(await proc.wait())
             finally:
@@ -334,6 +334,54 @@ class PodWorker:
 
     def _on_container_exit(self, run: plan.ContainerRun) -> None:
         self.mark_dirty()
+
+    async def _probe_container(self, run: plan.ContainerRun, proc: ManagedProcess, probes: plan.ContainerProbes
+                               ) -> None:
+        """The kubelet's probes of one running container: startup, then readiness and liveness together.
+        A failed startup or liveness probe kills the container (its exit is then handled as any other)."""
+        if probes.startup is not None:
+            if not await self._passes(probes.startup):
+                await self._kill(run, proc, "startup", probes.startup)
+                return
+            if probes.readiness is None:
+                run.ready = True
+                self.mark_dirty()
+        async with asyncio.TaskGroup() as tg:
+            if probes.readiness is not None:
+                tg.create_task(self._probe_loop(run, probes.readiness))
+            if probes.liveness is not None:
+                tg.create_task(self._liveness_loop(run, proc, probes.liveness))
+
+    async def _passes(self, probe: plan.HttpProbe) -> bool:
+        """Probe until one success (True) or failureThreshold failures in a row (False)."""
+        await asyncio.sleep(probe.initial_delay_s)
+        failures = 0
+        while True:
+            if await self._probe_once(probe):
+                return True
+            failures += 1
+            if failures >= probe.failure_threshold:
+                return False
+            await asyncio.sleep(probe.period_s)
+
+    async def _liveness_loop(self, run: plan.ContainerRun, proc: ManagedProcess, probe: plan.HttpProbe) -> None:
+        await asyncio.sleep(probe.initial_delay_s)
+        failures = 0
+        while True:
+            failures = 0 if await self._probe_once(probe) else failures + 1
+            if failures >= probe.failure_threshold:
+                await self._kill(run, proc, "liveness", probe)
+                return
+            await asyncio.sleep(probe.period_s)
+
+    async def _kill(self, run: plan.ContainerRun, proc: ManagedProcess, what: str, probe: plan.HttpProbe) -> None:
+        """Stop a container that failed its `what` probe, within the pod's grace period (the kubelet's way)."""
+        log.warning("pod %s/%s container %s failed its %s probe %s %d times: killing it", self.namespace, self.name,
+                    run.name, what, probe.url, probe.failure_threshold)
+        run.ready = False
+        self.mark_dirty()
+        grace = min(float(self.spec.get("terminationGracePeriodSeconds", 30)), STOP_GRACE_CAP_S)
+        await proc.stop(grace_s=max(grace, 0.5))
 
     async def _probe_loop(self, run: plan.ContainerRun, probe: plan.HttpProbe) -> None:
         await asyncio.sleep(probe.initial_delay_s)

@@ -323,7 +323,7 @@ def plan_container(pod: dict, container: dict, *, pod_ip: str, node_name: str, v
     return ContainerPlan(container["name"], argv, full_env, translate_path(cwd, mounts) if cwd else None, mounts)
 
 
-# Readiness probe -------------------------------------------------------------------------------------
+# Probes ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HttpProbe:
     url: str
@@ -334,19 +334,43 @@ class HttpProbe:
     success_threshold: int
 
 
+@dataclass(frozen=True)
+class ContainerProbes:
+    """A container's probes, kubelet semantics: `startup` first (until it passes, neither of the others
+    runs; failing it kills the container); then `readiness` (Ready or not) and `liveness` (failing it kills
+    the container). None: that probe is not set."""
+
+    startup: HttpProbe | None
+    readiness: HttpProbe | None
+    liveness: HttpProbe | None
+
+
+def container_probes(container: dict, pod_ip: str) -> ContainerProbes:
+    return ContainerProbes(startup=http_probe(container, "startupProbe", pod_ip),
+                           readiness=http_probe(container, "readinessProbe", pod_ip),
+                           liveness=http_probe(container, "livenessProbe", pod_ip))
+
+
 def readiness_probe(container: dict, pod_ip: str) -> HttpProbe | None:
     """The container's httpGet readiness probe against the pod address (None: ready once started)."""
-    probe = container.get("readinessProbe")
+    return http_probe(container, "readinessProbe", pod_ip)
+
+
+def http_probe(container: dict, field: str, pod_ip: str) -> HttpProbe | None:
+    """The container's httpGet probe `field` (readinessProbe, livenessProbe, startupProbe) against the pod
+    address; None when it has none."""
+    probe = container.get(field)
     if not probe:
         return None
+    what = field.removesuffix("Probe")
     http = probe.get("httpGet")
     if not http:
-        raise PodConfigError("CreateContainerConfigError", "only httpGet readiness probes are supported")
+        raise PodConfigError("CreateContainerConfigError", f"only httpGet {what} probes are supported")
     port = http["port"]
     if isinstance(port, str) and not port.isdigit():
         named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
         if port not in named:
-            raise PodConfigError("CreateContainerConfigError", f"readiness probe names unknown port {port!r}")
+            raise PodConfigError("CreateContainerConfigError", f"{what} probe names unknown port {port!r}")
         port = named[port]
     host = http.get("host") or pod_ip
     scheme = http.get("scheme", "HTTP").lower()
