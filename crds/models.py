@@ -297,13 +297,14 @@ class TrainingRunSpec(ApiModel):
             "(it is spec.modelPath)",
         ),
         Rule(
-            cel="!self.heatGuard.enabled || !(self.heatGuard.source.type in ['nvml', 'dcgm']) "
+            cel="!self.heatGuard.enabled || !(self.heatGuard.source.type in ['nvml', 'dcgm', 'prometheus']) "
             "|| self.rollout.engine.device == 'cuda'",
-            check=lambda s: (not s.heat_guard.enabled or s.heat_guard.source.type not in ("nvml", "dcgm")
+            check=lambda s: (not s.heat_guard.enabled
+                             or s.heat_guard.source.type not in ("nvml", "dcgm", "prometheus")
                              or s.rollout.engine.device == "cuda"),
             field="heatGuard.source.type",
-            message="nvml and dcgm read the engines' GPU temperatures: spec.rollout.engine.device must be cuda "
-            "(use file for cpu engines)",
+            message="nvml, dcgm and prometheus read the engines' GPU temperatures: spec.rollout.engine.device must "
+            "be cuda (use file for cpu engines)",
         ),
         immutable("modelPath", "model_path"),
         *(immutable(alias, name, message=FIXED_MESSAGE.format(what=f"spec.{alias}")) for name, alias in (

@@ -176,14 +176,17 @@ class WatchdogSpec(ApiModel):
 class HeatSourceSpec(ApiModel):
     """Where GPU temperatures come from."""
 
-    type: Literal["nvml", "dcgm", "file", "none"] = Field(
+    type: Literal["nvml", "dcgm", "prometheus", "file", "none"] = Field(
         "nvml",
         description="nvml: the GPU driver of the machine the run's orchestrator runs on (local runs; refused on "
         "Kubernetes, where it would read the trainer pod's GPUs); dcgm: a DCGM exporter (on Kubernetes its pod "
-        "mapping keys the samples by engine pod); file: a text file.",
+        "mapping keys the samples by engine pod; one exporter serves one node); prometheus: a Prometheus that "
+        "scrapes the DCGM exporters of every node (Kubernetes only: DCGM_FI_DEV_GPU_TEMP of the engine pods, by "
+        "their exported_pod or pod label); file: a text file.",
     )
     url: str | None = Field(None, max_length=PATH, pattern=kv.HTTP_URL,
-                            description="DCGM exporter metrics URL (type dcgm), http:// or https://.")
+                            description="http:// or https://: the DCGM exporter's metrics URL (type dcgm), or the "
+                            "Prometheus base URL, e.g. http://prometheus.monitoring:9090 (type prometheus).")
     path: str | None = Field(
         None, max_length=PATH,
         description="File with one `<fleet>-<slot> <celsius>` line per rollout engine (type file): rollout-0 in a "
@@ -192,10 +195,10 @@ class HeatSourceSpec(ApiModel):
 
     cel_rules = (
         Rule(
-            cel="self.type != 'dcgm' || has(self.url)",
-            check=lambda s: s.type != "dcgm" or s.url is not None,
+            cel="!(self.type in ['dcgm', 'prometheus']) || has(self.url)",
+            check=lambda s: s.type not in ("dcgm", "prometheus") or s.url is not None,
             field="url",
-            message="source type dcgm requires url",
+            message="source types dcgm and prometheus require url",
         ),
         Rule(
             cel="self.type != 'file' || has(self.path)",

@@ -19,6 +19,7 @@ import contextlib
 import enum
 import functools
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -33,12 +34,15 @@ from rlfleet.orchestrator.fleet.backend import EngineState
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_sources import (
     CUDA_VISIBLE_DEVICES,
+    PROMETHEUS_NAMESPACE_LABELS,
+    PROMETHEUS_POD_LABELS,
     DcgmKeys,
     HeatGuardSetupError,
     SlotsByGpu,
     SlotsByPod,
     TemperatureSource,
     build_source,
+    engine_temperature_query,
     parse_visible_devices,
     visible_gpu_entries,
 )
@@ -371,12 +375,16 @@ def check_heat_guard(spec: HeatGuardSpec, placement: EnginePlacement) -> None:
     if not spec.enabled:
         return
     kind = spec.source.type
+    if kind == "prometheus" and not isinstance(placement, EnginePods):
+        raise HeatGuardSetupError(
+            "spec.heatGuard.source.type: prometheus reads the DCGM exporters of a cluster's nodes by the engine "
+            "pods' names; a local run's engines are processes on this machine: use nvml or dcgm")
     if isinstance(placement, EnginePods):
         if kind == "nvml":
             raise HeatGuardSetupError(
                 "spec.heatGuard.source.type: nvml reads the GPUs of the node the orchestrator runs on (the trainer "
-                "pod's), not the engine pods'; on Kubernetes use dcgm (a DCGM exporter with its Kubernetes pod "
-                "mapping) or file")
+                "pod's), not the engine pods'; on Kubernetes use prometheus (the Prometheus that scrapes every "
+                "node's DCGM exporter), dcgm (one node's DCGM exporter, with its Kubernetes pod mapping) or file")
         return
     if kind in ("nvml", "dcgm") and not placement.gpu_bases:
         raise HeatGuardSetupError(
@@ -393,12 +401,25 @@ def gpu_by_slot(fleet: str, replicas: int, placement: LocalEngines) -> dict[str,
                                placement.visible_devices)
 
 
-def dcgm_keys(fleet: str, replicas: int, placement: EnginePlacement) -> DcgmKeys:
-    """Which DCGM samples are which slot's: by the engine pod's name on Kubernetes, else by GPU."""
+def dcgm_keys(fleet: str, replicas: int, placement: EnginePlacement, *, prometheus: bool = False) -> DcgmKeys:
+    """Which DCGM samples are which slot's: by the engine pod's name on Kubernetes (as a Prometheus stores
+    the exporter's labels when `prometheus`), else by GPU."""
     if isinstance(placement, EnginePods):
-        return SlotsByPod({engine_pod_name(fleet, slot): heat_slot(fleet, slot) for slot in range(replicas)},
-                          namespace=placement.namespace)
+        slots = {engine_pod_name(fleet, slot): heat_slot(fleet, slot) for slot in range(replicas)}
+        if prometheus:
+            return SlotsByPod(slots, namespace=placement.namespace, pod_labels=PROMETHEUS_POD_LABELS,
+                              namespace_labels=PROMETHEUS_NAMESPACE_LABELS)
+        return SlotsByPod(slots, namespace=placement.namespace)
     return SlotsByGpu(gpu_by_slot(fleet, replicas, placement))
+
+
+def engine_pods_pattern(fleet: str) -> str:
+    """A regular expression of the fleet's engine pod names (`<fleet>-engine-<slot>`). Pod names are DNS
+    labels: nothing in them means anything to a regular expression outside brackets (`-` included)."""
+    prefix = engine_pod_name(fleet, 0).removesuffix("0")
+    if not re.fullmatch(r"[a-z0-9.-]+", prefix):
+        raise ValueError(f"fleet name {fleet!r} is not a DNS label")
+    return prefix.replace(".", r"\\.") + "[0-9]+"
 
 
 def build_heat_source(spec: HeatGuardSpec, fleet: str, replicas: int, placement: EnginePlacement, *,
@@ -406,9 +427,11 @@ def build_heat_source(spec: HeatGuardSpec, fleet: str, replicas: int, placement:
     """The temperature source of an enabled guard, keyed by `heat_slot` names wherever the engines run."""
     check_heat_guard(spec, placement)
     kind = spec.source.type
-    keys = dcgm_keys(fleet, replicas, placement) if kind == "dcgm" else None
+    keys = dcgm_keys(fleet, replicas, placement, prometheus=kind == "prometheus") \
+        if kind in ("dcgm", "prometheus") else None
     gpus = gpu_by_slot(fleet, replicas, placement) if kind == "nvml" and isinstance(placement, LocalEngines) else None
-    source = build_source(spec.source, session=session, dcgm_keys=keys, gpu_by_slot=gpus)
+    query = engine_temperature_query(engine_pods_pattern(fleet)) if kind == "prometheus" else None
+    source = build_source(spec.source, session=session, dcgm_keys=keys, gpu_by_slot=gpus, query=query)
     if source is None:
         raise ValueError("an enabled heat guard needs a temperature source other than none")
     return source

@@ -1,4 +1,5 @@
-"""Where the heat guard reads GPU temperatures: a file, a DCGM exporter, or NVML on this machine.
+"""Where the heat guard reads GPU temperatures: a file, a DCGM exporter, a Prometheus that scrapes the DCGM
+exporters of every node, or NVML on this machine.
 
 Every source answers `await read()` with {engine slot: celsius}. Slots without a reading are left out;
 a source that cannot be read raises, and the guard counts that round as one without readings. A source
@@ -9,7 +10,9 @@ GPU numbering: a local run places engines on GPUs counted among those CUDA_VISIB
 each slot's visible index into the physical index or UUID CUDA_VISIBLE_DEVICES names for it. (This
 assumes CUDA counts GPUs as NVML does, in PCI bus order: CUDA_DEVICE_ORDER=PCI_BUS_ID, or identical GPUs.)
 On Kubernetes a DCGM exporter with its pod mapping labels each GPU's samples with its pod: the engine
-pods' names are the keys there.
+pods' names are the keys there. One exporter runs per node, so a fleet across nodes is read through the
+Prometheus that scrapes them all (it keeps the exporter's pod label as `exported_pod` when the scrape
+target has its own `pod`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 # dcgm-exporter's pod mapping labels; the second of each with --use-old-namespace.
 DCGM_POD_LABELS = ("pod", "pod_name")
 DCGM_NAMESPACE_LABELS = ("namespace", "pod_namespace")
+# The same, as a Prometheus stores them: the scrape target's own pod and namespace labels win the plain
+# names, and the exporter's are kept with an `exported_` prefix (honor_labels false, the default).
+PROMETHEUS_POD_LABELS = ("exported_pod", *DCGM_POD_LABELS)
+PROMETHEUS_NAMESPACE_LABELS = ("exported_namespace", *DCGM_NAMESPACE_LABELS)
 
 
 class TemperatureReadError(RuntimeError):
@@ -207,12 +214,14 @@ class SlotsByPod:
 
     slot_by_pod: Mapping[str, str]
     namespace: str | None = None
+    pod_labels: tuple[str, ...] = DCGM_POD_LABELS  # the labels naming a sample's pod, first found wins
+    namespace_labels: tuple[str, ...] = DCGM_NAMESPACE_LABELS
 
     def key_and_slot(self, labels: Mapping[str, str]) -> tuple[str, str | None]:
-        pod = _first_label(labels, DCGM_POD_LABELS)
+        pod = _first_label(labels, self.pod_labels)
         if pod is None:  # the exporter maps no pod to this GPU (or runs without its pod mapping)
             return f"gpu {labels.get('gpu', '?')} (no pod label)", None
-        namespace = _first_label(labels, DCGM_NAMESPACE_LABELS)
+        namespace = _first_label(labels, self.namespace_labels)
         if self.namespace is not None and namespace is not None and namespace != self.namespace:
             return f"{namespace}/{pod}", None
         return pod, self.slot_by_pod.get(pod)
@@ -243,6 +252,61 @@ class DcgmSource:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TemperatureReadError(f"DCGM exporter {self.url}: {exc or type(exc).__name__}") from exc
         assigned = self.keys.assign(parse_dcgm_samples(text))
+        self.unmapped_keys = assigned.unmapped
+        return assigned.temps
+
+
+# --- Prometheus ---------------------------------------------------------------------------------------
+
+def engine_temperature_query(pod_pattern: str) -> str:
+    """PromQL for the GPU temperatures of the pods matching `pod_pattern` (a regular expression), whichever
+    label the exporter's pod name is stored under."""
+    return " or ".join(f'{DCGM_TEMP_METRIC}{{{label}=~"{pod_pattern}"}}' for label in PROMETHEUS_POD_LABELS)
+
+
+def parse_query_samples(body: object) -> list[DcgmSample]:
+    """The samples of a Prometheus instant-query answer (`/api/v1/query`, result type vector)."""
+    if not isinstance(body, dict) or body.get("status") != "success":
+        error = body.get("error") if isinstance(body, dict) else None
+        raise TemperatureReadError(f"Prometheus query failed: {error or body!r}"[:500])
+    data = body.get("data") or {}
+    if data.get("resultType") != "vector":
+        raise TemperatureReadError(f"Prometheus answered a {data.get('resultType')!r}, not an instant vector")
+    samples = []
+    for item in data.get("result") or []:
+        try:
+            samples.append(DcgmSample(dict(item["metric"]), float(item["value"][1])))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise TemperatureReadError(f"Prometheus sample does not parse: {item!r}"[:500]) from exc
+    return samples
+
+
+class PrometheusSource:
+    """The DCGM exporters' GPU temperatures as a Prometheus has scraped them (`url`: its base URL), one
+    instant query per read: every node's engines through one address."""
+
+    name = "prometheus"
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, keys: DcgmKeys, *, query: str,
+                 timeout_s: float = 5.0):
+        self.endpoint = url.rstrip("/") + "/api/v1/query"
+        self.query = query
+        self.session = session
+        self.keys = keys
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.unmapped_keys: tuple[str, ...] = ()
+
+    async def read(self) -> dict[str, float]:
+        self.unmapped_keys = ()
+        try:
+            async with self.session.get(self.endpoint, params={"query": self.query}, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise TemperatureReadError(f"Prometheus {self.endpoint} answered {resp.status}: "
+                                               f"{(await resp.text())[:300]}")
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise TemperatureReadError(f"Prometheus {self.endpoint}: {exc or type(exc).__name__}") from exc
+        assigned = self.keys.assign(parse_query_samples(body))
         self.unmapped_keys = assigned.unmapped
         return assigned.temps
 
@@ -298,9 +362,10 @@ class NvmlSource:
 
 def build_source(spec: HeatSourceSpec, *, session: aiohttp.ClientSession | None = None,
                  dcgm_keys: DcgmKeys | None = None,
-                 gpu_by_slot: Mapping[str, str] | None = None) -> TemperatureSource | None:
+                 gpu_by_slot: Mapping[str, str] | None = None, query: str | None = None) -> TemperatureSource | None:
     """The source a HeatGuardSpec names (None for type `none`). `dcgm_keys`: which DCGM samples are
-    which slot's; `gpu_by_slot`: each slot's GPU for NVML (`visible_gpu_entries`)."""
+    which slot's; `gpu_by_slot`: each slot's GPU for NVML (`visible_gpu_entries`); `query`: the PromQL
+    of the engines' temperatures (type prometheus)."""
     if spec.type == "none":
         return None
     if spec.type == "file":
@@ -313,6 +378,12 @@ def build_source(spec: HeatSourceSpec, *, session: aiohttp.ClientSession | None 
         if session is None or dcgm_keys is None:
             raise ValueError("heat guard source dcgm needs an HTTP session and the engines' GPUs or pods")
         return DcgmSource(spec.url, session, dcgm_keys)
+    if spec.type == "prometheus":
+        if not spec.url:
+            raise ValueError("heat guard source prometheus needs `url`")
+        if session is None or dcgm_keys is None or query is None:
+            raise ValueError("heat guard source prometheus needs an HTTP session, the engine pods and a query")
+        return PrometheusSource(spec.url, session, dcgm_keys, query=query)
     if spec.type == "nvml":
         if not gpu_by_slot:
             raise ValueError("heat guard source nvml needs the engines' GPUs")

@@ -134,7 +134,9 @@ BAD_INPUT: list[Case] = [
     Case("heat-enabled-no-source", spec({"heatGuard": {"enabled": True, "source": {"type": "none"}}}),
          "spec.heatGuard.source.type", "needs a temperature source"),
     Case("heat-dcgm-no-url", spec({"heatGuard": {"source": {"type": "dcgm"}}}), "spec.heatGuard.source.url",
-         "dcgm requires url"),
+         "dcgm and prometheus require url"),
+    Case("heat-prometheus-no-url", spec({"heatGuard": {"source": {"type": "prometheus"}}}),
+         "spec.heatGuard.source.url", "dcgm and prometheus require url"),
     Case("rollout-min-ready-over-replicas", spec({"rollout": {"replicas": 2, "minReadyEngines": 3}}),
          "spec.rollout.minReadyEngines", "minReadyEngines must not exceed replicas"),
     Case("rollout-replicas-zero", spec({"rollout": {"replicas": 0}}), "spec.rollout.replicas",
@@ -296,7 +298,10 @@ BAD_INPUT: list[Case] = [
          "spec.rollout.engine.gpusPerEngine", "x dataParallelSize"),
     Case("heat-guard-nvml-on-cpu-engines", spec({"heatGuard": {"enabled": True},
                                                  "rollout": {"engine": {"device": "cpu"}}}),
-         "spec.heatGuard.source.type", "nvml and dcgm read the engines' GPU temperatures"),
+         "spec.heatGuard.source.type", "nvml, dcgm and prometheus read the engines' GPU temperatures"),
+    Case("heat-guard-prometheus-on-cpu-engines", spec({"heatGuard": {"enabled": True, "source": {
+        "type": "prometheus", "url": "http://prometheus.monitoring:9090"}}, "rollout": {"engine": {"device": "cpu"}}}),
+         "spec.heatGuard.source.type", "must be cuda"),
     Case("checkpoint-path-on-a-weight-snapshot", spec({"checkpoint": {"intervalSteps": 1, "path": "step_3/ckpt"}}),
          "spec.checkpoint.path", "choose another directory"),
     Case("watchdog-retrip-shorter-than-a-trip", spec({"watchdog": {"retripPeriodSeconds": 5}}),
@@ -357,6 +362,9 @@ GOOD_INPUT: list[Case] = [
     Case("fleet-scaled-to-zero", {"spec": {"replicas": 0}}, None, kind="RolloutFleet"),
     # Boundaries of the cross-field rules: equal values are allowed where the rule says "not exceed".
     Case("heat-min-equals-max-pause", spec({"heatGuard": {"minPauseSeconds": 60, "maxPauseSeconds": 60}}), None),
+    Case("heat-prometheus-cuda-engines", spec({"heatGuard": {"enabled": True, "source": {
+        "type": "prometheus", "url": "http://prometheus.monitoring:9090"}},
+        "rollout": {"engine": {"device": "cuda", "gpusPerEngine": 1}}}), None),
     Case("watchdog-interval-equals-window", spec({"watchdog": {"checkIntervalSeconds": 60, "windowSeconds": 60}}),
          None),
     Case("backoff-base-equals-max", spec({"rollout": {"recovery": {"backoffBaseSeconds": 5, "backoffMaxSeconds": 5}}}),

@@ -23,6 +23,7 @@ from rlfleet.orchestrator.guards.heat_guard import (
     LocalEngines,
     check_heat_guard,
     dcgm_keys,
+    engine_pods_pattern,
     engine_visible_devices,
     gpu_by_slot,
     listed,
@@ -33,7 +34,10 @@ from rlfleet.orchestrator.guards.heat_sources import (
     HeatGuardSetupError,
     NvmlSource,
     SlotsByPod,
+    TemperatureReadError,
+    engine_temperature_query,
     parse_dcgm_samples,
+    parse_query_samples,
     parse_visible_devices,
     physical_gpu_index,
     visible_gpu_entries,
@@ -196,7 +200,9 @@ def test_nvml_on_kubernetes_is_refused_naming_the_field_and_the_alternatives():
         check_heat_guard(NVML, EnginePods("rl"))
     message = str(refused.value)
     assert message.startswith("spec.heatGuard.source.type: nvml reads the GPUs of the node the orchestrator runs on")
-    assert "use dcgm" in message and "or file" in message and refused.value.reason == "InvalidSpec"
+    assert "use prometheus" in message and "dcgm (one node" in message and "or file" in message
+    assert refused.value.reason == "InvalidSpec"
+    check_heat_guard(guard_spec("prometheus", url="http://prometheus:9090"), EnginePods("rl"))
     for spec in (DCGM, FILE, HeatGuardSpec(enabled=False)):
         check_heat_guard(spec, EnginePods("rl"))
 
@@ -298,3 +304,36 @@ async def test_a_source_that_cannot_be_set_up_ends_the_guard_and_resumes_what_it
     with pytest.raises(HeatGuardSetupError):
         await guard.run()
     assert calls == [("http://r0", "pause"), ("http://r0", "resume")]
+
+
+# --- prometheus: every node's DCGM exporter through the Prometheus that scrapes them ------------------
+
+def test_prometheus_is_refused_in_a_local_run():
+    with pytest.raises(HeatGuardSetupError, match="prometheus reads the DCGM exporters of a cluster"):
+        check_heat_guard(guard_spec("prometheus", url="http://prometheus:9090"), LocalEngines(gpu_bases=(0,)))
+
+
+def test_prometheus_query_asks_for_the_fleets_engine_pods_under_either_pod_label():
+    query = engine_temperature_query(engine_pods_pattern("run-rollout"))
+    assert query == ('DCGM_FI_DEV_GPU_TEMP{exported_pod=~"run-rollout-engine-[0-9]+"} or '
+                     'DCGM_FI_DEV_GPU_TEMP{pod=~"run-rollout-engine-[0-9]+"} or '
+                     'DCGM_FI_DEV_GPU_TEMP{pod_name=~"run-rollout-engine-[0-9]+"}')
+    assert re.fullmatch(engine_pods_pattern("run-rollout"), "run-rollout-engine-12")
+    assert not re.fullmatch(engine_pods_pattern("run-rollout"), "run-rollout-engine-1x")
+
+
+def test_prometheus_answers_are_read_and_keyed_by_the_exported_pod_first():
+    body = {"status": "success", "data": {"resultType": "vector", "result": [
+        {"metric": {"exported_pod": "run-rollout-engine-0", "exported_namespace": "rl", "pod": "dcgm-exporter-1",
+                    "namespace": "gpu-operator", "gpu": "0"}, "value": [1.0, "83.5"]},
+        {"metric": {"pod": "run-rollout-engine-1", "namespace": "rl", "gpu": "1"}, "value": [1.0, "70"]}]}}
+    samples = parse_query_samples(body)
+    assert [s.celsius for s in samples] == [83.5, 70.0]
+    keys = dcgm_keys("run-rollout", 2, EnginePods("rl"), prometheus=True)
+    assert keys.assign(samples).temps == {"run-rollout-0": 83.5, "run-rollout-1": 70.0}
+    for bad, says in (({"status": "error", "error": "parse error"}, "parse error"),
+                      ({"status": "success", "data": {"resultType": "matrix", "result": []}}, "not an instant vector"),
+                      ({"status": "success", "data": {"resultType": "vector", "result": [{"metric": {}}]}},
+                       "does not parse")):
+        with pytest.raises(TemperatureReadError, match=says):
+            parse_query_samples(bad)
