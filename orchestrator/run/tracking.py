@@ -5,6 +5,7 @@ tracker's counts (written, dropped, its first failure) in the summary's `trackin
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,15 +69,18 @@ def build_sinks(run: TrainingRun, *, tracker_dir: Callable[[str], Path],
         sinks.append(TrackerSink(tensorboard.TensorBoardTracker(tracker_dir(tracking.tensorboard.log_dir)),
                                  params, on_warning=on_warning))
     if tracking.mlflow is not None:
-        from rlfleet.observability.tracking.mlflow import MlflowTracker, open_bound_s
+        from rlfleet.observability.tracking.mlflow import MlflowTracker, log_bound_s, open_bound_s
 
         m = tracking.mlflow
         assert run.metadata.name is not None
         tracker = MlflowTracker(m.tracking_uri, m.experiment, m.run_name or run.metadata.name,
                                 timeout_s=m.timeout_seconds, tags={"rlfleet.trainingRun": run.metadata.name})
-        # timeoutSeconds bounds each request; open makes several (its params in batches), so its bound scales.
+        # timeoutSeconds bounds each request; open and a large record make several (params and scalars in
+        # batches), so their bounds scale.
         sinks.append(TrackerSink(tracker, params, call_timeout_s=m.timeout_seconds + 1.0,
-                                 open_timeout_s=open_bound_s(m.timeout_seconds, len(params)), on_warning=on_warning))
+                                 open_timeout_s=open_bound_s(m.timeout_seconds, len(params)),
+                                 log_timeout_s=functools.partial(log_bound_s, m.timeout_seconds),
+                                 on_warning=on_warning))
     if tracking.wandb is not None:
         from rlfleet.observability.tracking.wandb import WandbOptions, WandbTracker
 

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from rlfleet.observability.tracking.mlflow import (
     OPEN_TAG,
     MlflowTracker,
+    log_bound_s,
     open_bound_s,
     open_requests,
     param_batches,
@@ -133,6 +134,8 @@ def test_mlflow_sink_bounds_open_by_its_requests():
     (sink,) = build_sinks(doc.obj, tracker_dir=lambda relative: Path(relative), on_warning=print)
     assert sink.call_timeout_s == 3
     assert sink.open_timeout_s == open_bound_s(2, len(params_of(doc.obj))) >= 4 * 2
+    # A record of 2,500 scalars is three log-batch requests of 1,000 at most.
+    assert sink.log_timeout_s(10) == log_bound_s(2, 10) == 3 and sink.log_timeout_s(2500) == log_bound_s(2, 2500) == 7
 
 
 class SlowOpen:
@@ -160,6 +163,40 @@ async def test_sink_bounds_open_apart_from_other_calls():
     sink.submit(1, {"train/loss": 1.0})
     await sink.close()
     assert tracker.logged == [1] and sink.counts.written == 1 and sink.counts.failure is None
+
+
+class LogsInBatches:
+    """A tracker whose log takes 0.15 s per 1,000 scalars, as a tracker of bounded batches would."""
+
+    name = "batches"
+
+    def __init__(self) -> None:
+        self.logged: list[int] = []
+
+    async def open(self, params):
+        pass
+
+    async def log(self, step, scalars):
+        await asyncio.sleep(0.15 * -(-len(scalars) // 1000))
+        self.logged.append(step)
+
+    async def close(self, status):
+        pass
+
+
+async def test_sink_bounds_a_large_record_by_its_requests():
+    tracker = LogsInBatches()
+    sink = TrackerSink(tracker, {}, call_timeout_s=0.25, log_timeout_s=lambda n: 0.25 * -(-n // 1000))
+    sink.start()
+    sink.submit(1, {f"eval/{i}": 1.0 for i in range(2500)})  # three batches: 0.45 s within 0.75 s
+    sink.submit(2, {"train/loss": 1.0})
+    await sink.close()
+    assert tracker.logged == [1, 2] and sink.counts.written == 2 and sink.counts.failure is None
+    one_bound = TrackerSink(LogsInBatches(), {}, call_timeout_s=0.25)  # what a single call's bound did
+    one_bound.start()
+    one_bound.submit(1, {f"eval/{i}": 1.0 for i in range(2500)})
+    await one_bound.close()
+    assert one_bound.counts.dropped == 1 and "no answer within 0.25 s" in (one_bound.counts.failure or "")
 
 
 class MlflowLike:

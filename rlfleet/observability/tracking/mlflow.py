@@ -133,6 +133,11 @@ def open_requests(n_params: int) -> int:
     return 3 + math.ceil(n_params / PARAMS_PER_BATCH)
 
 
+def log_bound_s(request_timeout_s: float, n_scalars: int, slack_s: float = 1.0) -> float:
+    """A bound on one record's `log`: its scalars go in batches of METRICS_PER_BATCH, each request bounded."""
+    return max(1, math.ceil(n_scalars / METRICS_PER_BATCH)) * request_timeout_s + slack_s
+
+
 def open_bound_s(request_timeout_s: float, n_params: int, slack_s: float = 1.0) -> float:
     """A bound on a whole `open`: each of its requests has `request_timeout_s` (aiohttp's own bound)."""
     return open_requests(n_params) * request_timeout_s + slack_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,17 +36,21 @@ class SinkCounts:
 
 class TrackerSink:
     """Feeds one tracker from a bounded queue. Every call is bounded by `call_timeout_s`, `open` by
-    `open_timeout_s` (unset: the same; a tracker whose open makes many calls gets a bound scaled to them); a
+    `open_timeout_s` (unset: the same; a tracker whose open makes many calls gets a bound scaled to them), a
+    record's `log` by `log_timeout_s(number of scalars)` (unset: call_timeout_s; a tracker that writes a large
+    record in several requests gets a bound scaled to them); a
     call that fails or runs past it drops its record (an `open` that fails is tried again before the next
     record, so a tracker's open must resume what it got). The first failure is a warning (`on_warning`),
     later ones are only counted."""
 
     def __init__(self, tracker: Tracker, params: Mapping[str, str], *, call_timeout_s: float = 10.0,
-                 open_timeout_s: float | None = None, queue_size: int = 10_000, on_warning=None):
+                 open_timeout_s: float | None = None, log_timeout_s: Callable[[int], float] | None = None,
+                 queue_size: int = 10_000, on_warning=None):
         self.tracker = tracker
         self.params = dict(params)
         self.call_timeout_s = call_timeout_s
         self.open_timeout_s = call_timeout_s if open_timeout_s is None else open_timeout_s
+        self.log_timeout_s = log_timeout_s or (lambda _n: call_timeout_s)
         self.counts = SinkCounts()
         self._queue: asyncio.Queue[tuple[int, dict[str, float]]] = asyncio.Queue(queue_size)
         self._on_warning = on_warning
@@ -91,7 +95,8 @@ class TrackerSink:
             try:
                 if not self._opened:
                     self._opened = await self._call(self.tracker.open(self.params), "open", self.open_timeout_s)
-                if self._opened and await self._call(self.tracker.log(step, scalars), f"step {step}"):
+                if self._opened and await self._call(self.tracker.log(step, scalars), f"step {step}",
+                                                     self.log_timeout_s(len(scalars))):
                     self.counts.written += 1
                     metrics.TRACKER_RECORDS.labels(tracker=self.tracker.name, outcome="written").inc()
                 else:
