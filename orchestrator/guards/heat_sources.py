@@ -230,20 +230,37 @@ class SlotsByPod:
         return _assign([(*self.key_and_slot(s.labels), s.celsius) for s in samples])
 
 
-class DcgmSource:
-    """A DCGM exporter's /metrics URL; `keys` says which samples are which slot's."""
+class SampledSource:
+    """A source of DCGM samples read over HTTP (`_samples`); `keys` says which samples are which slot's."""
 
-    name = "dcgm"
+    name = "samples"
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, keys: DcgmKeys, *, timeout_s: float = 5.0):
-        self.url = url
+    def __init__(self, session: aiohttp.ClientSession, keys: DcgmKeys, *, timeout_s: float = 5.0):
         self.session = session
         self.keys = keys
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.unmapped_keys: tuple[str, ...] = ()
 
+    async def _samples(self) -> list[DcgmSample]:
+        raise NotImplementedError
+
     async def read(self) -> dict[str, float]:
         self.unmapped_keys = ()
+        assigned = self.keys.assign(await self._samples())
+        self.unmapped_keys = assigned.unmapped
+        return assigned.temps
+
+
+class DcgmSource(SampledSource):
+    """A DCGM exporter's /metrics URL (one node's GPUs)."""
+
+    name = "dcgm"
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, keys: DcgmKeys, *, timeout_s: float = 5.0):
+        super().__init__(session, keys, timeout_s=timeout_s)
+        self.url = url
+
+    async def _samples(self) -> list[DcgmSample]:
         try:
             async with self.session.get(self.url, timeout=self.timeout) as resp:
                 if resp.status != 200:
@@ -251,9 +268,7 @@ class DcgmSource:
                 text = await resp.text()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise TemperatureReadError(f"DCGM exporter {self.url}: {exc or type(exc).__name__}") from exc
-        assigned = self.keys.assign(parse_dcgm_samples(text))
-        self.unmapped_keys = assigned.unmapped
-        return assigned.temps
+        return parse_dcgm_samples(text)
 
 
 # --- Prometheus ---------------------------------------------------------------------------------------
@@ -281,7 +296,7 @@ def parse_query_samples(body: object) -> list[DcgmSample]:
     return samples
 
 
-class PrometheusSource:
+class PrometheusSource(SampledSource):
     """The DCGM exporters' GPU temperatures as a Prometheus has scraped them (`url`: its base URL), one
     instant query per read: every node's engines through one address."""
 
@@ -289,15 +304,11 @@ class PrometheusSource:
 
     def __init__(self, url: str, session: aiohttp.ClientSession, keys: DcgmKeys, *, query: str,
                  timeout_s: float = 5.0):
+        super().__init__(session, keys, timeout_s=timeout_s)
         self.endpoint = url.rstrip("/") + "/api/v1/query"
         self.query = query
-        self.session = session
-        self.keys = keys
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.unmapped_keys: tuple[str, ...] = ()
 
-    async def read(self) -> dict[str, float]:
-        self.unmapped_keys = ()
+    async def _samples(self) -> list[DcgmSample]:
         try:
             async with self.session.get(self.endpoint, params={"query": self.query}, timeout=self.timeout) as resp:
                 if resp.status != 200:
@@ -306,9 +317,7 @@ class PrometheusSource:
                 body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise TemperatureReadError(f"Prometheus {self.endpoint}: {exc or type(exc).__name__}") from exc
-        assigned = self.keys.assign(parse_query_samples(body))
-        self.unmapped_keys = assigned.unmapped
-        return assigned.temps
+        return parse_query_samples(body)
 
 
 # --- NVML ---------------------------------------------------------------------------------------------
