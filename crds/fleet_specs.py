@@ -20,6 +20,8 @@ from rlfleet.crds.specs import (
     RecoverySpec,
 )
 
+DEFAULT_ROUTER_RESTARTS = 5
+
 
 class RouterSpec(ApiModel):
     """The sglang-router in front of a fleet. Membership is driven by rlfleet, not by the router."""
@@ -44,7 +46,7 @@ class RouterSpec(ApiModel):
         2, ge=1, le=100, description="Failed router health checks before it stops routing to an engine."
     )
     max_restarts: int = Field(
-        5, ge=0, le=1000,
+        DEFAULT_ROUTER_RESTARTS, ge=0, le=1000,
         description="Router restarts allowed per run (local runs restart the process, with the fleet's recovery "
         "backoff; on Kubernetes, router pod replacements the trainer follows). One more exit fails the run.",
     )
@@ -166,6 +168,13 @@ class FleetSpec(ApiModel):
             field="recovery.waitAllAliveTimeoutSeconds",
             message="waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a weight sync: a fleet "
             f"of no run (no runName) has no weight sync; leave it unset ({DEFAULT_WAIT_ALL_ALIVE_S:g})",
+        ),
+        Rule(
+            cel=f"has(self.runName) || self.router.maxRestarts == {DEFAULT_ROUTER_RESTARTS}",
+            check=lambda s: s.run_name is not None or s.router.max_restarts == DEFAULT_ROUTER_RESTARTS,
+            field="router.maxRestarts",
+            message="maxRestarts counts the router replacements a run's trainer follows: the router Deployment "
+            f"of a fleet of no run (no runName) is restarted by Kubernetes; leave it unset ({DEFAULT_ROUTER_RESTARTS})",
         ),
     )
 
