@@ -1,7 +1,8 @@
 """Specs of engine fleets: the rollout template of a TrainingRun and the RolloutFleet/EvalFleet specs."""
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -134,6 +135,16 @@ class SnapshotMountSpec(ApiModel):
     cel_rules = (MOUNT_PATH_RULE,)
 
 
+def run_only(field: str, value: Callable[[Any], float], default: float, message: str) -> Rule:
+    """A fleet field only a run's orchestrator uses: a fleet without runName leaves it at `default`."""
+    return Rule(
+        cel=f"has(self.runName) || self.{field} == {default!r}",  # an int field compares with an int
+        check=lambda s: s.run_name is not None or value(s) == default,
+        field=field,
+        message=message,
+    )
+
+
 class FleetSpec(ApiModel):
     """A fleet of SGLang engines behind one router, one pod per slot."""
 
@@ -154,28 +165,17 @@ class FleetSpec(ApiModel):
     cel_rules = (
         FLEET_MIN_READY_RULE,
         # What only a run's orchestrator does: a fleet of no run has none to do it.
-        Rule(
-            cel="has(self.runName) || self.health.firstWaitSeconds == 0.0",
-            check=lambda s: s.run_name is not None or s.health.first_wait_seconds == 0,
-            field="health.firstWaitSeconds",
-            message="firstWaitSeconds is the wait after a run's orchestrator resumes an engine it paused: a fleet "
-            "of no run (no runName) is never paused; leave it 0",
-        ),
-        Rule(
-            cel=f"has(self.runName) || self.recovery.waitAllAliveTimeoutSeconds == {DEFAULT_WAIT_ALL_ALIVE_S}",
-            check=lambda s: (s.run_name is not None
-                             or s.recovery.wait_all_alive_timeout_seconds == DEFAULT_WAIT_ALL_ALIVE_S),
-            field="recovery.waitAllAliveTimeoutSeconds",
-            message="waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a weight sync: a fleet "
-            f"of no run (no runName) has no weight sync; leave it unset ({DEFAULT_WAIT_ALL_ALIVE_S:g})",
-        ),
-        Rule(
-            cel=f"has(self.runName) || self.router.maxRestarts == {DEFAULT_ROUTER_RESTARTS}",
-            check=lambda s: s.run_name is not None or s.router.max_restarts == DEFAULT_ROUTER_RESTARTS,
-            field="router.maxRestarts",
-            message="maxRestarts counts the router replacements a run's trainer follows: the router Deployment "
-            f"of a fleet of no run (no runName) is restarted by Kubernetes; leave it unset ({DEFAULT_ROUTER_RESTARTS})",
-        ),
+        run_only("health.firstWaitSeconds", lambda s: s.health.first_wait_seconds, 0.0,
+                 "firstWaitSeconds is the wait after a run's orchestrator resumes an engine it paused: a fleet of no "
+                 "run (no runName) is never paused; leave it 0"),
+        run_only("recovery.waitAllAliveTimeoutSeconds", lambda s: s.recovery.wait_all_alive_timeout_seconds,
+                 DEFAULT_WAIT_ALL_ALIVE_S, "waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a "
+                 f"weight sync: a fleet of no run (no runName) has no weight sync; leave it unset "
+                 f"({DEFAULT_WAIT_ALL_ALIVE_S:g})"),
+        run_only("router.maxRestarts", lambda s: s.router.max_restarts, DEFAULT_ROUTER_RESTARTS,
+                 "maxRestarts counts the router replacements a run's trainer follows: the router Deployment of a "
+                 "fleet of no run (no runName) is restarted by Kubernetes; "
+                 f"leave it unset ({DEFAULT_ROUTER_RESTARTS})"),
     )
 
 

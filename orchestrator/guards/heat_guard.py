@@ -414,12 +414,12 @@ def dcgm_keys(fleet: str, replicas: int, placement: EnginePlacement, *, promethe
 
 
 def engine_pods_pattern(fleet: str) -> str:
-    """A regular expression of the fleet's engine pod names (`<fleet>-engine-<slot>`). Pod names are DNS
+    """A regular expression of the fleet's engine pod names (`<fleet>-engine-<slot>`). Fleet names are DNS
     labels: nothing in them means anything to a regular expression outside brackets (`-` included)."""
     prefix = engine_pod_name(fleet, 0).removesuffix("0")
-    if not re.fullmatch(r"[a-z0-9.-]+", prefix):
+    if not re.fullmatch(r"[a-z0-9-]+", prefix):
         raise ValueError(f"fleet name {fleet!r} is not a DNS label")
-    return prefix.replace(".", r"\\.") + "[0-9]+"
+    return prefix + "[0-9]+"
 
 
 def build_heat_source(spec: HeatGuardSpec, fleet: str, replicas: int, placement: EnginePlacement, *,
