@@ -37,7 +37,10 @@ MANAGER = "rlfleet-operator"
 ROUTER_METRICS_PORT = 29000
 ENGINE_CONTAINER = "engine"
 TRAINER_SERVICE_ACCOUNT = "rlfleet-trainer"
+ROUTER_SERVICE_ACCOUNT = "rlfleet-router"  # a fleet of no run's router: reads pods to discover its engines
 DEFAULT_RLFLEET_IMAGE = "rlfleet/rlfleet:0.1.0"
+# The light image (no torch, no SGLang) of the operator; it also runs a fleet of no run's engine follower.
+DEFAULT_OPERATOR_IMAGE = "rlfleet/rlfleet-operator:0.1.0"
 SNAPSHOT_VOLUME = "snapshots"
 # Each fleet's engines and router require its API key (Bearer); it lives in the Secret
 # `<fleet>-api-key` (key `api-key`), reaches containers as this environment variable.

@@ -25,7 +25,8 @@ DEFAULT_ROUTER_RESTARTS = 5
 
 
 class RouterSpec(ApiModel):
-    """The sglang-router in front of a fleet. Membership is driven by rlfleet, not by the router."""
+    """The sglang-router in front of a fleet. A run's trainer decides its members (the engines that serve the
+    run's weights); in a fleet of no run's router pod, `rlfleet follow-engines` routes to its Ready engine pods."""
 
     image: str = Field(
         "lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,

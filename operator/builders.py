@@ -33,6 +33,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     API_KEY_SECRET_KEY,
     API_VERSION,
     COLLECTIVE_PORTS,
+    DEFAULT_OPERATOR_IMAGE,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
     GROUP,
@@ -47,6 +48,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     MANAGER,
     POD_USER_ID,
     ROUTER_METRICS_PORT,
+    ROUTER_SERVICE_ACCOUNT,
     SNAPSHOT_VOLUME,
     TRAINER_RENDEZVOUS_PORT,
     TRAINER_RENDEZVOUS_PORT_NAME,
@@ -335,12 +337,35 @@ def _router_command(router: RouterSpec) -> list[str]:
     return ["python3", *args]
 
 
-def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
-    """One sglang-router replica in front of the fleet; membership is driven by the orchestrator."""
+def follows_engine_pods(fleet: dict, spec: FleetSpec) -> bool:
+    """Who keeps a fleet's router to its engines: a run's trainer registers the engines that serve its
+    weights; for a fleet of no run, a follower beside the router routes to its Ready engine pods."""
+    return owning_run(fleet, spec) is None
+
+
+def _engine_follower(fleet: dict, spec: FleetSpec, image: str) -> dict:
+    """`rlfleet follow-engines` (orchestrator/fleet/engine_follower.py) in the router pod of a fleet of no run."""
+    meta = fleet["metadata"]
+    return _secure({
+        "name": "engine-follower",
+        "image": image,
+        "command": ["rlfleet", "follow-engines", "--namespace", meta["namespace"], "--fleet", meta["name"],
+                    "--fleet-uid", meta["uid"], "--engine-port", str(spec.engine.port),
+                    "--router", f"http://$({ReservedEnv.POD_IP}):{spec.router.port}"],
+        "env": [*_downward_env(), api_key_env(meta["name"])],
+        "resources": {"requests": {"cpu": "10m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
+        **_TERMINATION,
+    })
+
+
+def build_router_deployment(fleet: dict, spec: FleetSpec | None = None, *,
+                            follower_image: str = DEFAULT_OPERATOR_IMAGE) -> dict:
+    """One sglang-router replica in front of the fleet. A run's trainer drives its membership; in the router
+    pod of a fleet of no run, `engine-follower` does (with the `rlfleet-router` account: it reads pods)."""
     spec = spec or fleet_spec(fleet)
     fname = fleet["metadata"]["name"]
     labels = router_labels(fname)
-    container = _secure({
+    router = _secure({
         "name": "router",
         "image": spec.router.image,
         "command": _router_command(spec.router),
@@ -351,6 +376,11 @@ def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
                            "timeoutSeconds": 5, "failureThreshold": 3},
         **_TERMINATION,
     })
+    if follows_engine_pods(fleet, spec):
+        containers = [router, _engine_follower(fleet, spec, follower_image)]
+        account: dict[str, Any] = {"serviceAccountName": ROUTER_SERVICE_ACCOUNT, "automountServiceAccountToken": True}
+    else:
+        containers, account = [router], {"automountServiceAccountToken": False}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -360,9 +390,8 @@ def build_router_deployment(fleet: dict, spec: FleetSpec | None = None) -> dict:
             "selector": {"matchLabels": {LABEL_COMPONENT: "router", LABEL_FLEET: fname}},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {"automountServiceAccountToken": False, "enableServiceLinks": False,
-                         "securityContext": dict(POD_SECURITY),
-                         "terminationGracePeriodSeconds": 10, "containers": [container]},
+                "spec": {**account, "enableServiceLinks": False, "securityContext": dict(POD_SECURITY),
+                         "terminationGracePeriodSeconds": 10, "containers": containers},
             },
         },
     }
@@ -733,7 +762,7 @@ def build_trainer_network_policies(run: dict, spec: TrainingRunSpec | None = Non
 
 
 # The trainer's account ---------------------------------------------------------------------------------
-# What a trainer pod may do (the chart's templates/trainer-rbac.yaml renders the same rules): read its
+# What a trainer pod may do (the chart's templates/workload-rbac.yaml renders the same rules): read its
 # fleets, their pods and its run; write only their status (the orchestrator's marks, progress, failure).
 # No pod, no spec: the trainer pod runs code the run's author chooses.
 TRAINER_RULES: tuple[dict, ...] = (
@@ -747,18 +776,33 @@ TRAINER_RULES: tuple[dict, ...] = (
 )
 
 
-def build_trainer_rbac(namespace: str) -> list[dict]:
-    """The trainer's ServiceAccount, Role and RoleBinding in a run's namespace (all `rlfleet-trainer`).
+# What a fleet of no run's router pod may do (templates/workload-rbac.yaml renders the same): read pods, for
+# its engine follower. Nothing else: the pod's token is also in the network-facing router container.
+ROUTER_RULES: tuple[dict, ...] = (
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+)
 
-    Shared by the runs of the namespace, so owned by none of them (deleting a run leaves them).
-    """
-    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: "trainer-rbac", LABEL_MANAGED_BY: MANAGER}
-    meta = {"name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace, "labels": labels}
+
+def _namespace_account(namespace: str, name: str, component: str, rules: Sequence[dict]) -> list[dict]:
+    """A ServiceAccount with its Role and RoleBinding (all `name`), shared by the pods of the namespace
+    that use it, so owned by none of them (deleting a run or a fleet leaves them)."""
+    labels = {LABEL_NAME: "rlfleet", LABEL_COMPONENT: component, LABEL_MANAGED_BY: MANAGER}
+    meta = {"name": name, "namespace": namespace, "labels": labels}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": dict(meta)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": dict(meta),
-         "rules": [dict(r) for r in TRAINER_RULES]},
+         "rules": [dict(r) for r in rules]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": dict(meta),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SERVICE_ACCOUNT},
-         "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SERVICE_ACCOUNT, "namespace": namespace}]},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
     ]
+
+
+def build_trainer_rbac(namespace: str) -> list[dict]:
+    """The trainer's ServiceAccount, Role and RoleBinding in a run's namespace (all `rlfleet-trainer`)."""
+    return _namespace_account(namespace, TRAINER_SERVICE_ACCOUNT, "trainer-rbac", TRAINER_RULES)
+
+
+def build_router_rbac(namespace: str) -> list[dict]:
+    """The account of fleet-of-no-run routers in the fleet's namespace (all `rlfleet-router`)."""
+    return _namespace_account(namespace, ROUTER_SERVICE_ACCOUNT, "router-rbac", ROUTER_RULES)

@@ -51,12 +51,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--rlfleet-image", default=os.environ.get("RLFLEET_IMAGE", b.DEFAULT_RLFLEET_IMAGE),
                    help="image that runs `rlfleet` (tiny-model init containers)")
+    p.add_argument("--follower-image", default=os.environ.get("RLFLEET_OPERATOR_IMAGE", b.DEFAULT_OPERATOR_IMAGE),
+                   help="image that runs `rlfleet follow-engines` beside a fleet of no run's router (the "
+                   "operator's own image: it needs none of the trainer's packages)")
     p.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
                    help="give each fleet a NetworkPolicy admitting only its router and trainer to its engines")
     p.add_argument("--network-policy-metrics-from", type=_peers, default=[], metavar="JSON",
                    help="JSON list of NetworkPolicy peers that may also reach the engines' HTTP port (/metrics)")
-    p.add_argument("--trainer-rbac", action=argparse.BooleanOptionalAction, default=False,
-                   help="create the trainer's ServiceAccount, Role and RoleBinding in each run's namespace "
+    p.add_argument("--workload-rbac", "--trainer-rbac", dest="workload_rbac", action=argparse.BooleanOptionalAction,
+                   default=False, help="create the accounts of the pods it creates (the trainer's; a fleet of no "
+                   "run's router's) with their Role and RoleBinding in each namespace that needs one "
                    "(cluster-wide installs)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
@@ -84,9 +88,10 @@ async def amain(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    settings = Settings(rlfleet_image=args.rlfleet_image, network_policy=args.network_policy,
+    settings = Settings(rlfleet_image=args.rlfleet_image, follower_image=args.follower_image,
+                        network_policy=args.network_policy,
                         network_policy_metrics_from=tuple(args.network_policy_metrics_from),
-                        trainer_rbac=args.trainer_rbac)
+                        workload_rbac=args.workload_rbac)
     memo = kopf.Memo(kubeconfig=args.kubeconfig, settings=settings)
     flag: asyncio.Future[None] = asyncio.Future()
     setter = asyncio.create_task(_set_when(stop, flag))

@@ -68,14 +68,16 @@ TRAININGRUNS = custom(PLURALS["TrainingRun"])
 @dataclass
 class Settings:
     rlfleet_image: str = b.DEFAULT_RLFLEET_IMAGE
+    follower_image: str = b.DEFAULT_OPERATOR_IMAGE
     instance: str = os.environ.get("POD_NAME", "rlfleet-operator")
     # Each fleet's engines admit only its router and trainer (NetworkPolicy `<fleet>-engines`).
     network_policy: bool = True
     # Peers (e.g. Prometheus) that may also reach the engines' HTTP port, where /metrics is served.
     network_policy_metrics_from: tuple[dict, ...] = ()
-    # Create the trainer's ServiceAccount, Role and RoleBinding in a run's namespace before its trainer
-    # pod (cluster-wide installs; a namespaced chart creates them itself).
-    trainer_rbac: bool = False
+    # Create the trainer's account (ServiceAccount, Role, RoleBinding) in a run's namespace before its
+    # trainer pod, and the router's before a fleet of no run's router (cluster-wide installs; a namespaced
+    # chart creates both itself).
+    workload_rbac: bool = False
 
 
 async def _post_events(kube: KubeClient, obj: dict, events: list[Event], settings: Settings) -> None:
@@ -120,6 +122,14 @@ async def _create(kube: KubeClient, res: Resource, obj: dict, refused: list[Reje
             raise
         refused.append(r)
         return False
+
+
+async def _create_accounts(kube: KubeClient, objects: list[dict], refused: list[Rejection]) -> None:
+    """A pod's ServiceAccount, Role and RoleBinding, before the pod (refused without its account). They
+    belong to the namespace, not to one child: one that exists is kept as it is (the operator may create
+    them, not read them)."""
+    for obj in objects:
+        await _create(kube, _RESOURCES[obj["kind"]], obj, refused, readable=False)
 
 
 async def _check_namesake(kube: KubeClient, res: Resource, obj: dict, refused: list[Rejection]) -> None:
@@ -231,7 +241,7 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
                                 refused: list[Rejection]) -> None:
     """The fleet's API key Secret (a fleet of no run), engine pods, the router Deployment and Service,
     the engine and router NetworkPolicies; refusals to `refused`."""
-    router = decide_router_deployment(fleet, router_deployment, spec)
+    router = decide_router_deployment(fleet, router_deployment, spec, follower_image=settings.follower_image)
     if not b.owning_run(fleet, spec) and (plan.create or (router is not None and router.verb == "create")):
         # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
         await _create(kube, SECRETS, b.build_api_key_secret(fleet, fleet["metadata"]["name"], new_api_key()),
@@ -239,6 +249,8 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
     for slot, restarts in plan.create:
         await _create(kube, PODS, b.build_engine_pod(fleet, slot, restarts=restarts,
                                                      rlfleet_image=settings.rlfleet_image, spec=spec), refused)
+    if router is not None and settings.workload_rbac and b.follows_engine_pods(fleet, spec):
+        await _create_accounts(kube, b.build_router_rbac(fleet["metadata"]["namespace"]), refused)
     if router is not None and router.verb == "create":
         await _create(kube, DEPLOYMENTS, router.obj, refused)
     elif router is not None and await _patch(kube, DEPLOYMENTS, router.obj, {"spec": router.obj["spec"]}, refused):
@@ -329,9 +341,8 @@ async def reconcile_run(kube: KubeClient, run: dict, children: RunChildren, *, s
         await kube.delete(PODS, pod_name, meta["namespace"], uid=uid)
     refused: list[Rejection] = []
     await _create_api_keys(kube, run, plan.api_key_fleets, refused)
-    if settings.trainer_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
-        for obj in b.build_trainer_rbac(meta["namespace"]):  # the trainer pod is refused without its account
-            await _create(kube, _RESOURCES[obj["kind"]], obj, refused)
+    if settings.workload_rbac and any(obj["kind"] == "Pod" for obj in plan.create):
+        await _create_accounts(kube, b.build_trainer_rbac(meta["namespace"]), refused)
     # Broadcast: the update group's policies converge before rank 0's pod is created.
     await _apply_update_group_policies(kube, run, children.update_group_policies, plan, settings, refused)
     for obj in plan.create:

@@ -14,6 +14,8 @@ COMMANDS = {
     "watchdog": ("rlfleet.orchestrator.guards.watchdog_cli", "replay recorded rollout errors through the 503 watchdog"),
     "dev-cluster": ("rlfleet.devcluster.cli", "start/stop a local Kubernetes control plane (no Docker)"),
     "operator": ("rlfleet.operator.main", "run the Kubernetes operator"),
+    "follow-engines": ("rlfleet.orchestrator.fleet.follow_cli",
+                       "keep a fleet of no run's router routing to its Ready engine pods (its router pod runs it)"),
     "tiny-model": ("rlfleet.trainer.tiny", "write the tiny offline test model"),
     "check-monitoring": ("rlfleet.observability.cli", "check dashboards and alert rules against the exported metrics"),
     "report": ("rlfleet.observability.report.cli", "write a run's report (HTML with plots, PNG) from its summary"),

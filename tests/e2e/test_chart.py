@@ -54,7 +54,7 @@ def test_namespaced_install_grants_no_secret_reads_and_nothing_cluster_wide():
     assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
     roles = [d for d in docs if d["kind"] == "Role"]
     assert {(r["metadata"]["name"], r["metadata"]["namespace"]) for r in roles} == {
-        ("rlfleet-operator", "team-a"), ("rlfleet-trainer", "team-a")}
+        ("rlfleet-operator", "team-a"), ("rlfleet-trainer", "team-a"), ("rlfleet-router", "team-a")}
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["resources"] + rule["verbs"]
@@ -72,11 +72,11 @@ def test_default_values_serve_the_release_namespace_only_with_a_trainer_account_
     roles = {(d["kind"], d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs
              if d["kind"] in ("Role", "RoleBinding")}
     assert roles == {(k, n, "rlfleet-system") for k in ("Role", "RoleBinding")
-                     for n in ("rlfleet-operator", "rlfleet-trainer")}
+                     for n in ("rlfleet-operator", "rlfleet-trainer", "rlfleet-router")}
     accounts = {(d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "ServiceAccount"}
-    assert ("rlfleet-trainer", "rlfleet-system") in accounts
+    assert {("rlfleet-trainer", "rlfleet-system"), ("rlfleet-router", "rlfleet-system")} <= accounts
     args = _operator_args()
-    assert args.namespace == ["rlfleet-system"] and not args.all_namespaces and not args.trainer_rbac
+    assert args.namespace == ["rlfleet-system"] and not args.all_namespaces and not args.workload_rbac
 
 
 def test_cluster_wide_needs_its_own_switch_and_then_the_operator_provisions_trainer_accounts():
@@ -88,18 +88,27 @@ def test_cluster_wide_needs_its_own_switch_and_then_the_operator_provisions_trai
     assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
     assert "rlfleet-trainer" not in {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
     args = _operator_args("--set", "clusterWide=true")
-    assert args.all_namespaces and args.namespace == [] and args.trainer_rbac
+    assert args.all_namespaces and args.namespace == [] and args.workload_rbac
 
 
-def test_the_charts_trainer_role_is_the_operators():
-    """The chart renders the same trainer rules the operator grants in cluster-wide installs."""
-    from rlfleet.operator.builders import TRAINER_RULES
+def test_the_charts_trainer_and_router_roles_are_the_operators():
+    """The chart renders the same trainer and router rules the operator grants in cluster-wide installs,
+    bound to the accounts the operator's pods name."""
+    from rlfleet.operator.builders import ROUTER_RULES, TRAINER_RULES
 
-    role = next(d for d in rendered("watchNamespaces={team-a}")
-                if d["kind"] == "Role" and d["metadata"]["name"] == "rlfleet-trainer")
-    assert role["rules"] == list(TRAINER_RULES)
-    for rule in role["rules"]:  # read only, except status
-        assert set(rule["verbs"]) <= {"get", "list", "watch"} or all(r.endswith("/status") for r in rule["resources"])
+    docs = rendered("watchNamespaces={team-a}")
+    for account, rules in (("rlfleet-trainer", TRAINER_RULES), ("rlfleet-router", ROUTER_RULES)):
+        role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == account)
+        assert role["metadata"]["namespace"] == "team-a" and role["rules"] == list(rules)
+        for rule in role["rules"]:  # read only, except status
+            assert (set(rule["verbs"]) <= {"get", "list", "watch"}
+                    or all(r.endswith("/status") for r in rule["resources"]))
+        binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["name"] == account)
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
+        assert any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == account for d in docs)
+    # The accounts' names are the operator's, not values (a renamed account would leave its pods refused).
+    result = helm("template", "x", str(CHART), "--set", "trainer.serviceAccountName=other", check=False)
+    assert result.returncode != 0 and "serviceAccountName" in result.stderr, result.stderr
 
 
 def test_crds_come_from_the_one_source(tmp_path):
@@ -174,12 +183,15 @@ def test_values_schema_rejects_bad_metrics_peers(bad):
 
 
 def test_the_operator_runs_the_operator_image_and_gives_its_pods_the_trainer_image():
+    """Trainer pods and tiny-model init containers run the trainer image; the engine follower beside a fleet
+    of no run's router runs the operator's own (light) image."""
     docs = rendered("watchNamespaces={team-a}", "image.tag=1.2.3", "trainerImage.repository=reg.example/rl/trainer")
     deployment = next(d for d in docs if d["kind"] == "Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == "rlfleet/rlfleet-operator:1.2.3"
     chart_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert f"--rlfleet-image=reg.example/rl/trainer:{chart_version}" in container["command"]
+    assert "--follower-image=rlfleet/rlfleet-operator:1.2.3" in container["command"]
     result = helm("template", "x", str(CHART), "--set", "trainerImage.repository=", check=False)
     assert result.returncode != 0 and "trainerImage" in result.stderr, result.stderr
 
@@ -213,13 +225,15 @@ def test_install_with_default_values_admits_the_quickstarts_trainer_pod(control_
 
 
 @pytest.mark.cluster
-def test_cluster_wide_install_gives_each_run_namespace_its_trainer_account(control_plane, tmp_path):
+def test_cluster_wide_install_gives_each_namespace_its_trainer_and_router_accounts(control_plane, tmp_path):
+    """Cluster-wide, the operator creates the trainer's account where a run is and the router's where a
+    fleet of no run is (its router discovers the engines with it: it may read pods, nothing else)."""
     cp, system, team = control_plane, "chart-cluster-wide", "cw-team"
     cp.kubectl("create", "namespace", team, check=False)
     cluster_helm(cp, "install", "rlfleet-cw", str(CHART), "-n", system, "--create-namespace",
                  "--set", "clusterWide=true", "--set", "operator.replicas=0")
     op = OperatorProcess(cp.service_account_kubeconfig(system, "rlfleet-operator"), team, tmp_path,
-                         extra_args=("--trainer-rbac",))
+                         extra_args=("--workload-rbac",))
     run = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "cw", "namespace": team},
            "spec": {"modelPath": "tiny://llama?seed=0", "trainer": {"backend": "torch", "gpus": 0, "steps": 2},
                     "rollout": {"replicas": 1, "engine": {"device": "cpu"}}}}
@@ -241,7 +255,25 @@ def test_cluster_wide_install_gives_each_run_namespace_its_trainer_account(contr
         assert can_i("patch", "pods") == "no" and can_i("patch", "trainingruns") == "no"
         assert can_i("patch", "trainingruns", "--subresource=status") == "yes"
         assert can_i("patch", "rolloutfleets", "--subresource=status") == "yes"
+
+        from rlfleet.operator.builders import ROUTER_RULES
+
+        fleet = {"apiVersion": "rlfleet.io/v1alpha1", "kind": "RolloutFleet",
+                 "metadata": {"name": "serve", "namespace": team},
+                 "spec": {"replicas": 0, "engine": {"modelPath": "tiny://llama?seed=0", "device": "cpu"}}}
+        cp.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        router = wait_for(lambda: get_json(cp, "deployment", "serve-router", namespace=team), timeout=60,
+                          interval=0.5, what="the fleet's router Deployment", context=op.tail)
+        assert router["spec"]["template"]["spec"]["serviceAccountName"] == "rlfleet-router"
+        role = get_json(cp, "role", "rlfleet-router", namespace=team)
+        assert role is not None and role["rules"] == list(ROUTER_RULES)
+        account = cp.service_account_kubeconfig(team, "rlfleet-router")
+        assert cp.kubectl("auth", "can-i", "watch", "pods", "-n", team, kubeconfig=account).stdout.strip() == "yes"
+        for verb, what in (("get", "secrets"), ("create", "pods"), ("list", "rolloutfleets")):
+            assert cp.kubectl("auth", "can-i", verb, what, "-n", team, kubeconfig=account,
+                              check=False).stdout.strip() == "no", (verb, what)
     finally:
+        cp.kubectl("delete", "rolloutfleet", "serve", "-n", team, "--wait=false", check=False)
         cp.kubectl("delete", "trainingrun", "cw", "-n", team, "--wait=false", check=False)
         op.stop()
         cluster_helm(cp, "uninstall", "rlfleet-cw", "-n", system)

@@ -12,6 +12,7 @@ import re
 import signal
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,8 @@ def events_of(cp, name: str) -> list[dict]:
 def diagnostics(cp, *processes) -> str:
     """What to print when a wait fails: the pods, then the last lines of the agent's and operator's logs."""
     pods = cp.kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
-    return "\n".join([pods, *(p.tail() for p in processes if p is not None)])
+    tails = [p.tail() for p in processes if p is not None]  # the node agent's: lines; the operator's: text
+    return "\n".join([pods, *("\n".join(t) if isinstance(t, list) else t for t in tails)])
 
 
 def delete_and_wait(cp, kind: str, name: str, pods_selector: str, *processes) -> None:
@@ -676,11 +678,39 @@ def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_age
 
 @pytest.mark.engines
 @pytest.mark.timeout(1800)
+def routed_to(cp, fleet: str, key: str) -> list[str]:
+    """The worker URLs the fleet's router routes to (its Running router pod's GET /workers)."""
+    pods = (get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}", namespace=NS)
+            or {}).get("items", [])
+    running = [p for p in pods if p["status"].get("phase") == "Running" and p["status"].get("podIP")]
+    if not running:
+        return []
+    port = running[0]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    try:
+        workers = http_json(f"http://{running[0]['status']['podIP']}:{port}/workers", api_key=key, timeout=10)
+    except (OSError, ValueError):
+        return []
+    return sorted(w["url"] for w in workers.get("workers", []))
+
+
+def generate_through_router(cp, fleet: str, key: str) -> dict:
+    (router,) = [p for p in get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}",
+                                     namespace=NS)["items"] if p["status"].get("phase") == "Running"]
+    port = router["spec"]["containers"][0]["ports"][0]["containerPort"]
+    body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode()
+    request = urllib.request.Request(f"http://{router['status']['podIP']}:{port}/generate", data=body,
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
 def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a_hung_one(
         control_plane, operator, node_agent, tiny_model):
-    """A fleet of no run, its one engine serving. An edit of its engine and health specs replaces the pod
-    with one built from them, which serves, with no restart counted. That engine then hangs (SIGSTOP): the
-    liveness probe built from the health spec ends it and the operator recreates the slot."""
+    """A fleet of no run, its one engine serving, and its router routing to it (the engine follower in the
+    router pod: no trainer registers them). An edit of its engine and health specs replaces the pod with
+    one built from them, which serves, with no restart counted, and the router follows. That engine then
+    hangs (SIGSTOP): the liveness probe built from the health spec ends it, the operator recreates the
+    slot (often on the same IP) and the router routes to the new engine only."""
     cp = control_plane
     apply(cp, fleet_manifest("rf-u", tiny_model, replicas=1))
     try:
@@ -691,9 +721,18 @@ def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a
         def uids() -> list[str]:
             return [p["metadata"]["uid"] for p in engine_pods(cp, "rf-u")]
 
+        def routed_to_only(pod: dict) -> list[str]:
+            url = fleet_status(cp, "rf-u")["engines"][0]["url"]
+            assert pod["status"]["podIP"] in url
+            return routed_to(cp, "rf-u", key) if routed_to(cp, "rf-u", key) == [url] else []
+
         wait_for(serving, timeout=ENGINE_START_S, what="rf-u's engine to serve",
                  context=lambda: diagnostics(cp, node_agent, operator))
         (before,) = engine_pods(cp, "rf-u")
+        key = fleet_api_key(cp, "rf-u", NS)
+        wait_for(lambda: routed_to_only(before), timeout=60, what="the router to route to the engine",
+                 context=lambda: diagnostics(cp, node_agent, operator))
+        assert generate_through_router(cp, "rf-u", key)["meta_info"]["completion_tokens"] == 3
         health = {"intervalSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 2, "startupTimeoutSeconds": 600}
         cp.kubectl("patch", "rolloutfleet", "rf-u", "-n", NS, "--type", "merge", "-p", json.dumps(
             {"spec": {"engine": {"env": [{"name": "E2E_EDIT", "value": "2"}]}, "health": health}}))
@@ -710,8 +749,9 @@ def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a
         status = fleet_status(cp, "rf-u")
         assert status["restarts"] == 0 and status["engines"][0]["restarts"] == 0
         assert condition(status, "Degraded")["status"] == "False"
-        key = fleet_api_key(cp, "rf-u", NS)
         assert http_json(status["engines"][0]["url"] + "/model_info", api_key=key)["model_path"] == str(tiny_model)
+        wait_for(lambda: routed_to_only(after), timeout=60, what="the router to route to the replacement only",
+                 context=lambda: diagnostics(cp, node_agent, operator))
         (event,) = [e for e in events_of(cp, "rf-u") if e["reason"] == "UpdatingEngine"]
         assert "replacing slot 0 (rf-u-engine-0, Ready)" in event["message"]
 
@@ -725,6 +765,10 @@ def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a
                  what="the recreated engine to serve", context=lambda: diagnostics(cp, node_agent, operator))
         status = fleet_status(cp, "rf-u")
         assert status["engines"][0]["restarts"] == 1 and status["engines"][0]["lastFailure"]["exitCode"] == 137
+        (recreated,) = engine_pods(cp, "rf-u")
+        wait_for(lambda: routed_to_only(recreated), timeout=60, what="the router to route to the new engine only",
+                 context=lambda: diagnostics(cp, node_agent, operator))
+        assert generate_through_router(cp, "rf-u", key)["meta_info"]["completion_tokens"] == 3
         print(f"\nfigures: hung engine recreated {recreated_s:.1f} s after SIGSTOP "
               "(liveness 2 x 2 s, 30 s grace, then the SIGKILL)")
     finally:

@@ -60,6 +60,14 @@ def test_the_operator_environment_has_none_of_the_trainers_packages(operator_pyt
         assert probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr, (module, probe.stderr)
 
 
+def test_the_engine_follower_runs_from_the_operators_environment(operator_python, package_path):
+    """A fleet of no run's router pod runs `rlfleet follow-engines` from the operator's image."""
+    probe = subprocess.run([str(operator_python), "-P", "-m", "rlfleet.cli", "follow-engines", "--help"],
+                           capture_output=True, text=True, timeout=60,
+                           env={"PYTHONPATH": str(package_path), "PATH": "/usr/bin:/bin"})
+    assert probe.returncode == 0 and "--fleet-uid" in probe.stdout, probe.stderr
+
+
 def test_the_operator_from_its_own_environment_reconciles_the_quickstart(control_plane, operator_python,
                                                                          package_path, tmp_path):
     cp = control_plane

@@ -32,8 +32,9 @@ def restricted(control_plane):
         "metadata": {"name": NS, "labels": {"pod-security.kubernetes.io/enforce": "restricted",
                                             "pod-security.kubernetes.io/enforce-version": "latest",
                                             "pod-security.kubernetes.io/warn": "restricted"}}}))
-    # The trainer's account (the chart provisions it) and the namespace's default one (pods need them).
-    for sa in (b.TRAINER_SERVICE_ACCOUNT, "default"):
+    # The trainer's and the router's accounts (the chart provisions them) and the namespace's default one
+    # (pods need them).
+    for sa in (b.TRAINER_SERVICE_ACCOUNT, b.ROUTER_SERVICE_ACCOUNT, "default"):
         cp.kubectl("create", "serviceaccount", sa, "-n", NS, check=False)
     return cp
 
@@ -72,6 +73,10 @@ def built_objects() -> dict[str, dict]:
         "trainer pod": b.build_trainer_pod(run),
         "gpu engine pod": b.build_engine_pod(gpu, 0),
     }
+    standalone = _with_uid(rollout, "00000000-0000-0000-0000-000000000004")
+    standalone["metadata"].update(name="serve", ownerReferences=[])
+    standalone["spec"].pop("runName", None)
+    objects["fleet of no run router pod"] = _pod_of(b.build_router_deployment(standalone))  # it mounts a token
     for name, fleet in (("rollout", rollout), ("eval", eval_fleet)):
         router = b.build_router_deployment(fleet)
         objects |= {

@@ -119,7 +119,7 @@ def test_every_pod_and_container_is_pod_security_restricted(which):
     spec = _pod_specs()[which]
     assert spec["securityContext"] == RESTRICTED_POD
     containers = spec["containers"] + spec.get("initContainers", [])
-    assert len(containers) == (2 if which == "tiny engine" else 1)
+    assert len(containers) == (2 if which in ("tiny engine", "router") else 1)  # + init / engine follower
     for c in containers:
         assert c["securityContext"] == RESTRICTED_CONTAINER, c["name"]
     assert not any("hostPath" in v for v in spec.get("volumes", []))
@@ -203,6 +203,49 @@ def test_router_deployment_and_service_select_the_router_pod():
     assert cmd[:3] == ["python3", "-m", "sglang_router.launch_router"]
     assert cmd[cmd.index("--host") + 1] == "$(POD_IP)" and cmd[cmd.index("--policy") + 1] == "cache_aware"
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 30000, "metrics": b.ROUTER_METRICS_PORT}
+
+
+def test_a_fleet_of_no_runs_router_pod_follows_its_engine_pods_and_a_runs_does_not():
+    """No trainer registers a fleet of no run's engines: `rlfleet follow-engines` beside its router does, with
+    an account that reads pods. A run's trainer registers the engines that serve its weights, so its fleets'
+    router pods have one container and hold no token."""
+    standalone = b.build_router_deployment(fleet(), follower_image="reg/rlfleet-operator:9")["spec"]["template"]["spec"]
+    assert standalone["serviceAccountName"] == b.ROUTER_SERVICE_ACCOUNT == "rlfleet-router"
+    assert standalone["automountServiceAccountToken"] is True
+    router, follower = standalone["containers"]
+    assert follower["name"] == "engine-follower" and follower["image"] == "reg/rlfleet-operator:9"
+    cmd = follower["command"]
+    assert cmd[:2] == ["rlfleet", "follow-engines"]
+
+    def arg(name):
+        return cmd[cmd.index(name) + 1]
+
+    assert (arg("--namespace"), arg("--fleet"), arg("--fleet-uid")) == ("team", "run1-rollout", "fleet-uid")
+    engine = b.build_engine_pod(fleet(), 0)["spec"]["containers"][0]
+    assert arg("--engine-port") == str(engine["ports"][0]["containerPort"])
+    router_port = router["ports"][0]["containerPort"]
+    assert arg("--router") == f"http://$(POD_IP):{router_port}"
+    assert router["command"][router["command"].index("--host") + 1] == "$(POD_IP)"  # the router binds the pod IP
+    assert _key_env(follower) == _key_env(router)
+    assert {e["name"] for e in follower["env"]} >= {"POD_IP", "RLFLEET_API_KEY"}
+
+    owned = b.build_rollout_fleet(run())
+    owned["metadata"] |= {"namespace": "team", "uid": "rollout-uid"}
+    of_run = b.build_router_deployment(owned)["spec"]["template"]["spec"]
+    assert of_run["automountServiceAccountToken"] is False and "serviceAccountName" not in of_run
+    assert [c["name"] for c in of_run["containers"]] == ["router"]
+    # A fleet that names a run it does not belong to is a fleet of no run: its engines are followed.
+    labelled = b.build_router_deployment(fleet(runName="run1"))["spec"]["template"]["spec"]
+    assert [c["name"] for c in labelled["containers"]] == ["router", "engine-follower"]
+
+
+def test_router_rbac_reads_pods_and_nothing_else():
+    sa, role, binding = b.build_router_rbac("team")
+    assert sa["kind"] == "ServiceAccount" and sa["metadata"]["name"] == "rlfleet-router"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"]["name"] == "rlfleet-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rlfleet-router", "namespace": "team"}]
+    assert [o["metadata"]["name"] for o in b.build_trainer_rbac("team")] == ["rlfleet-trainer"] * 3
 
 
 def test_run_children_are_owned_by_the_run_and_share_the_claim():

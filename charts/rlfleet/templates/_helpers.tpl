@@ -65,9 +65,9 @@ app.kubernetes.io/component: operator
 {{- end -}}
 {{- end -}}
 
-{{/* Where the chart creates the trainer ServiceAccount and Role: every served namespace plus
-trainer.extraNamespaces (clusterWide: the operator creates them in each run's namespace). */}}
-{{- define "rlfleet.trainerNamespaces" -}}
+{{/* Where the chart creates the trainer's and the router's accounts: every served namespace plus
+trainer.extraNamespaces (clusterWide: the operator creates them where a run or a fleet of no run needs one). */}}
+{{- define "rlfleet.workloadNamespaces" -}}
 {{- $all := concat (include "rlfleet.watchNamespaces" . | fromJsonArray) (.Values.trainer.extraNamespaces | default list) | uniq -}}
 {{- toJson $all -}}
 {{- end -}}
