@@ -253,7 +253,10 @@ def load_training_run(path: str | Path) -> TrainingRun:
     if errors:
         raise ManifestError(str(path), errors)
     if len(runs) != 1:
-        raise ManifestError(str(path), [FieldError("", f"expected one TrainingRun, found {len(runs)}", "kind")])
+        others = sorted({str(d.kind) for d in documents if d.kind != "TrainingRun"})
+        found = f"found {len(runs)}" + (f" (and {', '.join(others)}: apply those to a cluster with the rlfleet "
+                                         "operator)" if others else "")
+        raise ManifestError(str(path), [FieldError("", f"expected one TrainingRun, {found}", "kind")])
     run = runs[0].obj
     assert isinstance(run, TrainingRun), "a TrainingRun document without errors validates as a TrainingRun"
     return run

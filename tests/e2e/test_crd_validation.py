@@ -511,11 +511,12 @@ def test_examples_apply_and_columns_show(cluster):
     applied = kubectl_ns(cluster, "apply", "-f", str(REPO / "examples"), check=True)
     assert "trainingrun.rlfleet.io/quickstart" in applied.stdout
     assert "trainingrun.rlfleet.io/qwen3-4b-grpo" in applied.stdout
+    assert "rolloutfleet.rlfleet.io/tiny-serve" in applied.stdout  # a fleet of no run
 
     # The fleets a run owns, built by the operator's own builders from the run as the API server
     # stored it (defaults filled in, owned by its uid), are valid objects too.
     names = sorted(doc.obj.metadata.name for path in (REPO / "examples").glob("*.yaml")
-                   for doc in load_text(path.read_text()))
+                   for doc in load_text(path.read_text()) if doc.data["kind"] == "TrainingRun")
     for name in names:
         run = json.loads(kubectl_ns(cluster, "get", "trainingrun", name, "-o", "json", check=True).stdout)
         children = [b.build_rollout_fleet(run)]

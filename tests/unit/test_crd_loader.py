@@ -100,6 +100,14 @@ def test_load_training_run_returns_the_run_or_every_error(tmp_path):
     assert [e.path for e in caught.value.errors] == ["spec.watchdog.limit", "spec.watchdog.checks"]
 
 
+def test_a_file_of_fleets_only_is_not_a_local_run_and_says_where_fleets_go():
+    with pytest.raises(ManifestError) as caught:
+        load_training_run(REPO / "examples" / "serving-fleet.yaml")
+    (error,) = caught.value.errors
+    assert error.message == ("expected one TrainingRun, found 0 (and RolloutFleet: apply those to a cluster "
+                             "with the rlfleet operator)")
+
+
 def test_validate_cli_exit_status_and_output(tmp_path, capsys):
     assert validate_main([str(REPO / "examples" / "quickstart.yaml"),
                           str(REPO / "examples" / "gpu-megatron.yaml")]) == 0
