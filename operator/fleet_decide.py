@@ -377,7 +377,8 @@ def covers(current: Any, desired: Any) -> bool:
 def decide_router_deployment(fleet: dict, current: dict | None, spec: FleetSpec | None = None, *,
                              follower_image: str = b.DEFAULT_OPERATOR_IMAGE) -> ChildAction | None:
     """Create the fleet's router Deployment, or roll it when its pod template no longer matches the
-    fleet's router spec (image, policy, port, health settings). The trainer follows the new pod."""
+    fleet's router spec (image, policy, port, health settings) or, for a fleet of no run, its engine
+    follower (image, the engines' port). The trainer follows the new pod."""
     desired = b.build_router_deployment(fleet, spec, follower_image=follower_image)
     if current is None:
         return ChildAction("create", desired)

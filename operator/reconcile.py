@@ -239,8 +239,9 @@ async def _write_fleet_children(kube: KubeClient, fleet: dict, spec: FleetSpec, 
                                 router_deployment: dict | None, router_service: bool, network_policy: dict | None,
                                 router_network_policy: dict | None, settings: Settings,
                                 refused: list[Rejection]) -> None:
-    """The fleet's API key Secret (a fleet of no run), engine pods, the router Deployment and Service,
-    the engine and router NetworkPolicies; refusals to `refused`."""
+    """The fleet's API key Secret (a fleet of no run), engine pods, the router Deployment (for a fleet of no
+    run, with its engine follower and, cluster-wide, its account) and Service, the engine and router
+    NetworkPolicies; refusals to `refused`."""
     router = decide_router_deployment(fleet, router_deployment, spec, follower_image=settings.follower_image)
     if not b.owning_run(fleet, spec) and (plan.create or (router is not None and router.verb == "create")):
         # A fleet of no run holds its own key (a run's fleets get theirs from the run, before they exist).
