@@ -35,6 +35,8 @@ ANN_ENGINE_SPEC = f"{GROUP}/engine-spec"
 
 MANAGER = "rlfleet-operator"
 ROUTER_METRICS_PORT = 29000
+# A fleet of no run's engine follower (in its router pod) answers its readiness probe here.
+FOLLOWER_HEALTH_PORT = 29001
 ENGINE_CONTAINER = "engine"
 TRAINER_SERVICE_ACCOUNT = "rlfleet-trainer"
 ROUTER_SERVICE_ACCOUNT = "rlfleet-router"  # a fleet of no run's router: reads pods to discover its engines

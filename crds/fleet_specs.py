@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from rlfleet.crds import k8s_values as kv
-from rlfleet.crds.conventions import ROUTER_METRICS_PORT
+from rlfleet.crds.conventions import FOLLOWER_HEALTH_PORT, ROUTER_METRICS_PORT
 from rlfleet.crds.rules import Rule
 from rlfleet.crds.specs import (
     DEFAULT_WAIT_ALL_ALIVE_S,
@@ -55,10 +55,11 @@ class RouterSpec(ApiModel):
 
     cel_rules = (
         Rule(
-            cel=f"self.port != {ROUTER_METRICS_PORT}",
-            check=lambda s: s.port != ROUTER_METRICS_PORT,
+            cel=f"self.port != {ROUTER_METRICS_PORT} && self.port != {FOLLOWER_HEALTH_PORT}",
+            check=lambda s: s.port not in (ROUTER_METRICS_PORT, FOLLOWER_HEALTH_PORT),
             field="port",
-            message=f"port {ROUTER_METRICS_PORT} is the router's metrics port; choose another",
+            message=f"ports {ROUTER_METRICS_PORT} and {FOLLOWER_HEALTH_PORT} are taken in the router pod (its "
+                    "metrics, its engine follower's health); choose another",
         ),
     )
 

@@ -36,6 +36,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     DEFAULT_OPERATOR_IMAGE,
     DEFAULT_RLFLEET_IMAGE,
     ENGINE_CONTAINER,
+    FOLLOWER_HEALTH_PORT,
     GROUP,
     LABEL_CLIENT,
     LABEL_COMPONENT,
@@ -351,8 +352,13 @@ def _engine_follower(fleet: dict, spec: FleetSpec, image: str) -> dict:
         "image": image,
         "command": ["rlfleet", "follow-engines", "--namespace", meta["namespace"], "--fleet", meta["name"],
                     "--fleet-uid", meta["uid"], "--engine-port", str(spec.engine.port),
-                    "--router", f"http://$({ReservedEnv.POD_IP}):{spec.router.port}"],
+                    "--router", f"http://$({ReservedEnv.POD_IP}):{spec.router.port}",
+                    "--health-host", f"$({ReservedEnv.POD_IP})", "--health-port", str(FOLLOWER_HEALTH_PORT)],
         "env": [*_downward_env(), api_key_env(meta["name"])],
+        "ports": [{"name": "follower", "containerPort": FOLLOWER_HEALTH_PORT, "protocol": "TCP"}],
+        # Unready while it cannot keep the router's workers (no account, router down): the pod shows 1/2.
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "follower"}, "periodSeconds": 5,
+                           "timeoutSeconds": 5, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "10m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
         **_TERMINATION,
     })

@@ -34,6 +34,19 @@ from rlfleet.sglang.router import RouterClient
 log = logging.getLogger(__name__)
 
 PROBLEM_LOG_EVERY_S = 30.0  # the same failure (router not up yet, API server away) is logged this often
+STALE_AFTER_INTERVALS = 3  # not ready when no reconcile succeeded in this many intervals (and 15 s)
+
+
+def follower_ready(last_success: float | None, now: float, *, interval_s: float,
+                   problem: str | None) -> tuple[bool, str]:
+    """Pure: whether the follower keeps its router up to date (its container's readiness), and why not.
+    A follower that cannot read the pods (no account, a Role without pods) or reach its router makes its
+    pod unready, where `kubectl get pods` shows it, instead of a router silently routing to nothing."""
+    stale_after = max(STALE_AFTER_INTERVALS * interval_s, 15.0)
+    if last_success is not None and now - last_success <= stale_after:
+        return True, "the router's workers are the fleet's Ready engines"
+    since = "never" if last_success is None else f"not for {now - last_success:.0f} s"
+    return False, f"the router's workers were reconciled {since}: {problem or 'no pod list yet'}"
 
 
 def routable_engine_urls(pods: Iterable[dict], *, fleet_uid: str, port: int) -> list[str]:
@@ -68,6 +81,13 @@ class EngineFollower:
         self._pods: dict[str, dict] = {}  # pod UID -> pod, as last seen
         self._changed = asyncio.Event()
         self._last_problem: tuple[str, float] | None = None
+        self._listed = False  # a first pod list arrived: until then an empty router is not yet known right
+        self.last_success: float | None = None  # the loop's clock
+        self.problem: str | None = None
+
+    def ready(self) -> tuple[bool, str]:
+        return follower_ready(self.last_success, asyncio.get_running_loop().time(), interval_s=self.interval_s,
+                              problem=self.problem)
 
     async def run(self) -> None:
         """Watch and reconcile until cancelled."""
@@ -80,6 +100,7 @@ class EngineFollower:
 
     async def _on_list(self, items: list[dict]) -> None:
         self._pods = {p["metadata"]["uid"]: p for p in items}
+        self._listed = True
         self._changed.set()
 
     async def _on_event(self, kind: str, pod: dict) -> None:
@@ -100,6 +121,8 @@ class EngineFollower:
                 pass
             self._changed.clear()
             started = loop.time()
+            if not self._listed:
+                continue  # the watch reports why (on_error)
             try:
                 await self.reconcile()
             except (CallError, ApiError, OSError) as e:
@@ -118,10 +141,12 @@ class EngineFollower:
             await self.router.remove_worker(worker.id)
             log.info("router %s: removed %s (no Ready engine pod of fleet %s/%s has it)", self.router.base_url,
                      worker.url, self.fleet.namespace, self.fleet.name)
-        self._last_problem = None
+        self._last_problem, self.problem = None, None
+        self.last_success = asyncio.get_running_loop().time()
         return list(plan.add), [w.url for w in plan.remove]
 
     def _problem(self, message: str) -> None:
+        self.problem = message
         now = asyncio.get_running_loop().time()
         last = self._last_problem
         if last is None or last[0] != message or now - last[1] >= PROBLEM_LOG_EVERY_S:

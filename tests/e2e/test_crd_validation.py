@@ -317,7 +317,9 @@ BAD_INPUT: list[Case] = [
          "spec.rollout.router.image", "should match"),
     # Ports that collide with managed ones.
     Case("router-port-is-metrics-port", spec({"rollout": {"router": {"port": 29000}}}), "spec.rollout.router.port",
-         "the router's metrics port"),
+         "are taken in the router pod"),
+    Case("router-port-is-follower-health-port", spec({"rollout": {"router": {"port": 29001}}}),
+         "spec.rollout.router.port", "its engine follower's health"),
     # Mount paths, claims, storage classes, sizes.
     Case("mount-path-relative", spec({"weightSync": {"mountPath": "snapshots"}}), "spec.weightSync.mountPath",
          "should match"),

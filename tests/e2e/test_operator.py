@@ -732,6 +732,15 @@ def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a
         key = fleet_api_key(cp, "rf-u", NS)
         wait_for(lambda: routed_to_only(before), timeout=60, what="the router to route to the engine",
                  context=lambda: diagnostics(cp, node_agent, operator))
+
+        def containers_ready() -> dict[str, bool]:
+            (router,) = get_json(cp, "pods", "-l", "app.kubernetes.io/component=router,rlfleet.io/fleet=rf-u",
+                                 namespace=NS)["items"]
+            return {s["name"]: s["ready"] for s in router["status"].get("containerStatuses", [])}
+
+        # Both containers Ready: the router, and the follower keeping its workers (its own probe).
+        wait_for(lambda: containers_ready() == {"router": True, "engine-follower": True}, timeout=30,
+                 what="the router pod's two containers to be Ready", context=containers_ready)
         assert generate_through_router(cp, "rf-u", key)["meta_info"]["completion_tokens"] == 3
         health = {"intervalSeconds": 2, "timeoutSeconds": 3, "failureThreshold": 2, "startupTimeoutSeconds": 600}
         cp.kubectl("patch", "rolloutfleet", "rf-u", "-n", NS, "--type", "merge", "-p", json.dumps(

@@ -227,6 +227,11 @@ def test_a_fleet_of_no_runs_router_pod_follows_its_engine_pods_and_a_runs_does_n
     assert arg("--router") == f"http://$(POD_IP):{router_port}"
     assert router["command"][router["command"].index("--host") + 1] == "$(POD_IP)"  # the router binds the pod IP
     assert _key_env(follower) == _key_env(router)
+    assert (arg("--health-host"), arg("--health-port")) == ("$(POD_IP)", "29001")
+    probe = follower["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/ready" and [p["containerPort"] for p in follower["ports"] if p["name"] == probe[
+        "port"]] == [29001]
+    assert 29001 not in [p["containerPort"] for p in router["ports"]]
     assert {e["name"] for e in follower["env"]} >= {"POD_IP", "RLFLEET_API_KEY"}
 
     owned = b.build_rollout_fleet(run())

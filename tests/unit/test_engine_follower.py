@@ -37,3 +37,16 @@ def test_a_new_pod_on_a_reused_ip_is_routed_to_and_nothing_else_is():
     new = pod("f-engine-0b", "10.0.0.1")
     assert routable_engine_urls([old, new], fleet_uid=FLEET_UID, port=8000) == ["http://10.0.0.1:8000"]
     assert routable_engine_urls([old], fleet_uid=FLEET_UID, port=8000) == []
+
+
+def test_the_follower_is_ready_while_its_reconciles_succeed_and_says_why_not():
+    from rlfleet.orchestrator.fleet.engine_follower import follower_ready
+
+    assert follower_ready(100.0, 110.0, interval_s=5, problem=None)[0] is True
+    assert follower_ready(100.0, 115.0, interval_s=5, problem=None)[0] is True  # 3 intervals, at least 15 s
+    ok, why = follower_ready(100.0, 116.0, interval_s=5, problem="watching the engine pods: 403 Forbidden")
+    assert not ok and why == ("the router's workers were reconciled not for 16 s: watching the engine pods: "
+                              "403 Forbidden")
+    ok, why = follower_ready(None, 3.0, interval_s=5, problem=None)
+    assert not ok and why == "the router's workers were reconciled never: no pod list yet"
+    assert follower_ready(100.0, 159.0, interval_s=20, problem=None)[0] is True  # 3 x 20 s
