@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -94,10 +94,16 @@ class EngineTemplateSpec(EngineSpec):
 class RolloutTemplateSpec(ApiModel):
     """The rollout fleet of a TrainingRun: the operator creates a RolloutFleet from it."""
 
-    replicas: int = Field(1, ge=1, le=4096, description="Number of rollout engines.")
+    replicas: int = Field(
+        1, ge=1, le=4096,
+        description="Number of rollout engines. May change while the run runs (kubectl patch/apply/edit): the "
+        "fleet follows; an added engine gets the current weights at the next weight sync before the router sends "
+        "it work, a removed one leaves the router at once.",
+    )
     min_ready_engines: int = Field(
         1, ge=1, le=4096,
-        description="The run goes on while at least this many engines serve; below it, it waits and recovers."
+        description="The run goes on while at least this many engines serve; below it, it waits and recovers. "
+        "May change while the run runs."
     )
     engine: EngineTemplateSpec = Field(default_factory=EngineTemplateSpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
@@ -123,7 +129,10 @@ class RolloutTemplateSpec(ApiModel):
         "settings); false: it starts again from scratch.",
     )
 
-    cel_rules = (MIN_READY_RULE,)
+    cel_rules: ClassVar[tuple[Rule, ...]] = (MIN_READY_RULE,)
+    # Fields a running run follows (the operator scales its RolloutFleet, the trainer's orchestrator follows
+    # the fleet); the rest is read by the trainer and the engines when they start.
+    LIVE_FIELDS: ClassVar[frozenset[str]] = frozenset({"replicas", "min_ready_engines"})
 
 
 class SnapshotMountSpec(ApiModel):

@@ -228,6 +228,9 @@ FIXED_MESSAGE = ("{what} is fixed once the run exists: the run's trainer and orc
 TrainerSpec.cel_rules = (*TrainerSpec.cel_rules, fixed_except(
     TrainerSpec, TrainerSpec.LIVE_FIELDS | {"backend", "nodes"},
     message=FIXED_MESSAGE.format(what="spec.trainer (all but maxRestarts)")))
+RolloutTemplateSpec.cel_rules = (*RolloutTemplateSpec.cel_rules, fixed_except(
+    RolloutTemplateSpec, RolloutTemplateSpec.LIVE_FIELDS,
+    message=FIXED_MESSAGE.format(what="spec.rollout (all but replicas and minReadyEngines)")))
 
 
 class TrainingRunSpec(ApiModel):
@@ -308,7 +311,7 @@ class TrainingRunSpec(ApiModel):
         ),
         immutable("modelPath", "model_path"),
         *(immutable(alias, name, message=FIXED_MESSAGE.format(what=f"spec.{alias}")) for name, alias in (
-            ("rollout", "rollout"), ("watchdog", "watchdog"), ("heat_guard", "heatGuard"),
+            ("watchdog", "watchdog"), ("heat_guard", "heatGuard"),
             ("weight_sync", "weightSync"), ("eval", "eval"), ("metrics_port", "metricsPort"),
             ("checkpoint", "checkpoint"), ("tracking", "tracking"))),
     )

@@ -1,6 +1,7 @@
 """The fleet backend interface, and the slot bookkeeping both backends share.
 
-A fleet is a fixed number of engine slots. Each slot runs one engine incarnation at a time; when an
+A fleet is a number of engine slots (fixed for a local fleet; a run's Kubernetes fleet follows the
+run's spec.rollout.replicas, see `FleetResize`). Each slot runs one engine incarnation at a time; when an
 incarnation dies the slot is recreated (a new incarnation, a new URL) within the restart budgets of
 RecoverySpec. `FleetBackend` is what the orchestrator talks to; the local backend (processes) and
 the Kubernetes backend (pods, via the operator) implement it. `SlotFleetBackend` holds the shared
@@ -17,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.observability import metrics
@@ -78,7 +79,22 @@ class DeathEvent:
     started_at: float | None = None  # event-loop clock when the incarnation was launched
 
 
-DeathListener = Callable[[DeathEvent], Coroutine[Any, Any, None] | None]
+@dataclass(frozen=True)
+class FleetResize:
+    """The fleet's number of slots changed (the fleet was scaled). Slots `replicas` .. `replicas_before` - 1
+    are gone: their engines (`retired`, as last seen) leave the router; they are not deaths."""
+
+    fleet: str
+    replicas_before: int
+    replicas: int
+    min_ready: int
+    retired: tuple[EngineSlot, ...] = ()
+
+
+E = TypeVar("E")
+Listener = Callable[[E], Coroutine[Any, Any, None] | None]
+DeathListener = Listener[DeathEvent]
+ResizeListener = Listener[FleetResize]
 
 
 def fleet_not_ready(backend: FleetBackend, alive: int, waited_s: float) -> FleetNotReady:
@@ -89,16 +105,17 @@ def fleet_not_ready(backend: FleetBackend, alive: int, waited_s: float) -> Fleet
                          f"{waited_s:g} s, minReadyEngines={backend.min_ready}; {states}")
 
 
-class DeathListeners:
-    """Who hears of deaths: every backend's `subscribe` and its emit. A listener may be sync or async;
-    async ones run as tasks (a death is reported without waiting for router removals), and one that
-    fails is logged without keeping the others from hearing."""
+class Listeners(Generic[E]):
+    """Who hears of a backend's events (deaths, resizes): `subscribe` and `emit`. A listener may be sync
+    or async; async ones run as tasks (a death is reported without waiting for router removals), and
+    one that fails is logged without keeping the others from hearing."""
 
-    def __init__(self) -> None:
-        self._listeners: list[DeathListener] = []
+    def __init__(self, what: str) -> None:
+        self.what = what  # for the log: "death", "resize"
+        self._listeners: list[Listener[E]] = []
         self._tasks: set[asyncio.Task] = set()
 
-    def subscribe(self, listener: DeathListener) -> Callable[[], None]:
+    def subscribe(self, listener: Listener[E]) -> Callable[[], None]:
         self._listeners.append(listener)
 
         def unsubscribe() -> None:
@@ -107,12 +124,12 @@ class DeathListeners:
 
         return unsubscribe
 
-    def emit(self, event: DeathEvent) -> None:
+    def emit(self, event: E) -> None:
         for listener in list(self._listeners):
             try:
                 result = listener(event)
             except Exception:
-                log.exception("death listener failed for slot %d", event.slot)
+                log.exception("%s listener failed for %r", self.what, event)
                 continue
             if inspect.iscoroutine(result):
                 task = asyncio.create_task(result)
@@ -122,12 +139,16 @@ class DeathListeners:
     def _done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("death listener failed: %r", task.exception())
+            log.error("%s listener failed: %r", self.what, task.exception())
 
     async def drain(self) -> None:
         """Wait for listeners already running (router removals, ...)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def death_listeners() -> Listeners[DeathEvent]:
+    return Listeners("death")
 
 
 class FleetBackend(ABC):
@@ -176,6 +197,11 @@ class FleetBackend(ABC):
     @abstractmethod
     def subscribe(self, listener: DeathListener) -> Callable[[], None]:
         """Call `listener(event)` for every death; returns the unsubscribe function."""
+
+    def subscribe_resize(self, listener: ResizeListener) -> Callable[[], None]:
+        """Call `listener(event)` whenever the number of slots changes; returns the unsubscribe function.
+        A fleet of fixed size (a local one) never resizes."""
+        return lambda: None
 
     @abstractmethod
     def record_weight_version(self, slot: int, incarnation: int, version: str) -> None:
@@ -234,7 +260,7 @@ class SlotFleetBackend(FleetBackend):
         self.min_ready = min_ready
         self._slots = {n: SlotRecord(slot=n) for n in range(replicas)}
         self._run_restarts = 0
-        self._deaths = DeathListeners()
+        self._deaths = death_listeners()
         self._changed = asyncio.Event()
         self._recover_lock = asyncio.Lock()
         self._failure: FleetFailed | None = None

@@ -13,6 +13,10 @@ Same interface as the local backend (`FleetBackend`); the difference is who acts
 - an incarnation is one pod: its number is the pod's `rlfleet.io/restarts` annotation + 1;
 - `wait_all_alive` waits until every slot that is not given up has a Ready pod (its readiness probe
   passed), bounded; the weight sync then pins the current weights on it;
+- the number of slots and minReadyEngines follow the fleet's spec (a run's follows the run's
+  spec.rollout, which may change while it runs): a slot added is starting until its first pod is Ready
+  and gets the current weights at the next sync, like a replacement; a slot scaled away leaves at once
+  (`FleetResize` to the listeners: out of the router, no longer probed), and its pod's end is no death;
 - the fleet's `Failed` condition (set by the operator on a crash loop) becomes `FleetFailed` with the
   operator's message, which quotes the engine's last log lines;
 - `record_weight_version` also writes the version into the slot's mark, so the fleet status shows every
@@ -51,10 +55,13 @@ from rlfleet.orchestrator.fleet.backend import (
     DeathCause,
     DeathEvent,
     DeathListener,
-    DeathListeners,
     EngineSlot,
     EngineState,
     FleetBackend,
+    FleetResize,
+    Listeners,
+    ResizeListener,
+    death_listeners,
     fleet_not_ready,
 )
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
@@ -66,15 +73,20 @@ WATCH_READY_TIMEOUT_S = 30.0
 
 
 def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, marked_dead: int | None,
-              weight_version: str | None, mark: dict | None = None) -> EngineSlot:
+              weight_version: str | None, mark: dict | None = None, had_pod: bool = True) -> EngineSlot:
     """One slot as the orchestrator sees it, from its pod, the operator's status entry and the
-    orchestrator's mark of the pod (`mark`). Pure."""
+    orchestrator's mark of the pod (`mark`); `had_pod`: whether a pod of the slot was ever seen. Pure."""
     entry = entry or {}
     failure = (entry.get("lastFailure") or {})
     last_failure = f"{failure.get('reason')}: {failure.get('message', '')}".strip() if failure else None
     if pod is None:
         restarts = int(entry.get("restarts") or 0)
-        state = EngineState.FAILED if entry.get("state") == "Failed" else EngineState.DEAD
+        if entry.get("state") == "Failed":
+            state = EngineState.FAILED
+        elif not had_pod and restarts == 0 and entry.get("state") in (None, "New", "Pending"):
+            state = EngineState.STARTING  # its first pod is not created yet (the fleet's start, a scale-up)
+        else:
+            state = EngineState.DEAD
         return EngineSlot(slot=slot, url=None, state=state, incarnation=restarts, restarts=restarts,
                           last_failure=last_failure, exit_code=failure.get("exitCode"))
     view = view_pod(pod, mark)
@@ -144,8 +156,11 @@ class KubernetesBackend(FleetBackend):
         self._versions: dict[tuple[int, int], str] = {}
         self._loaded: dict[int, int] = {}  # slot -> incarnation a wait_all_alive handed out (weights loaded next)
         self._marks: dict[int, dict] = {}  # slot -> the whole mark last set here (written to the fleet status)
+        self._retired_uids: set[str] = set()  # pods of slots scaled away
+        self._had_pod: set[int] = set()  # slots where a pod was seen (since the slot was added)
         self._mark_lock = asyncio.Lock()  # one mark write at a time, each sending the latest marks
-        self._deaths = DeathListeners()
+        self._deaths = death_listeners()
+        self._resizes: Listeners[FleetResize] = Listeners("resize")
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
@@ -191,11 +206,14 @@ class KubernetesBackend(FleetBackend):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._deaths.drain()
+        await self._resizes.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
 
     def _slot_of(self, pod: dict) -> int | None:
         if not owned_by(pod, self.fleet_uid):
             return None  # labelled as one of the fleet's engines, but not the operator's pod
+        if pod["metadata"].get("uid") in self._retired_uids:
+            return None  # its slot was scaled away
         view = view_pod(pod)
         if view.slot is None or view.name != conventions.engine_pod_name(self.fleet, view.slot):
             return None
@@ -227,16 +245,54 @@ class KubernetesBackend(FleetBackend):
     async def _on_fleets_listed(self, fleets: list[dict]) -> None:
         if fleets:
             self._status = fleets[0].get("status") or {}
+            self._follow_spec(fleets[0].get("spec") or {})
         self._fleet_listed.set()
         self._notify()
 
     async def _on_fleet_event(self, kind: str, fleet: dict) -> None:
         if kind != "DELETED":
             self._status = fleet.get("status") or {}
+            self._follow_spec(fleet.get("spec") or {})
         self._notify()
+
+    def _follow_spec(self, spec: dict) -> None:
+        """Take the fleet's number of slots and minReadyEngines from its spec; a change of the number is
+        a `FleetResize` to the listeners (the retired slots' engines as last seen)."""
+        replicas = spec.get("replicas", self.replicas)
+        min_ready = spec.get("minReadyEngines", self.min_ready)
+        if not isinstance(replicas, int) or not isinstance(min_ready, int) or replicas < 0:
+            log.warning("fleet %s: ignoring a spec of replicas %r, minReadyEngines %r", self.fleet, replicas,
+                        min_ready)
+            return
+        before = self.replicas
+        retired = tuple(self.engines()[replicas:]) if replicas < before else ()
+        self.replicas, self.min_ready = replicas, min(min_ready, replicas)
+        if replicas == before:
+            return
+        if retired:
+            self._forget_slots(range(replicas, before))
+        log.info("fleet %s scaled from %d to %d engine slots (minReadyEngines %d)", self.fleet, before, replicas,
+                 self.min_ready)
+        self._resizes.emit(FleetResize(fleet=self.fleet, replicas_before=before, replicas=replicas,
+                                       min_ready=self.min_ready, retired=retired))
+
+    def _forget_slots(self, slots: range) -> None:
+        """Slots scaled away: their pods are never the slot's again (a slot added back starts afresh, its
+        incarnations counted from 1 again), and what was recorded of them goes."""
+        for slot in slots:
+            if (pod := self._pods.pop(slot, None)) is not None:
+                self._retired_uids.add(pod["metadata"]["uid"])
+            for record in (self._loaded, self._marked, self._marks):
+                record.pop(slot, None)
+            self._had_pod.discard(slot)
+        gone = set(slots)
+        self._reported = {key for key in self._reported if key[0] not in gone}
+        self._seen_ready = {key for key in self._seen_ready if key[0] not in gone}
+        self._versions = {key: v for key, v in self._versions.items() if key[0] not in gone}
 
     def _observe(self, slot: int, pod: dict | None, deleted: dict | None = None) -> None:
         """Emit a death the moment a pod's container terminates or the pod disappears."""
+        self._had_pod.add(slot)
         if pod is not None:
             view = view_pod(pod)
             inc = view.restarts + 1
@@ -254,8 +310,8 @@ class KubernetesBackend(FleetBackend):
             self._emit(slot, view.restarts + 1, view.pod_ip, DeathCause.EXITED, f"pod {view.name} deleted")
 
     def _emit(self, slot: int, incarnation: int, pod_ip: str | None, cause: DeathCause, reason: str) -> None:
-        if (slot, incarnation) in self._reported:
-            return
+        if (slot, incarnation) in self._reported or slot >= self.replicas:
+            return  # reported already, or a slot scaled away (its pod ending is no death)
         self._reported.add((slot, incarnation))
         url = f"http://{pod_ip}:{self.port}" if pod_ip else None
         from rlfleet.observability import metrics
@@ -280,7 +336,7 @@ class KubernetesBackend(FleetBackend):
             inc = view_pod(pod).restarts + 1 if pod else None
             views.append(slot_view(slot, pod, entries.get(slot), port=self.port, marked_dead=self._marked.get(slot),
                                    weight_version=self._versions.get((slot, inc)) if inc else None,
-                                   mark=mark_of(pod, marks, slot) if pod else None))
+                                   mark=mark_of(pod, marks, slot) if pod else None, had_pod=slot in self._had_pod))
         return views
 
     @property
@@ -290,10 +346,15 @@ class KubernetesBackend(FleetBackend):
     def subscribe(self, listener: DeathListener) -> Callable[[], None]:
         return self._deaths.subscribe(listener)
 
+    def subscribe_resize(self, listener: ResizeListener) -> Callable[[], None]:
+        return self._resizes.subscribe(listener)
+
     async def mark_dead(self, slot: int, reason: str, *, cause: DeathCause = DeathCause.REQUESTED,
                         incarnation: int | None = None) -> bool:
-        if not 0 <= slot < self.replicas:
+        if slot < 0:
             raise KeyError(f"fleet {self.fleet} has no slot {slot}")
+        if slot >= self.replicas:
+            return False  # scaled away meanwhile (a probe or a call was under way): nothing to mark
         view = self.engines()[slot]
         if incarnation is not None and incarnation != view.incarnation:
             return False

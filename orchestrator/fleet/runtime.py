@@ -3,7 +3,8 @@
 - The monitor probes the backend's alive engines and marks the dead through the backend; a refused
   connection (nothing listens: the process is gone) is a death at once.
 - Every death (probe, process exit, failed load) reaches the membership at once, which removes the
-  engine from the router, and the monitor, which stops probing that incarnation.
+  engine from the router, and the monitor, which stops probing that incarnation. So does every engine
+  of a slot scaled away (a resize of a Kubernetes fleet); a slot added is admitted by the next sync.
 - Weight syncs pause the monitor, recover, load, read back and admit replacements.
 - The heat guard (optional, orchestrator/guards/heat_guard.py `heat_guard_for`) pauses hot engines;
   the monitor holds their probes meanwhile.
@@ -19,7 +20,7 @@ from typing import Any
 import aiohttp
 
 from rlfleet.crds.specs import HealthSpec, WeightSyncSpec
-from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend
+from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend, FleetResize
 from rlfleet.orchestrator.fleet.membership import RouterMembership
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
@@ -58,7 +59,7 @@ class FleetRuntime:
         self.weights: WeightSync | None = None
         self.router: RouterClient | None = None
         self.router_restarts = 0  # restarts (or replacements) of the fleet's router seen so far
-        self._unsubscribe: Callable[[], None] | None = None
+        self._unsubscribe: list[Callable[[], None]] = []
 
     def engine_client(self, url: str) -> EngineClient:
         assert self.session is not None, "FleetRuntime not started"
@@ -76,6 +77,14 @@ class FleetRuntime:
         assert self.monitor is not None and self.membership is not None
         self.monitor.forget(event.slot, event.incarnation)
         await self.membership.on_death(event)
+
+    async def _on_resize(self, event: FleetResize) -> None:
+        assert self.monitor is not None and self.membership is not None
+        for engine in event.retired:
+            self.monitor.forget(engine.slot, engine.incarnation)
+            if engine.url:
+                await self.membership.evict(engine.url, reason=f"slot {engine.slot} scaled away "
+                                            f"({event.replicas_before} -> {event.replicas} engines)")
 
     def _alive_urls(self) -> list[str]:
         return [e.url for e in self.backend.engines() if e.state is EngineState.ALIVE and e.url]
@@ -101,7 +110,7 @@ class FleetRuntime:
                                   broadcast_device=self._broadcast_device,
                                   engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
                                   engine_dtype=self._engine_dtype)
-        self._unsubscribe = self.backend.subscribe(self._on_death)
+        self._unsubscribe = [self.backend.subscribe(self._on_death), self.backend.subscribe_resize(self._on_resize)]
         await self.backend.start()
         await self.monitor.start()
         await self.membership.start()
@@ -175,8 +184,8 @@ class FleetRuntime:
                 await self.monitor.stop()
             if self.membership is not None:
                 await self.membership.stop()
-            if self._unsubscribe is not None:
-                self._unsubscribe()
+            for unsubscribe in self._unsubscribe:
+                unsubscribe()
         finally:
             try:
                 await self.backend.stop()

@@ -336,6 +336,26 @@ def heat_slot(fleet: str, slot: int) -> str:
     return f"{fleet}-{slot}"
 
 
+@dataclass(frozen=True)
+class EnginePodSlots:
+    """A fleet's engine pod `<fleet>-engine-<n>` -> its heat-guard slot `<fleet>-<n>`, whatever the number of
+    slots (a run's rollout fleet may be scaled while the guard runs)."""
+
+    fleet: str
+
+    def get(self, pod: str, /) -> str | None:
+        slot = slot_of_name(pod, engine_pod_name(self.fleet, 0).removesuffix("0"))
+        return None if slot is None else heat_slot(self.fleet, slot)
+
+
+def slot_of_name(name: str, prefix: str) -> int | None:
+    """n of `<prefix><n>` (a slot number as the project writes it: no sign, no leading zero), else None."""
+    rest = name.removeprefix(prefix)
+    if rest == name or not rest.isascii() or not rest.isdigit() or (rest != "0" and rest.startswith("0")):
+        return None
+    return int(rest)
+
+
 def slot_by_gpu_index(fleet: str, replicas: int, *, gpus_per_engine: int = 1,
                       gpu_bases: Sequence[int] = ()) -> dict[int, str]:
     """The GPU the heat guard reads for each slot (its first), by index: `gpu_bases` where the run placed
@@ -405,7 +425,7 @@ def dcgm_keys(fleet: str, replicas: int, placement: EnginePlacement, *, promethe
     """Which DCGM samples are which slot's: by the engine pod's name on Kubernetes (as a Prometheus stores
     the exporter's labels when `prometheus`), else by GPU."""
     if isinstance(placement, EnginePods):
-        slots = {engine_pod_name(fleet, slot): heat_slot(fleet, slot) for slot in range(replicas)}
+        slots = EnginePodSlots(fleet)
         if prometheus:
             return SlotsByPod(slots, namespace=placement.namespace, pod_labels=PROMETHEUS_POD_LABELS,
                               namespace_labels=PROMETHEUS_NAMESPACE_LABELS)
@@ -444,7 +464,13 @@ def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, placement: Eng
     `placement`: where the engines run, so the source reads their GPUs (HeatGuardSetupError if it cannot)."""
     assert runtime.session is not None and runtime.monitor is not None, "FleetRuntime not started"
     backend, session, monitor = runtime.backend, runtime.session, runtime.monitor
-    slots = {heat_slot(runtime.fleet, slot): slot for slot in range(backend.replicas)}
+    prefix = heat_slot(runtime.fleet, 0).removesuffix("0")
+
+    def slot_number(name: str) -> int:
+        slot = slot_of_name(name, prefix)
+        assert slot is not None, f"{name} is not a heat-guard slot of fleet {runtime.fleet}"
+        return slot
+
     source = build_heat_source(spec, runtime.fleet, backend.replicas, placement, session=session)
 
     def engines() -> dict[str, str]:
@@ -452,5 +478,5 @@ def heat_guard_for(runtime: FleetRuntime, spec: HeatGuardSpec, *, placement: Eng
                 if e.state is EngineState.ALIVE and e.url}
 
     return HeatGuardTask(spec, source, engines=engines, call_engine=functools.partial(post_engine_action, session),
-                         fleet=runtime.fleet, on_pause=lambda name: monitor.hold(slots[name], "heat guard pause"),
-                         on_resume=lambda name: monitor.release(slots[name]), on_event=on_event)
+                         fleet=runtime.fleet, on_pause=lambda name: monitor.hold(slot_number(name), "heat guard pause"),
+                         on_resume=lambda name: monitor.release(slot_number(name)), on_event=on_event)

@@ -207,12 +207,18 @@ class SlotsByGpu:
         return _assign([(f"gpu {s.labels.get('gpu', '?')}", self.slot_of(s.labels), s.celsius) for s in samples])
 
 
+class PodSlots(Protocol):
+    """Which slot a pod is (None: not an engine of the fleet): a mapping, or a rule over pod names."""
+
+    def get(self, pod: str, /) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class SlotsByPod:
     """Kubernetes: each sample's pod (dcgm-exporter's pod mapping) -> slot; samples of another namespace,
     when the exporter names one, are not ours."""
 
-    slot_by_pod: Mapping[str, str]
+    slot_by_pod: PodSlots
     namespace: str | None = None
     pod_labels: tuple[str, ...] = DCGM_POD_LABELS  # the labels naming a sample's pod, first found wins
     namespace_labels: tuple[str, ...] = DCGM_NAMESPACE_LABELS

@@ -87,6 +87,8 @@ class RolloutProducer:
         self._in_flight = 0
         self._idle = asyncio.Condition()
         self._task: asyncio.Task | None = None
+        self._workers: asyncio.TaskGroup | None = None
+        self._live: set[int] = set()  # indices of the workers running
         self.failures: list[RolloutRequestFailed] = []
         self.lost_in_a_row = 0
 
@@ -109,6 +111,16 @@ class RolloutProducer:
     def resume(self) -> None:
         self._running.set()
 
+    def set_concurrency(self, groups: int) -> None:
+        """Generate `groups` groups at once from now on (the fleet was scaled): missing workers start at
+        once, surplus ones stop after the group they are generating (nothing is cut short)."""
+        if groups < 1:
+            raise ValueError(f"concurrency must be >= 1, got {groups}")
+        self.concurrency = groups
+        for index in range(groups):
+            if index not in self._live:
+                self._spawn(index)
+
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
@@ -119,32 +131,52 @@ class RolloutProducer:
     # --- work --------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        async with asyncio.TaskGroup() as workers:
-            for i in range(self.concurrency):
-                workers.create_task(self._worker(), name=f"rollout-worker-{i}")
+        try:
+            async with asyncio.TaskGroup() as workers:
+                self._workers = workers
+                for index in range(self.concurrency):
+                    self._spawn(index)
+        finally:
+            self._workers = None
 
-    async def _worker(self) -> None:
-        while True:
-            await self._running.wait()
-            prompt, answer = next(self.prompts)
-            group_id = f"{self.run_id}-g{next(self._group_ids)}"
-            self._in_flight += 1
-            self.stats.groups_started += 1
-            try:
-                group = await self._generate_group(group_id, prompt, answer)
-            finally:
-                # In flight means "engines are working on it"; a finished group waiting for room in
-                # the queue does not hold up pause().
-                self._in_flight -= 1
-                async with self._idle:
-                    self._idle.notify_all()
-            if group is not None:
-                self.lost_in_a_row = 0
-                await self.queue.put(group)
-            else:
-                self.lost_in_a_row += 1
-                await asyncio.sleep(exponential_backoff(self.lost_in_a_row - 1, LOST_GROUP_BACKOFF_BASE_S,
-                                                        LOST_GROUP_BACKOFF_MAX_S))
+    def _spawn(self, index: int) -> None:
+        if self._workers is None:
+            return  # not started (or stopped): `_run` starts as many as `concurrency` says
+        self._live.add(index)
+        self._workers.create_task(self._worker(index), name=f"rollout-worker-{index}")
+
+    async def _worker(self, index: int) -> None:
+        try:
+            while await self._next_group_allowed(index):
+                await self._one_group()
+        finally:
+            self._live.discard(index)
+
+    async def _next_group_allowed(self, index: int) -> bool:
+        """Wait until groups may start; False once this worker is one too many (the fleet shrank)."""
+        await self._running.wait()
+        return index < self.concurrency
+
+    async def _one_group(self) -> None:
+        prompt, answer = next(self.prompts)
+        group_id = f"{self.run_id}-g{next(self._group_ids)}"
+        self._in_flight += 1
+        self.stats.groups_started += 1
+        try:
+            group = await self._generate_group(group_id, prompt, answer)
+        finally:
+            # In flight means "engines are working on it"; a finished group waiting for room in
+            # the queue does not hold up pause().
+            self._in_flight -= 1
+            async with self._idle:
+                self._idle.notify_all()
+        if group is not None:
+            self.lost_in_a_row = 0
+            await self.queue.put(group)
+        else:
+            self.lost_in_a_row += 1
+            await asyncio.sleep(exponential_backoff(self.lost_in_a_row - 1, LOST_GROUP_BACKOFF_BASE_S,
+                                                    LOST_GROUP_BACKOFF_MAX_S))
 
     async def _generate_group(self, group_id: str, prompt: str, answer: str) -> list[Sample] | None:
         prompt_ids = self.encode(prompt)

@@ -35,7 +35,7 @@ from rlfleet.errors import RunError
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.evaluation.run import RunEvaluation
-from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend
+from rlfleet.orchestrator.fleet.backend import DeathEvent, EngineState, FleetBackend, FleetResize
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.fleet.weight_sync import WeightSyncResult
 from rlfleet.orchestrator.guards.heat_guard import (
@@ -211,6 +211,7 @@ class RunLoop:
         self.evaluation: RunEvaluation | None = None
         self.heat: HeatGuardTask | None = None  # spec.heatGuard.enabled
         self._client: RolloutClient | None = None
+        self._producer_running: RolloutProducer | None = None
         self.api_key: str | None = None  # the fleets' key (subclasses set it): every call to them sends it
         # Checkpoints (spec.checkpoint) and where a resumed run starts: the engines launch on the
         # checkpoint's weights, version "<step>" (a fresh run: step_0, "0").
@@ -306,6 +307,7 @@ class RunLoop:
             assert self.backend is not None and self.fleet is not None
             stack.push_async_callback(self.fleet.stop)
             self.backend.subscribe(self._on_death)
+            self.backend.subscribe_resize(self._on_resize)
             await self.fleet.start()
             await self._bring_up(first_start_bound(spec.rollout))
             self._engines_changed()
@@ -338,6 +340,7 @@ class RunLoop:
             self._client = client
             producer = await self._producer(client, trainer)
             producer.start()
+            self._producer_running = producer
             stack.push_async_callback(producer.stop)
             if self.evaluation is not None:  # eval
                 self.evaluation.attach(trainer=trainer, rollout=self.fleet, producer=producer, session=session,
@@ -392,9 +395,7 @@ class RunLoop:
             lambda text: tokenizer.encode(text, add_special_tokens=False),
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings.for_trainer(t, tokenizer.eos_token_id),
-            concurrency=groups_in_flight(requests_per_engine=self.spec.rollout.concurrency_per_engine,
-                                         engines=self.spec.rollout.replicas,
-                                         samples_per_prompt=t.samples_per_prompt, prompts_per_step=t.prompts_per_step),
+            concurrency=self._groups_in_flight(self.backend.replicas if self.backend else self.spec.rollout.replicas),
             queue_groups=2 * t.prompts_per_step, run_id=self.name,
         )
 
@@ -665,6 +666,24 @@ class RunLoop:
         self._event(f"heat_{event.action.value}", slot=event.slot, detail=f"{event.reason}{temp}")
         self.progress.event(f"heat guard: {event.action.value} {event.slot} ({event.reason}{temp})", self.state)
 
+    def _groups_in_flight(self, engines: int) -> int:
+        t = self.spec.trainer
+        return groups_in_flight(requests_per_engine=self.spec.rollout.concurrency_per_engine, engines=engines,
+                                samples_per_prompt=t.samples_per_prompt, prompts_per_step=t.prompts_per_step)
+
+    def _on_resize(self, event: FleetResize) -> None:
+        """The rollout fleet was scaled (the run's spec.rollout.replicas changed): as many groups in flight
+        as the engines take; a new engine serves once the next sync has given it the current weights."""
+        if self._producer_running is not None and event.replicas > 0:
+            self._producer_running.set_concurrency(self._groups_in_flight(event.replicas))
+        self._event("fleet_resized", detail=f"{event.replicas_before} -> {event.replicas} engines, "
+                                            f"minReadyEngines {event.min_ready}")
+        self._engines_changed()
+        added = "; new engines get the current weights at the next sync" if event.replicas > event.replicas_before \
+            else ""
+        self.progress.event(f"rollout fleet scaled from {event.replicas_before} to {event.replicas} engines{added}",
+                            self.state)
+
     def _on_death(self, event: DeathEvent) -> None:
         self.summary.engines_marked_dead += 1
         self._event("engine_dead", slot=str(event.slot), detail=f"{event.cause}: {event.reason[:200]}")
@@ -718,6 +737,8 @@ class RunLoop:
 
     def _engines_changed(self) -> None:
         self.state.engines_ready = self._ready_engines()
+        if self.backend is not None:
+            self.state.engines_total = self.backend.replicas
         self._label_engines()
         self.progress.update(self.state)
 

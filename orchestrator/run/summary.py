@@ -60,14 +60,15 @@ SERIES_FIELDS = ("reward_mean", "reward_std", "loss", "kl_ref", "clip_fraction",
 class RunEvent:
     """Something that happened to the fleet, at the step in progress (0: before the first step)."""
 
-    kind: str  # engine_dead, engine_recreated, heat_pause, heat_resume, watchdog_strike, router_event
+    kind: str  # one of EVENT_KINDS
     step: int
     at: float  # seconds since the run started
     slot: str | None = None
     detail: str = ""
 
 
-EVENT_KINDS = ("engine_dead", "engine_recreated", "heat_pause", "heat_resume", "watchdog_strike", "router_event")
+EVENT_KINDS = ("engine_dead", "engine_recreated", "heat_pause", "heat_resume", "watchdog_strike", "router_event",
+               "fleet_resized")
 
 
 def record_to_dict(s: StepRecord) -> dict[str, Any]:

@@ -428,7 +428,14 @@ UPDATES = [
     # them only at a recreation.
     ("steps-changed", {"trainer": {"steps": 500}}, "spec.trainer", "fixed once the run exists"),
     ("trainer-image-changed", {"trainer": {"image": "example.com/other:1"}}, "spec.trainer", "all but maxRestarts"),
-    ("replicas-changed", {"rollout": {"replicas": 3}}, "spec.rollout", "fixed once the run exists"),
+    ("rollout-engine-changed", {"rollout": {"engine": {"extraArgs": ["--chunked-prefill-size", "512"]}}},
+     "spec.rollout", "all but replicas and minReadyEngines"),
+    ("rollout-retries-changed", {"rollout": {"maxRetries": 5}}, "spec.rollout", "fixed once the run exists"),
+    # The rollout fleet may be scaled while the run runs: the operator scales its RolloutFleet, the
+    # trainer's orchestrator follows the fleet.
+    ("rollout-scaled", {"rollout": {"replicas": 3, "minReadyEngines": 2}}, None, ""),
+    ("rollout-scaled-below-its-minimum", {"rollout": {"replicas": 1, "minReadyEngines": 2}},
+     "spec.rollout.minReadyEngines", "must not exceed replicas"),
     ("weight-sync-mode-changed", {"weightSync": {"mode": "broadcast"}}, "spec.weightSync", "fixed"),
     ("watchdog-changed", {"watchdog": {"checks": 7}}, "spec.watchdog", "fixed"),
     ("heat-guard-changed", {"heatGuard": {"pauseAtC": 80}}, "spec.heatGuard", "fixed"),

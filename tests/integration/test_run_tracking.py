@@ -25,7 +25,8 @@ from helpers.wandb_log import offline_log, read_log
 STEPS = 12
 TRAIN_FIELDS = ("reward_mean", "reward_std", "loss", "clip_fraction", "grad_norm", "response_length_mean", "tokens",
                 "samples", "stale_groups_dropped", "samples_per_s", "tokens_per_s", "seconds")
-EVENT_KINDS = ("engine_dead", "engine_recreated", "heat_pause", "heat_resume", "watchdog_strike", "router_event")
+EVENT_KINDS = ("engine_dead", "engine_recreated", "heat_pause", "heat_resume", "watchdog_strike", "router_event",
+               "fleet_resized")
 
 
 def expected_series(summary: dict) -> tuple[dict, dict]:

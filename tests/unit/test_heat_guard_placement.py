@@ -19,6 +19,7 @@ from rlfleet.crds.loader import load_training_run
 from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.orchestrator.guards.heat_guard import (
     EnginePods,
+    EnginePodSlots,
     HeatGuardTask,
     LocalEngines,
     check_heat_guard,
@@ -128,8 +129,7 @@ def test_dcgm_locally_keys_samples_by_physical_gpu_or_uuid():
 
 def test_dcgm_on_kubernetes_keys_samples_by_the_engine_pods():
     keys = dcgm_keys("run-rollout", 2, EnginePods("rl"))
-    assert keys == SlotsByPod({"run-rollout-engine-0": "run-rollout-0", "run-rollout-engine-1": "run-rollout-1"},
-                              namespace="rl")
+    assert keys == SlotsByPod(EnginePodSlots("run-rollout"), namespace="rl")
     assigned = keys.assign([
         sample(80, gpu="0", pod="run-rollout-engine-0", namespace="rl"),
         sample(88, gpu="1", pod="run-rollout-engine-0", namespace="rl"),  # a pod of two GPUs: its hottest
@@ -137,9 +137,13 @@ def test_dcgm_on_kubernetes_keys_samples_by_the_engine_pods():
         sample(99, gpu="3", pod="run-rollout-engine-1", namespace="other"),  # the same name elsewhere
         sample(40, gpu="4", pod="someone-else", namespace="rl"),
         sample(30, gpu="5"),  # a GPU no pod holds
+        sample(77, gpu="6", pod="run-rollout-engine-12", namespace="rl"),  # a slot added by a scale-up
+        sample(50, gpu="7", pod="run-rollout-engine-01", namespace="rl"),  # no slot's pod is named so
+        sample(51, gpu="8", pod="run-rollout-engine-1x", namespace="rl"),
     ])
-    assert assigned.temps == {"run-rollout-0": 88.0, "run-rollout-1": 60.0}
-    assert assigned.unmapped == ("gpu 5 (no pod label)", "other/run-rollout-engine-1", "someone-else")
+    assert assigned.temps == {"run-rollout-0": 88.0, "run-rollout-1": 60.0, "run-rollout-12": 77.0}
+    assert assigned.unmapped == ("gpu 5 (no pod label)", "other/run-rollout-engine-1", "run-rollout-engine-01",
+                                 "run-rollout-engine-1x", "someone-else")
 
 
 def test_dcgm_exporter_text_of_engine_pods():

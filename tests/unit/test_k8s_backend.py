@@ -155,3 +155,76 @@ def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_
     assert pick_router_url([router("10.0.0.2"), router("10.0.0.1")], 30000, prefer=old) == old
     assert pick_router_url([router("10.0.0.1", deleting=True), router("10.0.0.2")], 30000, prefer=old) == new
     assert pick_router_url([router("10.0.0.1", ready=False), router("10.0.0.2", ready=False)], 30000) is None
+
+
+def fleet_object(replicas, min_ready=1):
+    return {"metadata": {"name": "f", "uid": FLEET_UID}, "spec": {"replicas": replicas, "minReadyEngines": min_ready},
+            "status": {}}
+
+
+async def test_a_scaled_up_fleet_waits_for_its_new_slot_which_is_no_recovery():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    resizes, deaths = [], []
+    backend.subscribe_resize(resizes.append)
+    backend.subscribe(deaths.append)
+    await backend._on_fleets_listed([fleet_object(1)])
+    await backend._on_pods_listed([pod(0)])
+    await backend.wait_all_alive(timeout=1)
+    assert resizes == []  # the spec it started with
+
+    await backend._on_fleet_event("MODIFIED", fleet_object(3, min_ready=2))
+    (event,) = resizes
+    assert (event.replicas_before, event.replicas, event.min_ready, event.retired) == (1, 3, 2, ())
+    assert backend.replicas == 3 and backend.min_ready == 2
+    # Slots 1 and 2 have no pod yet: starting, not dead, and not a recovery.
+    assert [e.state for e in backend.engines()] == [EngineState.ALIVE, EngineState.STARTING, EngineState.STARTING]
+    assert await backend.recover() == []
+    try:
+        await backend.wait_all_alive(timeout=0.1)  # one alive, minReadyEngines 2 now
+    except FleetNotReady as e:
+        assert "1 of 3 engines alive" in str(e) and "minReadyEngines=2" in str(e)
+    else:
+        raise AssertionError("expected FleetNotReady")
+
+    async def pods_come_up():
+        await asyncio.sleep(0.05)
+        await backend._on_pod_event("ADDED", pod(1))
+        await backend._on_pod_event("ADDED", pod(2))
+    task = asyncio.create_task(pods_come_up())
+    alive = await backend.wait_all_alive(timeout=5)  # a sync waits for them, then loads their weights
+    await task
+    assert [(e.slot, e.incarnation) for e in alive] == [(0, 1), (1, 1), (2, 1)]
+    assert deaths == [] and await backend.recover() == []
+
+
+async def test_a_slot_scaled_away_leaves_without_a_death_and_comes_back_afresh():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    resizes, deaths = [], []
+    backend.subscribe_resize(resizes.append)
+    backend.subscribe(deaths.append)
+    await backend._on_fleets_listed([fleet_object(2)])
+    await backend._on_pods_listed([pod(0), pod(1)])
+    await backend.wait_all_alive(timeout=1)
+
+    await backend._on_fleet_event("MODIFIED", fleet_object(1))
+    (event,) = resizes
+    assert (event.replicas_before, event.replicas) == (2, 1)
+    assert [(e.slot, e.incarnation, e.url) for e in event.retired] == [(1, 1, "http://127.0.0.21:30000")]
+    assert [e.slot for e in backend.engines()] == [0]
+    # The operator ends the pod: its end is no death, and a late dead mark for it changes nothing.
+    await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=143))
+    assert deaths == []
+    assert await backend.mark_dead(1, "probe failed", incarnation=1) is False
+
+    # Scaled up again before the old pod is gone: the old pod never speaks for the slot again, and the
+    # slot's new pod counts its incarnations from 1 again, watched as any.
+    await backend._on_fleet_event("MODIFIED", fleet_object(2))
+    assert backend.engines()[1].state is EngineState.STARTING
+    await backend._on_pod_event("DELETED", pod(1, phase="Failed", ready=False, exit_code=143))
+    assert deaths == [] and backend.engines()[1].state is EngineState.STARTING
+    await backend._on_pod_event("ADDED", pod(1, uid="again"))
+    assert backend.engines()[1].state is EngineState.ALIVE and backend.engines()[1].incarnation == 1
+    await backend._on_pod_event("MODIFIED", pod(1, uid="again", phase="Failed", ready=False, exit_code=137))
+    assert [(d.slot, d.incarnation, d.cause) for d in deaths] == [(1, 1, DeathCause.EXITED)]

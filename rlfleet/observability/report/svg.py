@@ -14,7 +14,8 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#17becf")
 EVENT_COLOURS = {"engine_dead": "#d62728", "engine_recreated": "#2ca02c", "heat_pause": "#ff7f0e",
                  "heat_resume": "#bcbd22", "watchdog_strike": "#9467bd", "sync_fallback": "#8c564b",
-                 "checkpoint": "#1f77b4", "resumed": "#17becf", "router_event": "#e377c2"}
+                 "checkpoint": "#1f77b4", "resumed": "#17becf", "router_event": "#e377c2",
+                 "fleet_resized": "#7f7f7f"}
 
 
 @dataclass(frozen=True)
