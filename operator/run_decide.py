@@ -150,6 +150,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
         patch_fleet_specs=drifted_fleet_specs(phase, [(rollout, children.rollout), (evalf, children.eval)]),
         events=phase_events(phase, change),
     )
+    plan.events.extend(fleet_scale_events(phase, plan.patch_fleet_specs, [children.rollout, children.eval]))
     if any(obj["kind"] in ("RolloutFleet", "EvalFleet", "Pod") for obj in plan.create):
         plan.api_key_fleets = [f["metadata"]["name"] for f in (rollout, evalf) if f is not None]
     if trainer_plan is not None and change.phase not in TERMINAL:
@@ -207,6 +208,21 @@ def drifted_fleet_specs(phase: str, fleets: list[tuple[dict | None, dict | None]
         if (phase not in TERMINAL or phase == "Succeeded") and not _same_spec(desired["spec"], current.get("spec")):
             patches.append((desired["kind"], desired["metadata"]["name"], desired["spec"]))
     return patches
+
+
+def fleet_scale_events(phase: str, patches: list[tuple[str, str, dict]], fleets: list[dict | None]) -> list[Event]:
+    """A Normal Event on the run for each fleet whose replicas its spec patch changes: the run's
+    spec.rollout.replicas changed, a scale of the fleet itself is undone, or a Succeeded run stops it."""
+    current = {(f["kind"], f["metadata"]["name"]): f.get("spec") or {} for f in fleets if f is not None}
+    field = {"RolloutFleet": "spec.rollout.replicas", "EvalFleet": "spec.eval.fleet.replicas"}
+    events = []
+    for kind, name, spec in patches:
+        before, after = current.get((kind, name), {}).get("replicas"), spec.get("replicas")
+        if before != after:
+            why = "the run succeeded" if phase == "Succeeded" else f"the run's {field.get(kind, 'spec')} is {after}"
+            events.append(Event("Normal", reasons.SCALING_FLEET, f"scaling {kind} {name} from {before} to {after} "
+                                f"engine(s): {why}"))
+    return events
 
 
 def adopted_failure(reported: dict | None, old_failed: dict | None) -> tuple[str | None, str | None]:

@@ -78,6 +78,7 @@ class WeightSyncResult:
     bytes_broadcast: int = 0
     rank0_s: float = 0.0  # broadcast: rank 0's own collectives, summed over the buckets (inside "broadcast")
     verified: bool = False
+    scaled_away: list[int] = field(default_factory=list)  # slots scaled away under way (the broadcast went again)
     # Broadcast with a snapshot to write: its write and validation, started once the engines serve the
     # version (the sync does not wait for it); its manifest, or the error. Whoever reuses the weights the
     # snapshot is written from waits for it first.
@@ -337,8 +338,8 @@ class WeightSync:
         return self._group
 
     async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
-                              version: str, result: WeightSyncResult,
-                              snapshot: LazyTask[Manifest] | None = None) -> list[EngineSyncOutcome]:
+                              version: str, result: WeightSyncResult, snapshot: LazyTask[Manifest] | None = None,
+                              *, again_if_scaled: bool = True) -> list[EngineSyncOutcome]:
         outcomes = {e.slot: EngineSyncOutcome(slot=e.slot, incarnation=e.incarnation, url=e.url or "",
                                               via="broadcast") for e in alive}
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
@@ -364,6 +365,18 @@ class WeightSync:
             await self._read_back_all(alive, outcomes, version, bounds)
             result.phases["read_back"] = time.monotonic() - t
         except TransferFailed as exc:
+            staying = [e for e in alive if e.slot < self.backend.replicas]
+            blamed = {*exc.wedged, *exc.gone}
+            if again_if_scaled and staying and len(staying) < len(alive) and not blamed & {e.slot for e in staying}:
+                # Engines scaled away under way (the operator ends their pods) broke the collective: no
+                # fault of the transfer. Again, over a group of the engines that stay.
+                log.info("fleet %s: engines scaled away during the broadcast of version %s (%s): again over "
+                         "slot(s) %s", self.fleet, version, exc, [e.slot for e in staying])
+                result.scaled_away = sorted(e.slot for e in alive if e not in staying)
+                await self._leave_group(staying, bounds)
+                await self._continue_all(paused)
+                return await self._broadcast_sync(staying, tensors, model_path, version, result, snapshot,
+                                                  again_if_scaled=False)
             await self._broadcast_failed(exc, reason, alive, outcomes, result)
             if not self.spec.fallback_to_disk:
                 await self._continue_all(paused)
@@ -387,6 +400,24 @@ class WeightSync:
             o.load_s = sum(result.phases.get(p, 0.0) for p in ("fill", "begin", "broadcast", "end", "read_back"))
             self._record(engine, o)
         return [outcomes[e.slot] for e in alive]
+
+    async def _leave_group(self, staying: list[EngineSlot], bounds: plan.StepBounds) -> None:
+        """Drop the group (the engines that stay leave it) and close any update they began, so a new group's
+        begins from a clean state (best effort, bounded)."""
+        group, self._group = self._group, None
+        if group is not None:
+            await group.destroy({e.url for e in staying if e.url})
+
+        async def end(engine: EngineSlot) -> None:
+            try:
+                await self._engine_client(engine.url or "").end_weight_update(bounds.control_s)
+            except CallError as exc:
+                log.info("fleet %s slot %d: end_weight_update after a broadcast cut short: %s", self.fleet,
+                         engine.slot, exc)
+
+        async with asyncio.TaskGroup() as tg:
+            for engine in staying:
+                tg.create_task(end(engine))
 
     async def _pause_all(self, alive: list[EngineSlot], bounds: plan.StepBounds, paused: list[EngineSlot]) -> None:
         """Pause generation everywhere; `paused` gets the engines that did (continued later, also on failure)."""
@@ -553,6 +584,8 @@ class WeightSync:
                 log.warning("fleet %s: destroying the update group: %s", self.fleet, exc)
 
     async def _admit(self, outcome: EngineSyncOutcome) -> None:
+        if outcome.slot >= self.backend.replicas:
+            return  # scaled away during the sync: it left the router and serves nothing more
         if self.membership.is_member(outcome.url):
             self.membership.repin(outcome.url, outcome.version or "")
             return

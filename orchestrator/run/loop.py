@@ -172,6 +172,7 @@ def sync_record(result: WeightSyncResult) -> dict[str, Any]:
         "phases": {k: round(v, 3) for k, v in result.phases.items()},
         "bytes_broadcast": result.bytes_broadcast, "fallback": result.fallback_reason,
         "checksums": {r: checks.count(r) for r in sorted(set(checks))},
+        "scaled_away": list(result.scaled_away),
     }
 
 

@@ -784,6 +784,113 @@ def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a
         delete_and_wait(cp, "rolloutfleet", "rf-u", "rlfleet.io/fleet=rf-u", node_agent, operator)
 
 
+SCALED_STEPS = 16
+
+
+def scaled_run() -> dict:
+    """The quickstart with one rollout engine, broadcast weight sync (every sync's checksums compared), no eval."""
+    run = quickstart_on_cluster(steps=SCALED_STEPS, eval_interval=1, checkpoint_interval=1)
+    run["metadata"]["name"] = "scaled"
+    spec = run["spec"]
+    del spec["eval"], spec["checkpoint"]
+    spec["trainer"].update(promptsPerStep=8, samplesPerPrompt=8)
+    spec["rollout"].update(replicas=1, minReadyEngines=1)
+    spec["weightSync"] = {"mode": "broadcast", "verifyEvery": 1, "transferTimeoutSeconds": 120}
+    return run
+
+
+@pytest.mark.engines
+@pytest.mark.timeout(2400)
+def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, operator, node_agent):
+    """`kubectl patch` of a running run's spec.rollout.replicas, 1 -> 2 -> 1. The operator scales the run's
+    RolloutFleet; the trainer's orchestrator follows: the next sync waits for the new engine, rebuilds the
+    update group over both and broadcasts the current weights into it (checksums compared) before the router
+    sends it work; the engine scaled away leaves the router at once, its end no death, and the group is
+    rebuilt over the one left. The run goes on to Succeeded, every step on every engine it had."""
+    cp = control_plane
+    fleet = "scaled-rollout"
+    run = scaled_run()
+    claim_dir = node_agent.log_path.parent / "claims" / NS / "scaled-snapshots"
+    apply(cp, run)
+
+    def context() -> str:
+        return "\n".join([json.dumps(run_status(cp, "scaled"))[-1500:], diagnostics(cp, operator, node_agent),
+                          pod_log(node_agent, NS, "scaled-trainer", "trainer")[-4000:]])
+
+    def scale(replicas: int) -> int:
+        step = run_status(cp, "scaled").get("step", 0)
+        cp.kubectl("patch", "trainingrun", "scaled", "-n", NS, "--type", "merge",
+                   "-p", json.dumps({"spec": {"rollout": {"replicas": replicas}}}))
+        return step
+
+    def engine_urls() -> list[str]:
+        return sorted(e["url"] for e in fleet_status(cp, fleet).get("engines", []) if e.get("url"))
+
+    try:
+        wait_for(lambda: run_status(cp, "scaled").get("step", 0) >= 1, timeout=ENGINE_START_S + 600, interval=1,
+                 what="the run's first step", context=context)
+        key = fleet_api_key(cp, fleet, NS)
+        (first,) = engine_urls()
+        up_at = scale(2)
+        wait_for(lambda: get_json(cp, "rolloutfleet", fleet, namespace=NS)["spec"]["replicas"] == 2, timeout=60,
+                 what="the operator to scale the run's fleet", context=context)
+        # In the router once the trainer has given it the current weights (a sync after it turned Ready).
+        both = wait_for(lambda: len(urls := engine_urls()) == 2 and routed_to(cp, fleet, key) == urls and urls,
+                        timeout=ENGINE_START_S, interval=1, what="both engines in the router", context=context)
+        joined_at = run_status(cp, "scaled")["step"]
+        (second,) = set(both) - {first}
+        wait_for(lambda: run_status(cp, "scaled").get("step", 0) >= joined_at + 1, timeout=300, interval=0.5,
+                 what="a step with both engines", context=context)
+        down_at = scale(1)
+        wait_for(lambda: routed_to(cp, fleet, key) == [first] and not engine_pods(cp, fleet, 1), timeout=120,
+                 interval=0.5, what="the engine scaled away to leave the router and its pod to go", context=context)
+        status = fleet_status(cp, fleet)
+        assert status["restarts"] == 0 and [e["slot"] for e in status["engines"]] == [0], status
+        final = wait_for(lambda: (s := run_status(cp, "scaled")).get("phase") in ("Succeeded", "Failed") and s,
+                         timeout=900, interval=1, what="the run to finish", context=context)
+        assert final["phase"] == "Succeeded" and final["step"] == SCALED_STEPS, context()
+        assert final["totalEngines"] == 1, final
+        assert down_at < SCALED_STEPS - 1, f"scaled down at step {down_at}: too late to see a step after it"
+
+        summary = json.loads((claim_dir / "scaled-summary.json").read_text())
+        versions, syncs = summary["engine_versions_per_step"], summary["weight_sync_per_step"]
+        slots_per_step = {int(step): sorted(v) for step, v in versions.items()}
+        two = [step for step, slots in slots_per_step.items() if slots == ["0", "1"]]
+        assert two and min(two) > up_at and max(two) <= down_at + 1, (up_at, down_at, slots_per_step)
+        after = [step for step in slots_per_step if step > max(two)]
+        assert after and all(slots_per_step[step] == ["0"] for step in after), slots_per_step
+        for step in range(1, SCALED_STEPS + 1):
+            sync = syncs[str(step)]
+            engines = len(slots_per_step[step])
+            assert versions[str(step)] == {slot: str(step) for slot in slots_per_step[step]}, (step, versions)
+            assert sync["mode"] == "broadcast" and sync["fallback"] is None, (step, sync)
+            assert sync["checksums"] == {"match": engines}, (step, sync)
+        # The group is rebuilt for each change of its members: the first step over two engines, the first
+        # over one again.
+        assert "group" in syncs[str(min(two))]["phases"] and "group" in syncs[str(min(after))]["phases"], syncs
+        resized = [e["detail"] for e in summary["events"] if e["kind"] == "fleet_resized"]
+        assert [d.split(",")[0] for d in resized] == ["1 -> 2 engines", "2 -> 1 engines"], summary["events"]
+        assert summary["engines_marked_dead"] == 0 and summary["recovered_slots_per_step"] == {}, summary
+        trainer_log = pod_log(node_agent, NS, "scaled-trainer", "trainer")
+        assert "rollout fleet scaled from 1 to 2 engines" in trainer_log, trainer_log[-3000:]
+        assert "rollout fleet scaled from 2 to 1 engines" in trainer_log, trainer_log[-3000:]
+        reasons = {e["reason"] for e in events_of(cp, fleet)}
+        assert {"CreatingEngines", "ScaledDown"} <= reasons, reasons
+        scaling = [e["message"] for e in events_of(cp, "scaled") if e["reason"] == "ScalingFleet"]
+        assert f"scaling RolloutFleet {fleet} from 1 to 2 engine(s): the run's spec.rollout.replicas is 2" in scaling
+        assert f"scaling RolloutFleet {fleet} from 2 to 1 engine(s): the run's spec.rollout.replicas is 1" in scaling
+        # A scale-down that lands in a broadcast breaks its collective: it goes again over the engine that
+        # stays (no fallback, as asserted above); named in that step's record.
+        again = {step: syncs[str(step)]["scaled_away"] for step in slots_per_step if syncs[str(step)]["scaled_away"]}
+        assert set(again) <= {min(after)} and all(slots == [1] for slots in again.values()), again
+        print(f"\nfigures: scaled up at step {up_at}, the new engine {second} served from step {min(two)}; "
+              f"scaled down at step {down_at}, one engine from step {min(after)} (broadcast again without the "
+              f"engine scaled away: {again or 'no, between syncs'}); per-step sync seconds "
+              f"{[syncs[str(s)]['seconds'] for s in range(1, SCALED_STEPS + 1)]}")
+    finally:
+        delete_and_wait(cp, "trainingrun", "scaled", "rlfleet.io/run=scaled", node_agent, operator)
+
+
 def pod_log(agent, namespace: str, pod: str, container: str) -> str:
     logs = list((agent.log_path.parent / "logs").glob(f"{namespace}_{pod}_*/{container}.log"))
     return logs[0].read_text() if logs else ""

@@ -51,6 +51,23 @@ def test_changed_rollout_template_patches_the_fleet_spec():
     plan = decide_run(r, RunChildren(rollout=current, trainer=trainer("Running"), pvc={}), now=T0)
     assert plan.patch_fleet_specs[0][:2] == ("RolloutFleet", "r-rollout")
     assert plan.patch_fleet_specs[0][2]["replicas"] == 3
+    scaling = [e for e in plan.events if e.reason == "ScalingFleet"]
+    assert [e.message for e in scaling] == [
+        "scaling RolloutFleet r-rollout from 2 to 3 engine(s): the run's spec.rollout.replicas is 3"]
+
+
+def test_a_scale_of_the_runs_fleet_itself_is_undone_saying_so():
+    r = run()
+    scaled = fleet_of(r)
+    scaled["spec"]["replicas"] = 5
+    plan = decide_run(r, RunChildren(rollout=scaled, trainer=trainer("Running"), pvc={}), now=T0)
+    assert plan.patch_fleet_specs[0][2]["replicas"] == 2
+    assert [e.message for e in plan.events if e.reason == "ScalingFleet"] == [
+        "scaling RolloutFleet r-rollout from 5 to 2 engine(s): the run's spec.rollout.replicas is 2"]
+    other = fleet_of(r)
+    other["spec"]["health"] = {**other["spec"]["health"], "intervalSeconds": 9}  # restored, but no scaling
+    plan = decide_run(r, RunChildren(rollout=other, trainer=trainer("Running"), pvc={}), now=T0)
+    assert plan.patch_fleet_specs and not [e for e in plan.events if e.reason == "ScalingFleet"]
 
 
 def test_running_trainer_and_ready_fleet_make_a_ready_run():
@@ -114,6 +131,8 @@ def test_succeeded_run_scales_its_fleets_to_zero():
     done = decide_run(run(status=plan.status), RunChildren(rollout=fleet_of(r), trainer=trainer("Succeeded", 0),
                                                            pvc={}), now=T0 + 1)
     assert done.patch_fleet_specs[0][2]["replicas"] == 0
+    assert [e.message for e in done.events if e.reason == "ScalingFleet"] == [
+        "scaling RolloutFleet r-rollout from 2 to 0 engine(s): the run succeeded"]
 
 
 def test_trainer_vanishing_while_running_fails_the_run():
