@@ -48,6 +48,9 @@ class DeathCause(StrEnum):
     REQUESTED = "requested"  # someone asked (operator, user)
 
 
+ENGINE_STATES = tuple(state.value for state in EngineState)  # the values of rlfleet_engine_state's `state`
+
+
 @dataclass(frozen=True)
 class EngineSlot:
     """A read-only view of one slot's current incarnation."""
@@ -323,9 +326,7 @@ class SlotFleetBackend(FleetBackend):
 
     def _set_state(self, rec: SlotRecord, state: EngineState) -> None:
         rec.state = state
-        for candidate in EngineState:
-            metrics.ENGINE_STATE.labels(fleet=self.fleet, slot=str(rec.slot), state=candidate.value).set(
-                1 if candidate is state else 0)
+        metrics.set_engine_state(self.fleet, rec.slot, state.value, ENGINE_STATES)
         self._notify()
 
     @staticmethod

@@ -51,7 +51,9 @@ from rlfleet.kube.conditions import find
 from rlfleet.kube.marks import engine_mark_patch, engine_marks, mark_of, pin_patch, run_failure_patch
 from rlfleet.kube.ownership import owned_by, owned_router_pods
 from rlfleet.kube.pods import pod_failure, view_pod
+from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.backend import (
+    ENGINE_STATES,
     DeathCause,
     DeathEvent,
     DeathListener,
@@ -158,6 +160,7 @@ class KubernetesBackend(FleetBackend):
         self._marks: dict[int, dict] = {}  # slot -> the whole mark last set here (written to the fleet status)
         self._retired_uids: set[str] = set()  # pods of slots scaled away
         self._had_pod: set[int] = set()  # slots where a pod was seen (since the slot was added)
+        self._exported: dict[int, tuple[EngineState, int]] = {}  # slot -> (state, restarts) in the metrics
         self._mark_lock = asyncio.Lock()  # one mark write at a time, each sending the latest marks
         self._deaths = death_listeners()
         self._resizes: Listeners[FleetResize] = Listeners("resize")
@@ -285,6 +288,7 @@ class KubernetesBackend(FleetBackend):
             for record in (self._loaded, self._marked, self._marks):
                 record.pop(slot, None)
             self._had_pod.discard(slot)
+            self._exported.pop(slot, None)
         gone = set(slots)
         self._reported = {key for key in self._reported if key[0] not in gone}
         self._seen_ready = {key for key in self._seen_ready if key[0] not in gone}
@@ -314,7 +318,6 @@ class KubernetesBackend(FleetBackend):
             return  # reported already, or a slot scaled away (its pod ending is no death)
         self._reported.add((slot, incarnation))
         url = f"http://{pod_ip}:{self.port}" if pod_ip else None
-        from rlfleet.observability import metrics
         metrics.ENGINES_MARKED_DEAD.labels(fleet=self.fleet, reason=cause.value).inc()
         log.warning("fleet %s slot %d incarnation %d dead (%s): %s", self.fleet, slot, incarnation, cause.value,
                     reason)
@@ -325,6 +328,16 @@ class KubernetesBackend(FleetBackend):
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        self._export_states()
+
+    def _export_states(self) -> None:
+        """`rlfleet_engine_state` and `rlfleet_engine_restarts` of every slot whose view changed."""
+        for engine in self.engines():
+            seen = (engine.state, engine.restarts)
+            if self._exported.get(engine.slot) != seen:
+                self._exported[engine.slot] = seen
+                metrics.set_engine_state(self.fleet, engine.slot, engine.state.value, ENGINE_STATES)
+                metrics.ENGINE_RESTARTS.labels(fleet=self.fleet, slot=str(engine.slot)).set(engine.restarts)
 
     # FleetBackend ----------------------------------------------------------------------------------------
     def engines(self) -> list[EngineSlot]:

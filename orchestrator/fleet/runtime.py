@@ -20,7 +20,15 @@ from typing import Any
 import aiohttp
 
 from rlfleet.crds.specs import HealthSpec, WeightSyncSpec
-from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState, FleetBackend, FleetResize
+from rlfleet.observability import metrics
+from rlfleet.orchestrator.fleet.backend import (
+    ENGINE_STATES,
+    DeathCause,
+    DeathEvent,
+    EngineState,
+    FleetBackend,
+    FleetResize,
+)
 from rlfleet.orchestrator.fleet.membership import RouterMembership
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor, ProbeTarget
 from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
@@ -82,6 +90,7 @@ class FleetRuntime:
         assert self.monitor is not None and self.membership is not None
         for engine in event.retired:
             self.monitor.forget(engine.slot, engine.incarnation)
+            metrics.forget_engine_slot(self.fleet, engine.slot, ENGINE_STATES)
             if engine.url:
                 await self.membership.evict(engine.url, reason=f"slot {engine.slot} scaled away "
                                             f"({event.replicas_before} -> {event.replicas} engines)")

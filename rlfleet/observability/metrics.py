@@ -55,6 +55,30 @@ RECOVERY_DURATION = Histogram(
     buckets=DURATION_BUCKETS, registry=REGISTRY,
 )
 
+
+
+def set_engine_state(fleet: str, slot: int, state: str, states: tuple[str, ...]) -> None:
+    """`rlfleet_engine_state` of one slot: 1 for `state`, 0 for the other `states`."""
+    for candidate in states:
+        ENGINE_STATE.labels(fleet=fleet, slot=str(slot), state=candidate).set(1 if candidate == state else 0)
+
+
+def forget_engine_slot(fleet: str, slot: int, states: tuple[str, ...]) -> None:
+    """Drop a slot's per-engine series (it was scaled away): no stale state or weight version stays behind
+    for dashboards and alerts."""
+    for candidate in states:
+        _remove(ENGINE_STATE, fleet, str(slot), candidate)
+    _remove(ENGINE_RESTARTS, fleet, str(slot))
+    _remove(ENGINE_WEIGHT_VERSION, fleet, str(slot))
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:  # never set
+        pass
+
+
 # --- Weights ----------------------------------------------------------------------------------------
 WEIGHT_SYNC_DURATION = Histogram(
     "rlfleet_weight_sync_duration_seconds", "Whole weight sync (validate, recover, load, read back).",

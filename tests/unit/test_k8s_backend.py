@@ -228,3 +228,27 @@ async def test_a_slot_scaled_away_leaves_without_a_death_and_comes_back_afresh()
     assert backend.engines()[1].state is EngineState.ALIVE and backend.engines()[1].incarnation == 1
     await backend._on_pod_event("MODIFIED", pod(1, uid="again", phase="Failed", ready=False, exit_code=137))
     assert [(d.slot, d.incarnation, d.cause) for d in deaths] == [(1, 1, DeathCause.EXITED)]
+
+
+async def test_engine_state_series_follow_the_pods_and_a_slot_scaled_away_leaves_none():
+    from prometheus_client import REGISTRY
+
+    from rlfleet.observability import metrics
+    from rlfleet.orchestrator.fleet.backend import ENGINE_STATES
+
+    def state(slot):
+        values = {s: REGISTRY.get_sample_value("rlfleet_engine_state", {"fleet": "f", "slot": str(slot), "state": s})
+                  for s in ENGINE_STATES}
+        return [s for s, v in values.items() if v == 1] or None
+
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    await backend._on_pods_listed([pod(0), pod(1, ready=False)])
+    assert (state(0), state(1)) == (["alive"], ["starting"])
+    await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=1))
+    assert state(1) == ["dead"]
+    metrics.ENGINE_WEIGHT_VERSION.labels(fleet="f", slot="1").set(3)
+    metrics.forget_engine_slot("f", 1, ENGINE_STATES)  # what the runtime does for a slot scaled away
+    assert state(1) is None
+    assert REGISTRY.get_sample_value("rlfleet_engine_weight_version", {"fleet": "f", "slot": "1"}) is None
+    assert REGISTRY.get_sample_value("rlfleet_engine_restarts", {"fleet": "f", "slot": "1"}) is None
