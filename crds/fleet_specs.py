@@ -97,8 +97,8 @@ class RolloutTemplateSpec(ApiModel):
     replicas: int = Field(
         1, ge=1, le=4096,
         description="Number of rollout engines. May change while the run runs (kubectl patch/apply/edit): the "
-        "fleet follows; an added engine gets the current weights at the next weight sync before the router sends "
-        "it work, a removed one leaves the router at once.",
+        "fleet follows; an added engine gets the current weights at the first weight sync after it is Ready, "
+        "before the router sends it work; a removed one leaves the router at once.",
     )
     min_ready_engines: int = Field(
         1, ge=1, le=4096,

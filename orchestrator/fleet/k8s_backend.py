@@ -15,8 +15,9 @@ Same interface as the local backend (`FleetBackend`); the difference is who acts
   passed), bounded; the weight sync then pins the current weights on it;
 - the number of slots and minReadyEngines follow the fleet's spec (a run's follows the run's
   spec.rollout, which may change while it runs): a slot added is starting until its first pod is Ready
-  and gets the current weights at the next sync, like a replacement; a slot scaled away leaves at once
-  (`FleetResize` to the listeners: out of the router, no longer probed), and its pod's end is no death;
+  and gets the current weights at the first sync after that (no sync waits for it, unless
+  minReadyEngines needs it); a slot scaled away leaves at once (`FleetResize` to the listeners: out of
+  the router, no longer probed), and its pod's end is no death;
 - the fleet's `Failed` condition (set by the operator on a crash loop) becomes `FleetFailed` with the
   operator's message, which quotes the engine's last log lines;
 - `record_weight_version` also writes the version into the slot's mark, so the fleet status shows every
@@ -108,6 +109,16 @@ def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, mar
                       exit_code=exit_code, pod=view.name)
 
 
+def all_settled(engines: list[EngineSlot], min_ready: int, *, not_waited_for: set[int]) -> bool:
+    """Whether a wait for the fleet's engines is over: every slot serves or is given up, but for the
+    slots in `not_waited_for` (added by a scale-up, never served) once `min_ready` serve. Pure."""
+    settled = (EngineState.ALIVE, EngineState.FAILED)
+    if all(e.state in settled for e in engines):
+        return True
+    alive = sum(1 for e in engines if e.state is EngineState.ALIVE)
+    return alive >= min_ready and all(e.state in settled or e.slot in not_waited_for for e in engines)
+
+
 def recreated_since(engine: EngineSlot, loaded_incarnation: int | None) -> bool:
     """A slot the operator is recreating, or recreated after `loaded_incarnation` was handed out. Pure.
 
@@ -160,6 +171,7 @@ class KubernetesBackend(FleetBackend):
         self._marks: dict[int, dict] = {}  # slot -> the whole mark last set here (written to the fleet status)
         self._retired_uids: set[str] = set()  # pods of slots scaled away
         self._had_pod: set[int] = set()  # slots where a pod was seen (since the slot was added)
+        self._added: set[int] = set()  # slots a scale-up added that have not served yet
         self._exported: dict[int, tuple[EngineState, int]] = {}  # slot -> (state, restarts) in the metrics
         self._mark_lock = asyncio.Lock()  # one mark write at a time, each sending the latest marks
         self._deaths = death_listeners()
@@ -274,6 +286,7 @@ class KubernetesBackend(FleetBackend):
             return
         if retired:
             self._forget_slots(range(replicas, before))
+        self._added.update(range(before, replicas))
         log.info("fleet %s scaled from %d to %d engine slots (minReadyEngines %d)", self.fleet, before, replicas,
                  self.min_ready)
         self._resizes.emit(FleetResize(fleet=self.fleet, replicas_before=before, replicas=replicas,
@@ -289,6 +302,7 @@ class KubernetesBackend(FleetBackend):
                 record.pop(slot, None)
             self._had_pod.discard(slot)
             self._exported.pop(slot, None)
+            self._added.discard(slot)
         gone = set(slots)
         self._reported = {key for key in self._reported if key[0] not in gone}
         self._seen_ready = {key for key in self._seen_ready if key[0] not in gone}
@@ -410,14 +424,16 @@ class KubernetesBackend(FleetBackend):
         return [e.slot for e in self.engines() if recreated_since(e, self._loaded.get(e.slot))]
 
     async def wait_all_alive(self, timeout: float | None = None) -> list[EngineSlot]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
+        """Wait (bounded) until every slot serves or is given up; a slot added by a scale-up that has not
+        served yet is not waited for once minReadyEngines serve (it is loaded at the first sync after it
+        is Ready: a scale-up does not hold a sync up for the time an engine takes to start)."""
         bound = self.recovery.wait_all_alive_timeout_seconds if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + bound
         while True:
             if (failure := self.failure) is not None:
                 raise failure
-            engines = self.engines()
-            if all(e.state in (EngineState.ALIVE, EngineState.FAILED) for e in engines):
+            if all_settled(self.engines(), self.min_ready, not_waited_for=self._added):
                 break
             changed = self._changed
             remaining = deadline - loop.time()
@@ -429,6 +445,7 @@ class KubernetesBackend(FleetBackend):
         alive = [e for e in self.engines() if e.state is EngineState.ALIVE]
         for e in alive:  # the caller loads its weights on these (bring-up or sync)
             self._loaded[e.slot] = e.incarnation
+            self._added.discard(e.slot)
         if len(alive) < self.min_ready:
             raise fleet_not_ready(self, len(alive), bound)
         return alive

@@ -803,10 +803,11 @@ def scaled_run() -> dict:
 @pytest.mark.timeout(2400)
 def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, operator, node_agent):
     """`kubectl patch` of a running run's spec.rollout.replicas, 1 -> 2 -> 1. The operator scales the run's
-    RolloutFleet; the trainer's orchestrator follows: the next sync waits for the new engine, rebuilds the
-    update group over both and broadcasts the current weights into it (checksums compared) before the router
-    sends it work; the engine scaled away leaves the router at once, its end no death, and the group is
-    rebuilt over the one left. The run goes on to Succeeded, every step on every engine it had."""
+    RolloutFleet; the trainer's orchestrator follows, training on while the new engine starts: the first sync
+    after it is Ready rebuilds the update group over both and broadcasts the current weights into it
+    (checksums compared) before the router sends it work; the engine scaled away leaves the router at once,
+    its end no death, and the group is rebuilt over the one left. The run goes on to Succeeded, every step
+    on every engine it had."""
     cp = control_plane
     fleet = "scaled-rollout"
     run = scaled_run()

@@ -162,7 +162,7 @@ def fleet_object(replicas, min_ready=1):
             "status": {}}
 
 
-async def test_a_scaled_up_fleet_waits_for_its_new_slot_which_is_no_recovery():
+async def test_a_scaled_up_fleet_loads_its_new_slots_once_ready_without_holding_a_sync_up():
     backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
                                 replicas=1, min_ready=1, recovery=RecoverySpec())
     resizes, deaths = [], []
@@ -173,29 +173,52 @@ async def test_a_scaled_up_fleet_waits_for_its_new_slot_which_is_no_recovery():
     await backend.wait_all_alive(timeout=1)
     assert resizes == []  # the spec it started with
 
-    await backend._on_fleet_event("MODIFIED", fleet_object(3, min_ready=2))
+    await backend._on_fleet_event("MODIFIED", fleet_object(3))
     (event,) = resizes
-    assert (event.replicas_before, event.replicas, event.min_ready, event.retired) == (1, 3, 2, ())
-    assert backend.replicas == 3 and backend.min_ready == 2
-    # Slots 1 and 2 have no pod yet: starting, not dead, and not a recovery.
+    assert (event.replicas_before, event.replicas, event.min_ready, event.retired) == (1, 3, 1, ())
+    assert backend.replicas == 3
+    # Slots 1 and 2 have no pod yet: starting, not dead, not a recovery, and no sync waits for them.
     assert [e.state for e in backend.engines()] == [EngineState.ALIVE, EngineState.STARTING, EngineState.STARTING]
     assert await backend.recover() == []
+    alive = await asyncio.wait_for(backend.wait_all_alive(timeout=60), 1)
+    assert [e.slot for e in alive] == [0]
+
+    # Once Ready, the next sync loads them (and from then on waits for them as for any engine).
+    await backend._on_pod_event("ADDED", pod(1))
+    await backend._on_pod_event("ADDED", pod(2, ready=False))
+    alive = await asyncio.wait_for(backend.wait_all_alive(timeout=60), 1)
+    assert [(e.slot, e.incarnation) for e in alive] == [(0, 1), (1, 1)]
+    await backend._on_pod_event("MODIFIED", pod(2))
+    assert [e.slot for e in await backend.wait_all_alive(timeout=1)] == [0, 1, 2]
+    await backend._on_pod_event("MODIFIED", pod(1, ready=False))  # a slot that served is waited for
     try:
-        await backend.wait_all_alive(timeout=0.1)  # one alive, minReadyEngines 2 now
+        await backend.wait_all_alive(timeout=0.1)
+    except FleetNotReady:
+        raise AssertionError("two of three serve: minReadyEngines 1 is met") from None
+    assert deaths == [] and await backend.recover() == []
+
+
+async def test_a_scale_up_that_minready_needs_is_waited_for():
+    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
+                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    await backend._on_fleets_listed([fleet_object(1)])
+    await backend._on_pods_listed([pod(0)])
+    await backend._on_fleet_event("MODIFIED", fleet_object(3, min_ready=2))
+    assert backend.min_ready == 2
+    try:
+        await backend.wait_all_alive(timeout=0.1)
     except FleetNotReady as e:
         assert "1 of 3 engines alive" in str(e) and "minReadyEngines=2" in str(e)
     else:
         raise AssertionError("expected FleetNotReady")
 
-    async def pods_come_up():
+    async def comes_up():
         await asyncio.sleep(0.05)
-        await backend._on_pod_event("ADDED", pod(1))
         await backend._on_pod_event("ADDED", pod(2))
-    task = asyncio.create_task(pods_come_up())
-    alive = await backend.wait_all_alive(timeout=5)  # a sync waits for them, then loads their weights
+    task = asyncio.create_task(comes_up())
+    alive = await backend.wait_all_alive(timeout=5)
     await task
-    assert [(e.slot, e.incarnation) for e in alive] == [(0, 1), (1, 1), (2, 1)]
-    assert deaths == [] and await backend.recover() == []
+    assert [e.slot for e in alive] == [0, 2]
 
 
 async def test_a_slot_scaled_away_leaves_without_a_death_and_comes_back_afresh():
