@@ -1,6 +1,8 @@
 """The Kubernetes backend's view of a fleet from pods and the operator's status (no API calls)."""
 import asyncio
 
+import pytest
+
 from rlfleet.crds.specs import RecoverySpec
 from rlfleet.operator import builders as b
 from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
@@ -21,6 +23,12 @@ def pod(slot, *, restarts=0, phase="Running", ready=True, exit_code=None, messag
             "status": {"phase": phase, "podIP": f"127.0.0.{20 + slot}",
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                        "containerStatuses": [{"name": "engine", "state": state}]}}
+
+
+def new_backend(replicas: int, min_ready: int = 1) -> KubernetesBackend:
+    """A backend of fleet "f", fed by hand (no API client)."""
+    return KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID, replicas=replicas,
+                             min_ready=min_ready, recovery=RecoverySpec())
 
 
 def test_slot_states_follow_the_pod():
@@ -66,8 +74,7 @@ def test_operator_failed_condition_becomes_fleet_failed_with_the_log():
 
 
 async def test_a_terminated_container_is_reported_dead_at_once():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(2)
     deaths = []
     backend.subscribe(deaths.append)
     await backend._on_pods_listed([pod(0), pod(1)])
@@ -84,8 +91,7 @@ async def test_a_terminated_container_is_reported_dead_at_once():
 
 
 async def test_wait_all_alive_returns_when_the_replacement_is_ready():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(1)
     await backend._on_pods_listed([pod(0, restarts=1, ready=False)])
 
     async def becomes_ready():
@@ -99,20 +105,13 @@ async def test_wait_all_alive_returns_when_the_replacement_is_ready():
 
 
 async def test_wait_all_alive_is_bounded_and_says_why():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(1)
     await backend._on_pods_listed([pod(0, ready=False)])
-    try:
+    with pytest.raises(FleetNotReady, match="0 of 1 engines alive.*slot 0: starting"):
         await backend.wait_all_alive(timeout=0.1)
-    except FleetNotReady as e:
-        assert "0 of 1 engines alive" in str(e) and "slot 0: starting" in str(e)
-    else:
-        raise AssertionError("expected FleetNotReady")
 
 
 async def test_orchestrator_may_not_write_the_operators_status_fields():
-    import pytest
-
     from rlfleet.orchestrator.fleet.k8s_backend import report_run_progress
 
     with pytest.raises(ValueError, match="phase"):
@@ -122,8 +121,7 @@ async def test_orchestrator_may_not_write_the_operators_status_fields():
 async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_once():
     """A crash seen by the pod watch and already replaced by the operator still counts as recovered at the
     next sync (its new pod has no weights yet), and only at that sync."""
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(2)
     await backend._on_pods_listed([pod(0), pod(1)])
     assert await backend.recover() == []  # the fleet's own start is not a recovery
     await backend.wait_all_alive(timeout=1)  # bring-up: weights "0" go on incarnations 1, 1
@@ -163,8 +161,7 @@ def fleet_object(replicas, min_ready=1):
 
 
 async def test_a_scaled_up_fleet_loads_its_new_slots_once_ready_without_holding_a_sync_up():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(1)
     resizes, deaths = [], []
     backend.subscribe_resize(resizes.append)
     backend.subscribe(deaths.append)
@@ -199,18 +196,13 @@ async def test_a_scaled_up_fleet_loads_its_new_slots_once_ready_without_holding_
 
 
 async def test_a_scale_up_that_minready_needs_is_waited_for():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=1, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(1)
     await backend._on_fleets_listed([fleet_object(1)])
     await backend._on_pods_listed([pod(0)])
     await backend._on_fleet_event("MODIFIED", fleet_object(3, min_ready=2))
     assert backend.min_ready == 2
-    try:
+    with pytest.raises(FleetNotReady, match="1 of 3 engines alive.*minReadyEngines=2"):
         await backend.wait_all_alive(timeout=0.1)
-    except FleetNotReady as e:
-        assert "1 of 3 engines alive" in str(e) and "minReadyEngines=2" in str(e)
-    else:
-        raise AssertionError("expected FleetNotReady")
 
     async def comes_up():
         await asyncio.sleep(0.05)
@@ -222,8 +214,7 @@ async def test_a_scale_up_that_minready_needs_is_waited_for():
 
 
 async def test_a_slot_scaled_away_leaves_without_a_death_and_comes_back_afresh():
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(2)
     resizes, deaths = [], []
     backend.subscribe_resize(resizes.append)
     backend.subscribe(deaths.append)
@@ -264,8 +255,7 @@ async def test_engine_state_series_follow_the_pods_and_a_slot_scaled_away_leaves
                   for s in ENGINE_STATES}
         return [s for s, v in values.items() if v == 1] or None
 
-    backend = KubernetesBackend(None, namespace="ns", fleet="f", fleet_uid=FLEET_UID,
-                                replicas=2, min_ready=1, recovery=RecoverySpec())
+    backend = new_backend(2)
     await backend._on_pods_listed([pod(0), pod(1, ready=False)])
     assert (state(0), state(1)) == (["alive"], ["starting"])
     await backend._on_pod_event("MODIFIED", pod(1, phase="Failed", ready=False, exit_code=1))
