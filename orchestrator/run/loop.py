@@ -680,8 +680,8 @@ class RunLoop:
         self._event("fleet_resized", detail=f"{event.replicas_before} -> {event.replicas} engines, "
                                             f"minReadyEngines {event.min_ready}")
         self._engines_changed()
-        added = "; new engines get the current weights at the next sync" if event.replicas > event.replicas_before \
-            else ""
+        added = "; each new engine gets the current weights at the first sync after it is Ready" \
+            if event.replicas > event.replicas_before else ""
         self.progress.event(f"rollout fleet scaled from {event.replicas_before} to {event.replicas} engines{added}",
                             self.state)
 

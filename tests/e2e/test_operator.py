@@ -795,6 +795,7 @@ def scaled_run() -> dict:
     del spec["eval"], spec["checkpoint"]
     spec["trainer"].update(promptsPerStep=8, samplesPerPrompt=8)
     spec["rollout"].update(replicas=1, minReadyEngines=1)
+    spec["rollout"]["recovery"]["waitAllAliveTimeoutSeconds"] = ENGINE_START_S  # a sync waits for minReadyEngines
     spec["weightSync"] = {"mode": "broadcast", "verifyEvery": 1, "transferTimeoutSeconds": 120}
     return run
 
@@ -802,12 +803,13 @@ def scaled_run() -> dict:
 @pytest.mark.engines
 @pytest.mark.timeout(2400)
 def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, operator, node_agent):
-    """`kubectl patch` of a running run's spec.rollout.replicas, 1 -> 2 -> 1. The operator scales the run's
-    RolloutFleet; the trainer's orchestrator follows, training on while the new engine starts: the first sync
-    after it is Ready rebuilds the update group over both and broadcasts the current weights into it
-    (checksums compared) before the router sends it work; the engine scaled away leaves the router at once,
-    its end no death, and the group is rebuilt over the one left. The run goes on to Succeeded, every step
-    on every engine it had."""
+    """`kubectl patch` of a running run's spec.rollout, 1 -> 2 engines (minReadyEngines 2, so the next sync
+    waits for the new one: without it training goes on and the engine joins at the first sync after it is
+    Ready, which this run could end before) -> 1. The operator scales the run's RolloutFleet; the trainer's
+    orchestrator follows: the sync rebuilds the update group over both engines and broadcasts the current
+    weights into it (checksums compared) before the router sends the new one work; the engine scaled away
+    leaves the router at once, its end no death, and the group is rebuilt over the one left. The run goes
+    on to Succeeded, every step on every engine it had."""
     cp = control_plane
     fleet = "scaled-rollout"
     run = scaled_run()
@@ -821,7 +823,7 @@ def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, 
     def scale(replicas: int) -> int:
         step = run_status(cp, "scaled").get("step", 0)
         cp.kubectl("patch", "trainingrun", "scaled", "-n", NS, "--type", "merge",
-                   "-p", json.dumps({"spec": {"rollout": {"replicas": replicas}}}))
+                   "-p", json.dumps({"spec": {"rollout": {"replicas": replicas, "minReadyEngines": replicas}}}))
         return step
 
     def engine_urls() -> list[str]:
@@ -858,7 +860,8 @@ def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, 
         # The trainer saw each resize during a step (the step in progress: its sync may have come before or
         # after); every step before the scale-up ran on one engine, every step after the scale-down on one.
         resized = [e for e in summary["events"] if e["kind"] == "fleet_resized"]
-        assert [e["detail"].split(",")[0] for e in resized] == ["1 -> 2 engines", "2 -> 1 engines"], resized
+        assert [e["detail"] for e in resized] == ["1 -> 2 engines, minReadyEngines 2",
+                                                  "2 -> 1 engines, minReadyEngines 1"], resized
         up_step, down_step = resized[0]["step"], resized[1]["step"]
         assert up_at <= up_step and down_at <= down_step < SCALED_STEPS, (up_at, up_step, down_at, down_step)
         two = [step for step, slots in slots_per_step.items() if slots == ["0", "1"]]
