@@ -4,7 +4,8 @@
   connection (nothing listens: the process is gone) is a death at once.
 - Every death (probe, process exit, failed load) reaches the membership at once, which removes the
   engine from the router, and the monitor, which stops probing that incarnation. So does every engine
-  of a slot scaled away (a resize of a Kubernetes fleet); a slot added is admitted by the next sync.
+  of a slot scaled away (a resize of a Kubernetes fleet); a slot added is admitted by the first sync
+  after it is Ready.
 - Weight syncs pause the monitor, recover, load, read back and admit replacements.
 - The heat guard (optional, orchestrator/guards/heat_guard.py `heat_guard_for`) pauses hot engines;
   the monitor holds their probes meanwhile.
