@@ -68,11 +68,11 @@ def _openapi_schema(kind: Kind) -> dict[str, Any]:
 
 def crd(kind: Kind) -> dict[str, Any]:
     subresources: dict[str, Any] = {"status": {}}
-    if kind.scale:
+    if kind.scale is not None:
         subresources["scale"] = {
-            "specReplicasPath": ".spec.replicas",
-            "statusReplicasPath": ".status.replicas",
-            "labelSelectorPath": ".status.selector",
+            "specReplicasPath": kind.scale.spec,
+            "statusReplicasPath": kind.scale.status,
+            "labelSelectorPath": kind.scale.selector,
         }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

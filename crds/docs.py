@@ -88,7 +88,7 @@ def _kind_section(kind: Kind) -> list[str]:
         f"`apiVersion: {API_VERSION}`, `kind: {kind.kind}`; plural `{kind.plural}`, short name "
         + ", ".join(f"`{s}`" for s in kind.short_names)
         + ", category `rlfleet`. Subresources: status"
-        + (", scale (spec.replicas, status.replicas, status.selector)" if kind.scale else "") + ".",
+        + (f", scale ({kind.scale.describe()})" if kind.scale is not None else "") + ".",
         "",
         "`kubectl get` columns: " + ", ".join(c.name for c in kind.columns if not c.priority)
         + (" (wide: " + ", ".join(c.name for c in kind.columns if c.priority) + ")"

@@ -393,6 +393,24 @@ AGE = PrinterColumn("Age", ".metadata.creationTimestamp", "date", "Time since cr
 
 
 @dataclass(frozen=True)
+class ScalePaths:
+    """A kind's scale subresource (`kubectl scale`, a HorizontalPodAutoscaler): where the replicas wanted
+    are, where those that exist are counted, and the label selector of their pods."""
+
+    spec: str
+    status: str
+    selector: str
+
+    def describe(self) -> str:
+        return ", ".join(path.removeprefix(".") for path in (self.spec, self.status, self.selector))
+
+
+FLEET_SCALE = ScalePaths(".spec.replicas", ".status.replicas", ".status.selector")
+# A run's scale is its rollout fleet's: `kubectl scale tr NAME --replicas=N` sets spec.rollout.replicas.
+RUN_SCALE = ScalePaths(".spec.rollout.replicas", ".status.rolloutReplicas", ".status.rolloutSelector")
+
+
+@dataclass(frozen=True)
 class Kind:
     """A kind and its CRD: names, printer columns, subresources, and object-level rules."""
 
@@ -400,7 +418,7 @@ class Kind:
     plural: str
     short_names: tuple[str, ...]
     columns: tuple[PrinterColumn, ...]
-    scale: bool = False
+    scale: ScalePaths | None = None
 
     @property
     def kind(self) -> str:
@@ -445,6 +463,7 @@ KINDS: tuple[Kind, ...] = (
             PrinterColumn("Restarts", ".status.engineRestarts", "integer", "Engine recreations.", priority=1),
             AGE,
         ),
+        scale=RUN_SCALE,
     ),
     Kind(
         model=RolloutFleet,
@@ -456,7 +475,7 @@ KINDS: tuple[Kind, ...] = (
             PrinterColumn("Restarts", ".status.restarts", "integer", "Engine recreations."),
             AGE,
         ),
-        scale=True,
+        scale=FLEET_SCALE,
     ),
     Kind(
         model=EvalFleet,
@@ -468,7 +487,7 @@ KINDS: tuple[Kind, ...] = (
             PrinterColumn("Restarts", ".status.restarts", "integer", "Engine recreations."),
             AGE,
         ),
-        scale=True,
+        scale=FLEET_SCALE,
     ),
 )
 

@@ -187,6 +187,10 @@ class TrainingRunStatus(ApiModel):
     total_engines: int | None = Field(None, ge=0, description="Rollout engine slots.")
     ready: str | None = Field(None, max_length=32, description="ready/total engines, for kubectl get.")
     engine_restarts: int | None = Field(None, ge=0, description="Engine recreations in this run, all slots.")
+    rollout_replicas: int | None = Field(None, ge=0, description="Rollout engine pods that exist (the scale "
+                                         "subresource: `kubectl scale tr` sets spec.rollout.replicas).")
+    rollout_selector: str | None = Field(None, max_length=1024,
+                                         description="Label selector of the rollout engine pods (scale subresource).")
     engines: list[EngineSlotStatus] = Field(
         default_factory=list, max_length=4096, description="Rollout engine slots.", json_schema_extra=SLOT_LIST
     )

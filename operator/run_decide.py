@@ -42,8 +42,9 @@ TERMINAL = ("Succeeded", "Failed")
 OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, reasons.ENGINE_CRASH_LOOP,
                                 reasons.ENGINE_FAILED, reasons.INVALID_SPEC, reasons.AS_EXPECTED,
                                 reasons.CHILD_REJECTED})
-OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "ready", "engineRestarts", "engines",
-                        "conditions", "observedGeneration", "startTime", "completionTime", "trainer")
+OPERATOR_STATUS_KEYS = ("phase", "message", "readyEngines", "totalEngines", "ready", "engineRestarts",
+                        "rolloutReplicas", "rolloutSelector", "engines", "conditions", "observedGeneration",
+                        "startTime", "completionTime", "trainer")
 
 
 @dataclass
@@ -283,6 +284,7 @@ def run_status(spec: TrainingRunSpec, old: dict, change: PhaseChange, fleet_stat
     status = TrainingRunStatus(
         phase=change.phase, message=change.message, ready_engines=ready, total_engines=replicas,
         engine_restarts=int(fleet_status.get("restarts") or 0), engines=fleet_status.get("engines") or [],
+        rollout_replicas=int(fleet_status.get("replicas") or 0), rollout_selector=fleet_status.get("selector"),
         conditions=run_conditions(change, fleet_status.get("conditions") or [], old.get("conditions"),
                                   ready=ready, replicas=replicas, now=now, generation=generation),
     )

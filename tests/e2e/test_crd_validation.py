@@ -597,6 +597,27 @@ def test_fleet_scale_subresource(cluster):
     kubectl_ns(cluster, "scale", "rf", "scaled", "--replicas=0", check=True)  # switched off despite minReadyEngines
 
 
+def test_run_scale_subresource_scales_its_rollout_fleet(cluster):
+    """`kubectl scale tr` sets the run's spec.rollout.replicas (a running run follows it), within the same
+    rules as an edit: at least 1, not below minReadyEngines."""
+    manifest = run_manifest("scaled-run", {"modelPath": "tiny://llama", "rollout": {"replicas": 2,
+                                                                                  "minReadyEngines": 2}})
+    kubectl_ns(cluster, "apply", "-f", "-", input=yaml.safe_dump(manifest), check=True)
+    selector = "app.kubernetes.io/component=engine,rlfleet.io/fleet=scaled-run-rollout"
+    kubectl_ns(cluster, "patch", "trainingrun", "scaled-run", "--subresource=status", "--type=merge", "-p",
+               json.dumps({"status": {"rolloutReplicas": 2, "rolloutSelector": selector}}), check=True)
+    kubectl_ns(cluster, "scale", "tr", "scaled-run", "--replicas=5", check=True)
+    stored = json.loads(kubectl_ns(cluster, "get", "tr", "scaled-run", "-o", "json", check=True).stdout)
+    assert stored["spec"]["rollout"]["replicas"] == 5 and stored["spec"]["rollout"]["minReadyEngines"] == 2
+    scale = json.loads(kubectl_ns(cluster, "get", "tr", "scaled-run", "--subresource=scale", "-o", "json",
+                                  check=True).stdout)
+    assert scale["spec"]["replicas"] == 5 and scale["status"] == {"replicas": 2, "selector": selector}
+    below = kubectl_ns(cluster, "scale", "tr", "scaled-run", "--replicas=1")
+    assert below.returncode != 0 and "minReadyEngines must not exceed replicas" in below.stderr, below.stderr
+    zero = kubectl_ns(cluster, "scale", "tr", "scaled-run", "--replicas=0")
+    assert zero.returncode != 0 and "spec.rollout.replicas" in zero.stderr, zero.stderr
+
+
 def test_kubectl_explain_shows_field_docs(cluster):
     heat = cluster.kubectl("explain", "trainingrun.spec.heatGuard").stdout
     assert "Pause generation on an engine whose GPU runs hot" in heat

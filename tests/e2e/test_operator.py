@@ -805,11 +805,11 @@ def scaled_run() -> dict:
 def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, operator, node_agent):
     """`kubectl patch` of a running run's spec.rollout, 1 -> 2 engines (minReadyEngines 2, so the next sync
     waits for the new one: without it training goes on and the engine joins at the first sync after it is
-    Ready, which this run could end before) -> 1. The operator scales the run's RolloutFleet; the trainer's
-    orchestrator follows: the sync rebuilds the update group over both engines and broadcasts the current
-    weights into it (checksums compared) before the router sends the new one work; the engine scaled away
-    leaves the router at once, its end no death, and the group is rebuilt over the one left. The run goes
-    on to Succeeded, every step on every engine it had."""
+    Ready, which this run could end before), then `kubectl scale tr --replicas=1`. The operator scales the
+    run's RolloutFleet; the trainer's orchestrator follows: the sync rebuilds the update group over both
+    engines and broadcasts the current weights into it (checksums compared) before the router sends the new
+    one work; the engine scaled away leaves the router at once, its end no death, and the group is rebuilt
+    over the one left. The run goes on to Succeeded, every step on every engine it had."""
     cp = control_plane
     fleet = "scaled-rollout"
     run = scaled_run()
@@ -844,7 +844,17 @@ def test_a_runs_rollout_fleet_scaled_up_and_down_while_it_trains(control_plane, 
         (second,) = set(both) - {first}
         wait_for(lambda: run_status(cp, "scaled").get("step", 0) >= joined_at + 1, timeout=300, interval=0.5,
                  what="a step with both engines", context=context)
-        down_at = scale(1)
+        # The run's scale subresource is its rollout fleet's: what HPA and `kubectl scale` read and set.
+        def scale_of_run() -> dict:
+            return json.loads(cp.kubectl("get", "trainingrun", "scaled", "-n", NS, "--subresource=scale", "-o",
+                                         "json").stdout)
+        selector = f"app.kubernetes.io/component=engine,rlfleet.io/fleet={fleet}"
+        wait_for(lambda: scale_of_run()["status"] == {"replicas": 2, "selector": selector}, timeout=60,
+                 what="the run's scale status", context=lambda: json.dumps(scale_of_run()))
+        cp.kubectl("patch", "trainingrun", "scaled", "-n", NS, "--type", "merge",
+                   "-p", json.dumps({"spec": {"rollout": {"minReadyEngines": 1}}}))
+        down_at = run_status(cp, "scaled").get("step", 0)
+        cp.kubectl("scale", "trainingrun", "scaled", "-n", NS, "--replicas=1")
         wait_for(lambda: routed_to(cp, fleet, key) == [first] and not engine_pods(cp, fleet, 1), timeout=120,
                  interval=0.5, what="the engine scaled away to leave the router and its pod to go", context=context)
         status = fleet_status(cp, fleet)

@@ -41,7 +41,9 @@ def test_one_crd_per_kind_with_names_columns_and_subresources():
     assert run["names"]["shortNames"] == ["tr"] and run["names"]["categories"] == ["rlfleet"]
     columns = [c["name"] for c in run["versions"][0]["additionalPrinterColumns"]]
     assert columns[:5] == ["Phase", "Step", "Weights", "Ready", "Last Eval"] and columns[-1] == "Age"
-    assert run["versions"][0]["subresources"] == {"status": {}}
+    assert run["versions"][0]["subresources"] == {"status": {}, "scale": {  # the run's rollout fleet
+        "specReplicasPath": ".spec.rollout.replicas", "statusReplicasPath": ".status.rolloutReplicas",
+        "labelSelectorPath": ".status.rolloutSelector"}}
     for kind, short in (("RolloutFleet", "rf"), ("EvalFleet", "ef")):
         spec = docs[kind]["spec"]
         assert spec["names"]["shortNames"] == [short]
