@@ -263,6 +263,8 @@ class WeightSync:
         t1 = time.monotonic()
         result.recovered_slots = await self.backend.recover()
         alive = await self.backend.wait_all_alive(self.wait_alive_timeout_s)
+        # As the wait judged it: a minReadyEngines raised while this sync runs counts from the next one.
+        min_ready = self.backend.min_ready
         t2 = time.monotonic()
         result.recover_s = t2 - t1
         result.phases["recover"] = result.recover_s
@@ -282,7 +284,7 @@ class WeightSync:
             result.phases["verify"] = time.monotonic() - t3
         for outcome in result.synced:
             await self._admit(outcome)
-        if len(result.synced) < self.backend.min_ready:
+        if len(result.synced) < min_ready:
             failures = "; ".join(f"slot {e.slot}: {e.error}" for e in result.failed)
             raise WeightSyncFailed(f"fleet {self.fleet}: only {len(result.synced)} engine(s) serve version "
                                    f"{version} after the sync; {failures}", result)

@@ -21,7 +21,7 @@ from rlfleet.crds.loader import load_training_run
 from rlfleet.orchestrator.rollout.client import RetryPolicy, RolloutClient, generate_all
 from rlfleet.orchestrator.run.local import LocalRun, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
-from rlfleet.sglang.engine import EngineClient
+from rlfleet.sglang.engine import CACHE_NOT_FLUSHED_MARKER, EngineClient
 from rlfleet.trainer import grpo
 from rlfleet.trainer.base import build_trainer
 from rlfleet.trainer.grpo import StalenessPolicy, sample_from_generate
@@ -115,7 +115,9 @@ async def test_a_weight_sync_between_prefix_and_continuation_shows_both_versions
                                                                                                  strict=True)}))
             await wait_progress(client, ids, 40)
             result = await engine.update_weights_from_disk(lent.model_path, "1", abort_all_requests=True)
-            assert result.success, result.message
+            # The aborted requests' continuations may reach the engine before its cache flush: the weights
+            # swapped all the same (SGLang's documented 400); nothing checked here reads the cache.
+            assert result.success or CACHE_NOT_FLUSHED_MARKER in result.message, result.message
             ledger = await asyncio.wait_for(rollout, 120)
     finally:
         await engine.update_weights_from_disk(lent.model_path, "0")
