@@ -531,18 +531,32 @@ class WeightSync:
 
     # --- verification --------------------------------------------------------------------------------
 
+    async def _expected_checksums(self, tensors: Mapping[str, Any]) -> dict[str, str] | str:
+        """The checksums the engines should report for the trainer's `tensors`, or why they cannot be
+        computed here (no SGLang, or no GPU for a CUDA engine's)."""
+        try:
+            return await asyncio.to_thread(plan.checksums, tensors, dtype=self.engine_dtype,
+                                           device=self.engine_device)
+        except (ImportError, RuntimeError) as exc:
+            return f"cannot compute the engines' checksum here: {exc}"
+
     async def verify(self, synced: list[EngineSyncOutcome], tensors: Mapping[str, Any]) -> None:
         """Compare each engine's served-weights checksums with the trainer's `tensors`; a mismatch marks
-        the engine dead (its outcome no longer ok). Engines with several ranks hold shards: unverifiable."""
+        the engine dead (its outcome no longer ok). Engines with several ranks hold shards: unverifiable.
+        The trainer hashes while the engines do (after the transfer: beside it, on shared cores, the
+        hashing only slowed the transfer down)."""
+        trainer_side = asyncio.ensure_future(self._expected_checksums(tensors))
         try:
-            expected = await asyncio.to_thread(plan.checksums, tensors, dtype=self.engine_dtype,
-                                               device=self.engine_device)
-        except (ImportError, RuntimeError) as exc:  # no SGLang or no GPU here for a CUDA engine's checksum
-            log.warning("fleet %s: served weights not verified: cannot compute the engines' checksum here: %s",
-                        self.fleet, exc)
-            for o in synced:
-                o.checksum = "unverifiable"
-                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result="unverifiable").inc()
+            await self._compare_served(synced, trainer_side)
+        finally:
+            trainer_side.cancel()
+        for o in synced:
+            if o.checksum is not None:
+                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result=o.checksum).inc()
+
+    async def _compare_served(self, synced: list[EngineSyncOutcome],
+                              trainer_side: asyncio.Future[dict[str, str] | str]) -> None:
+        if not synced:
             return
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
 
@@ -554,6 +568,10 @@ class WeightSync:
                 log.warning("fleet %s slot %d: weights_checker failed: %s", self.fleet, o.slot, exc)
                 return
             if len(ranks) != 1:
+                o.checksum = "unverifiable"
+                return
+            expected = await trainer_side
+            if isinstance(expected, str):
                 o.checksum = "unverifiable"
                 return
             verdict = plan.compare_checksums(expected, ranks[0])
@@ -572,9 +590,9 @@ class WeightSync:
         async with asyncio.TaskGroup() as tg:
             for o in synced:
                 tg.create_task(check(o))
-        for o in synced:
-            if o.checksum is not None:
-                metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result=o.checksum).inc()
+        expected = await trainer_side
+        if isinstance(expected, str):
+            log.warning("fleet %s: served weights not verified: %s", self.fleet, expected)
 
     async def close(self) -> None:
         """Destroy the update group (engines leave it, rank 0 stops)."""
