@@ -320,9 +320,11 @@ class WeightSyncSpec(ApiModel):
     )
     verify_every: int = Field(
         1, ge=0, le=1000000,
-        description="Compare every engine's served-weights checksum (/weights_checker) with the trainer's every "
-        "N syncs that carry new weights (1: every one, 0: never); a mismatch marks the engine dead. Engines of "
-        "tensorParallelSize > 1 are counted unverifiable (their checksum is of one shard).",
+        description="Compare every engine's served-weights checksums (/weights_checker, each of its ranks) with the "
+        "trainer's checksums of what that rank holds, every N syncs that carry new weights (1: every one, 0: never); "
+        "a mismatch marks the engine dead. CUDA engines are predicted as SGLang's own model code holds the weights "
+        "(fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards); CPU engines (its Transformers "
+        "implementation) of tensorParallelSize > 1 are counted unverifiable.",
     )
     disk_verify: Literal["manifest", "full"] = Field(
         "manifest",

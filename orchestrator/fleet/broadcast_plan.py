@@ -10,7 +10,7 @@
   share of T by bytes (never below what a healthy peer always meets); the whole transfer (begin .. end)
   by T itself, so a step late in it gets at most what is left of T.
 - Checksums are SGLang's (`/weights_checker`, CPU engines): the first 8 bytes of the sha256 of a tensor's
-  raw bytes, as 16 hex digits, per parameter name.
+  raw bytes, as 16 hex digits, per parameter name, of what each engine rank holds (`served_weights`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.orchestrator.fleet.served_weights import EngineLayout, served_tensors
+from rlfleet.sglang.engine import RankChecksums
 from rlfleet.snapshot.format import DTYPE_BYTES, TensorInfo
 from rlfleet.snapshot.writer import SAFETENSORS_DTYPES
 
@@ -183,9 +185,11 @@ def tensor_checksum(tensor: Any) -> str:
     return hashlib.sha256(memoryview(flat.numpy())).digest()[:8].hex()
 
 
-def checksums(tensors: Mapping[str, Any], *, dtype: str | None = None, device: str = "cpu") -> dict[str, str]:
-    """The checksums an engine serving these tensors reports: in its dtype (None: as they are); a CUDA
-    engine hashes on the GPU with SGLang's own kernel, so that one is used (ImportError without it)."""
+def checksums(tensors: Mapping[str, Any], *, dtype: str | None = None, device: str = "cpu",
+              layout: EngineLayout | None = None, rank: int = 0) -> dict[str, str]:
+    """The checksums tensor-parallel rank `rank` of an engine of `layout` (None: the tensors as they are)
+    reports when it serves these tensors: in its dtype (None: as they are); a CUDA engine hashes on the
+    GPU with SGLang's own kernel, so that one is used (ImportError without it)."""
     import torch
 
     target = getattr(torch, dtype) if dtype else None
@@ -193,11 +197,12 @@ def checksums(tensors: Mapping[str, Any], *, dtype: str | None = None, device: s
     def cast(t: Any) -> Any:
         return t.to(target) if target is not None and t.dtype != target else t
 
+    served = served_tensors(tensors, layout, rank) if layout is not None else iter(tensors.items())
     if device.startswith("cuda"):
         from sglang.srt.managers.mm_utils import tensor_hash
 
-        return {name: f"{tensor_hash(cast(t).to(device)):016x}" for name, t in tensors.items()}
-    return {name: tensor_checksum(cast(t)) for name, t in tensors.items()}
+        return {name: f"{tensor_hash(cast(t).to(device)):016x}" for name, t in served}
+    return {name: tensor_checksum(cast(t)) for name, t in served}
 
 
 @dataclass(frozen=True)
@@ -246,6 +251,30 @@ def compare_checksums(expected: Mapping[str, str], served: Mapping[str, str]) ->
         if served[other] != expected[name]:
             mismatched.append(name)
     return ChecksumVerdict(compared, tuple(mismatched), tuple(unmatched))
+
+
+def compare_engine(expected: Sequence[Mapping[str, str]], ranks: Sequence[RankChecksums]) -> ChecksumVerdict | str:
+    """Compare every rank of one engine with the trainer's checksums of what that rank holds (`expected`,
+    by tensor-parallel rank), as one verdict; or why the engine cannot be judged (a rank of an unknown
+    place or of another layout, or one that matched nothing)."""
+    compared = 0
+    mismatched: list[str] = []
+    unmatched: set[str] = set()
+    for rank in ranks:
+        if rank.tp_rank is None or rank.tp_size != len(expected) or not 0 <= rank.tp_rank < len(expected):
+            return f"an engine rank of tensor-parallel rank {rank.tp_rank} of {rank.tp_size} (expected {len(expected)})"
+        if rank.dp_size > 1:
+            return f"an engine rank of attention data parallel {rank.dp_size} (weights laid out otherwise)"
+        verdict = compare_checksums(expected[rank.tp_rank], rank.checksums)
+        if verdict.compared == 0:
+            return f"tensor-parallel rank {rank.tp_rank}: {verdict.describe()}"
+        compared += verdict.compared
+        where = f" (tp rank {rank.tp_rank})" if len(expected) > 1 else ""
+        mismatched += [name + where for name in verdict.mismatched]
+        unmatched.update(verdict.unmatched)
+    if not ranks:
+        return "the engine answered no rank"
+    return ChecksumVerdict(compared, tuple(mismatched), tuple(sorted(unmatched)))
 
 
 def verification_due(sync_index: int, every: int) -> bool:

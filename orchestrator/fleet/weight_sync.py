@@ -32,6 +32,7 @@ from rlfleet.orchestrator.fleet.backend import DeathCause, EngineSlot, EngineSta
 from rlfleet.orchestrator.fleet.errors import WeightSyncFailed
 from rlfleet.orchestrator.fleet.membership import RouterMembership, VersionNotPinned
 from rlfleet.orchestrator.fleet.monitor import HealthMonitor
+from rlfleet.orchestrator.fleet.served_weights import EngineLayout
 from rlfleet.orchestrator.fleet.update_group import TransferFailed, UpdateGroup, membership_key
 from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
@@ -531,31 +532,45 @@ class WeightSync:
 
     # --- verification --------------------------------------------------------------------------------
 
-    async def _expected_checksums(self, tensors: Mapping[str, Any]) -> dict[str, str] | str:
-        """The checksums the engines should report for the trainer's `tensors`, or why they cannot be
-        computed here (no SGLang, or no GPU for a CUDA engine's)."""
+    def engine_layout(self) -> EngineLayout | str:
+        """How this fleet's engines hold the weights (for their checksums), or why it is not known."""
+        config = self._reference.config if self._reference is not None else {}
+        return EngineLayout.of(device=self.engine_device, tp_size=self.engine_tp_size, config=config)
+
+    async def _expected_checksums(self, tensors: Mapping[str, Any], layout: EngineLayout) -> list[dict[str, str]] | str:
+        """The checksums each tensor-parallel rank of an engine should report for the trainer's `tensors`,
+        or why they cannot be computed here (no SGLang, or no GPU for a CUDA engine's)."""
+        def every_rank() -> list[dict[str, str]]:
+            return [plan.checksums(tensors, dtype=self.engine_dtype, device=self.engine_device, layout=layout,
+                                   rank=rank) for rank in range(layout.tp_size)]
+
         try:
-            return await asyncio.to_thread(plan.checksums, tensors, dtype=self.engine_dtype,
-                                           device=self.engine_device)
+            return await asyncio.to_thread(every_rank)
         except (ImportError, RuntimeError) as exc:
             return f"cannot compute the engines' checksum here: {exc}"
 
     async def verify(self, synced: list[EngineSyncOutcome], tensors: Mapping[str, Any]) -> None:
-        """Compare each engine's served-weights checksums with the trainer's `tensors`; a mismatch marks
-        the engine dead (its outcome no longer ok). Engines with several ranks hold shards: unverifiable.
-        The trainer hashes while the engines do (after the transfer: beside it, on shared cores, the
-        hashing only slowed the transfer down)."""
-        trainer_side = asyncio.ensure_future(self._expected_checksums(tensors))
-        try:
-            await self._compare_served(synced, trainer_side)
-        finally:
-            trainer_side.cancel()
+        """Compare each engine's served-weights checksums, rank by rank, with the trainer's of what that
+        rank holds of `tensors`; a mismatch marks the engine dead (its outcome no longer ok). The trainer
+        hashes while the engines do (after the transfer: beside it, on shared cores, the hashing only
+        slowed the transfer down)."""
+        layout = self.engine_layout()
+        if isinstance(layout, str):
+            log.warning("fleet %s: served weights not verified: %s", self.fleet, layout)
+            for o in synced:
+                o.checksum = "unverifiable"
+        else:
+            trainer_side = asyncio.ensure_future(self._expected_checksums(tensors, layout))
+            try:
+                await self._compare_served(synced, trainer_side)
+            finally:
+                trainer_side.cancel()
         for o in synced:
             if o.checksum is not None:
                 metrics.WEIGHT_CHECKSUMS.labels(fleet=self.fleet, result=o.checksum).inc()
 
     async def _compare_served(self, synced: list[EngineSyncOutcome],
-                              trainer_side: asyncio.Future[dict[str, str] | str]) -> None:
+                              trainer_side: asyncio.Future[list[dict[str, str]] | str]) -> None:
         if not synced:
             return
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
@@ -567,23 +582,20 @@ class WeightSync:
                 o.checksum = "unverifiable"
                 log.warning("fleet %s slot %d: weights_checker failed: %s", self.fleet, o.slot, exc)
                 return
-            if len(ranks) != 1:
-                o.checksum = "unverifiable"
-                return
             expected = await trainer_side
             if isinstance(expected, str):
                 o.checksum = "unverifiable"
                 return
-            verdict = plan.compare_checksums(expected, ranks[0])
-            if verdict.mismatched:
+            verdict = plan.compare_engine(expected, ranks)
+            if isinstance(verdict, str):
+                o.checksum = "unverifiable"
+                log.warning("fleet %s slot %d: served weights not verified: %s", self.fleet, o.slot, verdict)
+            elif verdict.mismatched:
                 o.checksum = "mismatch"
                 o.ok = False
                 o.error = f"served weights differ from the trainer's (checksum): {verdict.describe()}"
                 o.marked_dead = await self.backend.mark_dead(o.slot, o.error, cause=DeathCause.LOAD_FAILED,
                                                              incarnation=o.incarnation)
-            elif verdict.compared == 0:
-                o.checksum = "unverifiable"
-                log.warning("fleet %s slot %d: checksum: %s", self.fleet, o.slot, verdict.describe())
             else:
                 o.checksum = "match"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -192,8 +192,8 @@ class EngineClient:
             body["load_format"] = load_format
         return await self._control("/update_weights_from_distributed", body, timeout_s)
 
-    async def weights_checksums(self, timeout_s: float) -> list[dict[str, str]]:
-        """The served weights' checksums, one `{tensor name: checksum}` per engine rank (/weights_checker)."""
+    async def weights_checksums(self, timeout_s: float) -> list[RankChecksums]:
+        """The served weights' checksums, one `RankChecksums` per engine rank (/weights_checker)."""
         reply = await self._call("POST", "/weights_checker", timeout_s, json_body={"action": "checksum"})
         body = expect_dict(reply, "weights_checker")
         ranks = body.get("ranks")
@@ -201,7 +201,34 @@ class EngineClient:
                                                   for r in ranks):
             raise BadResponse(f"weights_checker has no per-rank checksums: {reply.text[:300]!r}",
                               url=self.base_url + "/weights_checker", status=reply.status)
-        return [{str(k): str(v) for k, v in r["checksums"].items()} for r in ranks]
+        return [RankChecksums.from_reply(r, len(ranks)) for r in ranks]
+
+
+@dataclass(frozen=True)
+class RankChecksums:
+    """One engine rank's `/weights_checker` checksums and its place in the engine (its parallelism_info;
+    an answer without one is a single rank's, or of an unknown place: tp_rank None)."""
+
+    checksums: dict[str, str]
+    tp_rank: int | None = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+
+    @classmethod
+    def from_reply(cls, rank: Mapping[str, Any], ranks: int) -> RankChecksums:
+        checksums = {str(k): str(v) for k, v in rank["checksums"].items()}
+        info = rank.get("parallelism_info")
+        if not isinstance(info, dict):
+            return cls(checksums, tp_rank=0 if ranks == 1 else None)
+
+        def number(key: str, default: int) -> int:
+            value = info.get(key, default)
+            return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+        tp_rank = info.get("tp_rank")
+        return cls(checksums, tp_rank=tp_rank if isinstance(tp_rank, int) and not isinstance(tp_rank, bool) else None,
+                   tp_size=number("tp_size", 1), pp_size=number("pp_size", 1), dp_size=number("dp_size", 1))
 
 
 class CacheNotFlushed(Exception):
