@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rlfleet.orchestrator.fleet.served_weights import EngineLayout, served_tensors
+from rlfleet.orchestrator.fleet.served_weights import EngineLayout, served_tensors, tied_aliases
 from rlfleet.sglang.engine import RankChecksums
 from rlfleet.snapshot.format import DTYPE_BYTES, TensorInfo
 from rlfleet.snapshot.writer import SAFETENSORS_DTYPES
@@ -201,8 +201,12 @@ def checksums(tensors: Mapping[str, Any], *, dtype: str | None = None, device: s
     if device.startswith("cuda"):
         from sglang.srt.managers.mm_utils import tensor_hash
 
-        return {name: f"{tensor_hash(cast(t).to(device)):016x}" for name, t in served}
-    return {name: tensor_checksum(cast(t)) for name, t in served}
+        sums = {name: f"{tensor_hash(cast(t).to(device)):016x}" for name, t in served}
+    else:
+        sums = {name: tensor_checksum(cast(t)) for name, t in served}
+    if layout is not None:  # the same tensor under another name: hashed once
+        sums.update({alias: sums[name] for alias, name in tied_aliases(tensors, layout).items()})
+    return sums
 
 
 @dataclass(frozen=True)

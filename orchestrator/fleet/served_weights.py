@@ -10,14 +10,16 @@ Pure: it lets the checksum verification of a weight sync predict every engine ra
   parallel size T, rank r holds its share of each weight: the rows of column-parallel ones (q by heads;
   k and v by heads, one kv head held by T / kv_heads ranks when there are fewer kv heads than ranks;
   gate, up; the padded vocabulary), the columns of row-parallel ones (o_proj, down_proj), and the whole
-  of the rest (norms). Pipeline stages keep the global layer names, so a stage's rank lists its layers.
+  of the rest (norms). Pipeline stages keep the global layer names, so a stage's rank lists its layers;
+  with tied embeddings the last stage of some model classes (qwen3) holds an `lm_head` of its own, loaded
+  from the embeddings (`tied_aliases`).
 
 Checked against SGLang's own model classes and weight loaders, on one rank and on two
 (`tests/integration/test_served_weights.py`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,3 +130,12 @@ def served_tensors(tensors: Mapping[str, Any], layout: EngineLayout, rank: int =
                 yield _join(prefix, target, suffix), torch.cat([_shard(m, x, layout, rank) for m, x in parts])
             continue
         yield name, _shard(module, tensor, layout, rank)
+
+
+def tied_aliases(names: Iterable[str], layout: EngineLayout) -> dict[str, str]:
+    """Served names that hold the same as another (alias -> name): with tied embeddings (no `lm_head` among
+    the trainer's tensors) SGLang's own model code may keep an `lm_head` loaded from `embed_tokens`."""
+    names = set(names)
+    if layout.native and "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    return {}

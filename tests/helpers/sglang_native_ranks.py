@@ -1,10 +1,11 @@
-"""One tensor-parallel rank of SGLang's own model code (what a CUDA engine runs), on CPU over gloo.
+"""One rank of SGLang's own model code (what a CUDA engine runs), on CPU over gloo.
 
-    python tests/helpers/sglang_native_ranks.py RANK WORLD PORT OUT.json MODEL_DIR [MODEL_DIR ...]
+    python tests/helpers/sglang_native_ranks.py RANK TP PP PORT OUT.json MODEL_DIR [MODEL_DIR ...]
 
-For each model directory: SGLang's model class for its architecture is built in this rank's place of a
-tensor-parallel group of WORLD ranks, loads the directory's safetensors with its own `load_weights`, and
-SGLang's own `WeightChecker` computes the checksums this rank would answer on `/weights_checker`.
+For each model directory: SGLang's model class for its architecture is built in this rank's place of
+TP tensor-parallel x PP pipeline ranks (rank = pipeline stage x TP + tensor-parallel rank), loads the
+directory's safetensors with its own `load_weights`, and SGLang's own `WeightChecker` computes the
+checksums this rank would answer on `/weights_checker`.
 Rank r writes {model dir: that answer} to OUT.json.r.
 
 Three things differ from an engine on a GPU, none of them in the weights: no forward pass runs, so the
@@ -36,8 +37,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
 
 
 def main(argv: list[str]) -> int:
-    rank, world, port, out = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    models = argv[4:]
+    rank, tp, pp, port, out = int(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    models = argv[5:]
+    world = tp * pp
     _rotary_kernel_stand_in()
     import sglang.srt.distributed.parallel_state as parallel_state
     import sglang.srt.server_args as server_args
@@ -48,12 +50,12 @@ def main(argv: list[str]) -> int:
     from transformers import AutoConfig
 
     server_args.set_global_server_args_for_scheduler(
-        server_args.ServerArgs(model_path=models[0], device="cpu", tp_size=world))
+        server_args.ServerArgs(model_path=models[0], device="cpu", tp_size=tp, pp_size=pp))
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
-    get_parallel().override_permanently(tp_size=world, tp_rank=rank, pp_size=1, pp_rank=0, attn_tp_rank=rank,
-                                        attn_tp_size=world, attn_dp_size=1, attn_dp_rank=0, attn_cp_rank=0,
-                                        moe_ep_rank=0, dp_rank=None)
+    get_parallel().override_permanently(tp_size=tp, tp_rank=rank % tp, pp_size=pp, pp_rank=rank // tp,
+                                        attn_tp_rank=rank % tp, attn_tp_size=tp, attn_dp_size=1, attn_dp_rank=0,
+                                        attn_cp_rank=0, moe_ep_rank=0, dp_rank=None)
     build_group = parallel_state.init_model_parallel_group
 
     def gloo_only(*args: object, **kwargs: object) -> object:

@@ -110,3 +110,13 @@ def test_a_weights_checker_answer_gives_each_rank_its_place():
     assert rank == RankChecksums({"a": "1"}, tp_rank=1, tp_size=2)
     assert RankChecksums.from_reply({"checksums": {}}, 1).tp_rank == 0  # an older answer of one rank
     assert RankChecksums.from_reply({"checksums": {}}, 2).tp_rank is None  # ... of several: place unknown
+
+
+def test_a_tied_lm_head_is_the_embeddings_under_another_name_hashed_once():
+    native = EngineLayout.of(device="cuda", tp_size=1, config=CONFIG)
+    assert isinstance(native, EngineLayout)
+    sums = plan.checksums(tensors(), layout=native)
+    assert sums["lm_head.weight"] == sums["model.embed_tokens.weight"]
+    untied = {**tensors(), "lm_head.weight": torch.ones(6, 8)}
+    assert plan.checksums(untied, layout=native)["lm_head.weight"] != sums["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in plan.checksums(tensors())  # a CPU engine: the tensors as exported
