@@ -18,6 +18,7 @@ from rlfleet.crds.eval_specs import IMPORT_PATH_PATTERN, TASK_PATTERN, EvalSpec
 from rlfleet.crds.fleet_specs import EvalFleetSpec, RolloutFleetSpec, RolloutTemplateSpec
 from rlfleet.crds.rules import Rule, fixed_except, immutable
 from rlfleet.crds.specs import (
+    DP_ATTENTION_FLAG,
     IMAGE,
     NODE_SELECTOR_RULE,
     PATH,
@@ -277,6 +278,26 @@ class TrainingRunSpec(ApiModel):
             field="weightSync.mode",
             message="weight sync mode broadcast needs the trainer and the engines on the same kind of device "
             "(GPU trainer with cuda engines: nccl; CPU trainer with cpu engines: gloo); use disk",
+        ),
+        # SGLang places each engine process in the update group at rank offset + its tensor-parallel rank
+        # alone: pipeline stages, and data-parallel replicas that do not share the tensor-parallel ranks,
+        # would all claim the same ranks, and no broadcast could ever start.
+        Rule(
+            cel="self.weightSync.mode != 'broadcast' || self.rollout.engine.pipelineParallelSize == 1",
+            check=lambda s: s.weight_sync.mode != "broadcast" or s.rollout.engine.pipeline_parallel_size == 1,
+            field="rollout.engine.pipelineParallelSize",
+            message="weight sync mode broadcast cannot reach an engine of several pipeline stages: SGLang ranks its "
+            "processes in the update group by tensor-parallel rank alone, so the stages would collide; use disk",
+        ),
+        Rule(
+            cel="self.weightSync.mode != 'broadcast' || self.rollout.engine.dataParallelSize == 1"
+            f" || self.rollout.engine.extraArgs.exists(a, a == '{DP_ATTENTION_FLAG}')",
+            check=lambda s: (s.weight_sync.mode != "broadcast" or s.rollout.engine.data_parallel_size == 1
+                             or DP_ATTENTION_FLAG in s.rollout.engine.extra_args),
+            field="rollout.engine.dataParallelSize",
+            message="weight sync mode broadcast cannot reach an engine of several data-parallel replicas: SGLang "
+            "ranks its processes in the update group by tensor-parallel rank alone, so the replicas would collide "
+            f"(unless they share the tensor-parallel ranks, {DP_ATTENTION_FLAG}); use disk, or more engines",
         ),
         Rule(
             cel=f"self.weightSync.mode != 'broadcast' || self.metricsPort != {UPDATE_GROUP_PORT}",

@@ -173,6 +173,16 @@ def test_weight_sync_fields_are_checked_and_named():
         assert path in [p for p, _ in errors(RUN + f"  weightSync: {{{bad}}}\n")], bad
     mixed = errors(RUN + "  trainer: {gpus: 0}\n  rollout: {engine: {device: cuda}}\n  weightSync: {mode: broadcast}\n")
     assert [(p, m) for p, m in mixed if p == "spec.weightSync.mode" and "same kind of device" in m]
+    # SGLang ranks an engine's processes in the update group by tensor-parallel rank alone.
+    stages = errors(RUN + "  rollout: {engine: {pipelineParallelSize: 2, gpusPerEngine: 2}}\n"
+                    "  weightSync: {mode: broadcast}\n")
+    assert [p for p, m in stages if "several pipeline stages" in m] == ["spec.rollout.engine.pipelineParallelSize"]
+    replicas = errors(RUN + "  rollout: {engine: {dataParallelSize: 2, gpusPerEngine: 2}}\n"
+                      "  weightSync: {mode: broadcast}\n")
+    assert [p for p, m in replicas if "data-parallel replicas" in m] == ["spec.rollout.engine.dataParallelSize"]
+    assert errors(RUN + "  rollout: {engine: {dataParallelSize: 2, tensorParallelSize: 2, gpusPerEngine: 2, "
+                  "extraArgs: [--enable-dp-attention]}}\n  weightSync: {mode: broadcast}\n") == []
+    assert errors(RUN + "  rollout: {engine: {pipelineParallelSize: 2, gpusPerEngine: 2}}\n") == []  # disk: fine
     # The trainer pod's update-group port is not the metrics port's to take.
     clash = errors(RUN + "  metricsPort: 29600\n  weightSync: {mode: broadcast}\n")
     assert [(p, m) for p, m in clash if p == "spec.metricsPort" and "update-group port" in m], clash
