@@ -6,8 +6,8 @@
 2. the export of the trained weights as an HF snapshot;
 3. an SGLang engine on the same model, started by the project's one engine command builder and run by
    the local fleet backend behind the router, as `rlfleet run` runs it; a disk weight sync of that
-   snapshot through the orchestrator's WeightSync (validated, loaded, version read back), and the
-   engine's greedy tokens against the trainer's;
+   snapshot through the orchestrator's WeightSync (validated, loaded, version read back, the served
+   weights' checksums against the trainer's), and the engine's greedy tokens against the trainer's;
 4. one more step, then a broadcast weight sync (NCCL on CUDA, gloo on CPU) into the engine, the served
    weights' checksum compared with the trainer's, greedy tokens again. NCCL needs a GPU per rank: on
    CUDA this runs only with 2 or more GPUs (the trainer and the broadcast on GPU 0, the engine on GPU 1),
@@ -175,11 +175,16 @@ async def serve_and_sync(trainer, model_dir: Path, snapshot: Path, device: str, 
         where = "GPU 1" if backend.gpu_bases else ("GPU 0, beside the trainer" if device == "cuda" else "CPU")
         say("engine ready s", f"{time.perf_counter() - started:.1f} (on {where})")
 
-        result = await runtime.sync_weights(snapshot, trainer.step)
+        # The snapshot's weights as the trainer holds them: the sync compares the engine's checksums with
+        # them (on CUDA, as SGLang's own model code holds them: fused q/k/v and gate/up).
+        state = await asyncio.to_thread(trainer.state_for_export)
+        result = await runtime.sync_weights(snapshot, trainer.step, tensors=state.tensors)
         say("disk weight sync", describe_sync(result))
         (outcome,) = result.engines
         assert outcome.ok, f"the disk sync failed: {outcome.error}"
         say("weight version read back", outcome.version)
+        assert result.verified and outcome.checksum == "match", f"the served weights' checksum: {outcome.checksum}"
+        say("served checksum equals the trainer's (disk sync)", "yes")
         await compare_greedy(runtime, trainer, str(trainer.step), exact=device == "cpu")
 
         if not broadcast:
