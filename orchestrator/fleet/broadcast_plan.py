@@ -281,6 +281,17 @@ def compare_engine(expected: Sequence[Mapping[str, str]], ranks: Sequence[RankCh
     return ChecksumVerdict(compared, tuple(mismatched), tuple(sorted(unmatched)))
 
 
+def staying_after_scale_down(alive: Sequence[int], replicas: int, blamed: Iterable[int]) -> list[int] | None:
+    """The slots to broadcast to again when a broadcast over `alive` failed because engines were scaled
+    away under way (slots >= `replicas`: the operator ends their pods mid-collective), or None when the
+    failure is not that: nothing was scaled away, none stays, or a staying engine is blamed (it timed
+    out or went away itself), which the failure's own handling (fallback, dead marks) is for."""
+    staying = [slot for slot in alive if slot < replicas]
+    if not staying or len(staying) == len(alive) or set(blamed) & set(staying):
+        return None
+    return staying
+
+
 def verification_due(sync_index: int, every: int) -> bool:
     """Is the `sync_index`-th verifiable sync (1-based) verified at rate `every` (0: never)?"""
     return every > 0 and sync_index % every == 0

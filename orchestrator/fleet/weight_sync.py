@@ -368,9 +368,10 @@ class WeightSync:
             await self._read_back_all(alive, outcomes, version, bounds)
             result.phases["read_back"] = time.monotonic() - t
         except TransferFailed as exc:
-            staying = [e for e in alive if e.slot < self.backend.replicas]
-            blamed = {*exc.wedged, *exc.gone}
-            if again_if_scaled and staying and len(staying) < len(alive) and not blamed & {e.slot for e in staying}:
+            again = plan.staying_after_scale_down([e.slot for e in alive], self.backend.replicas,
+                                                  {*exc.wedged, *exc.gone})
+            if again_if_scaled and again is not None:
+                staying = [e for e in alive if e.slot in again]
                 # Engines scaled away under way (the operator ends their pods) broke the collective: no
                 # fault of the transfer. Again, over a group of the engines that stay.
                 log.info("fleet %s: engines scaled away during the broadcast of version %s (%s): again over "

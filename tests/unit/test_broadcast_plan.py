@@ -169,3 +169,14 @@ def test_a_table_with_a_dtype_torch_has_no_name_for_plans_nothing():
     from rlfleet.snapshot.format import TensorInfo
 
     assert plan.table_specs({"w": TensorInfo(dtype="F8_E8M0", shape=(4,), file="model.safetensors")}) is None
+
+
+def test_a_broadcast_goes_again_over_the_staying_engines_only_when_a_scale_down_broke_it():
+    # Slot 2 scaled away under way (replicas now 2), it or no one blamed: again over slots 0 and 1.
+    assert plan.staying_after_scale_down([0, 1, 2], 2, blamed={2}) == [0, 1]
+    assert plan.staying_after_scale_down([0, 1, 2], 2, blamed=set()) == [0, 1]
+    # A staying engine timed out or went away itself: the failure is its, not the scale-down's.
+    assert plan.staying_after_scale_down([0, 1, 2], 2, blamed={1, 2}) is None
+    # Nothing scaled away, or nothing left to broadcast to.
+    assert plan.staying_after_scale_down([0, 1], 2, blamed={1}) is None
+    assert plan.staying_after_scale_down([1, 2], 1, blamed=set()) is None
