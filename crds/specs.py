@@ -324,7 +324,8 @@ class WeightSyncSpec(ApiModel):
         "trainer's checksums of what that rank holds, every N syncs that carry new weights (1: every one, 0: never); "
         "a mismatch marks the engine dead. CUDA engines are predicted as SGLang's own model code holds the weights "
         "(fused q/k/v and gate/up, padded vocabulary, tensor-parallel shards); CPU engines (its Transformers "
-        "implementation) of tensorParallelSize > 1 are counted unverifiable.",
+        "implementation) of tensorParallelSize > 1 and engines that quantize what they load (--quantization) are "
+        "counted unverifiable.",
     )
     disk_verify: Literal["manifest", "full"] = Field(
         "manifest",

@@ -147,7 +147,7 @@ async def serve_and_sync(trainer, model_dir: Path, snapshot: Path, device: str, 
     from rlfleet.orchestrator.fleet.local_backend import LocalBackend
     from rlfleet.orchestrator.fleet.local_router import LocalRouter
     from rlfleet.orchestrator.fleet.runtime import FleetRuntime
-    from rlfleet.sglang.launch import served_dtype
+    from rlfleet.sglang.launch import ServedWeights
     from rlfleet.snapshot.writer import write_hf_snapshot
 
     gpus = torch.cuda.device_count() if device == "cuda" else 0
@@ -166,8 +166,8 @@ async def serve_and_sync(trainer, model_dir: Path, snapshot: Path, device: str, 
                            run_dir=work / "fleet", startup_timeout_s=300,
                            gpu_bases=(1,) if broadcast and device == "cuda" else ())
     runtime = FleetRuntime(backend, router_url, health=HealthSpec(interval_seconds=30, timeout_seconds=60),
-                           weight_sync=disk, reference=model_dir, broadcast_device=device, engine_device=device,
-                           engine_dtype=served_dtype(engine))
+                           weight_sync=disk, reference=model_dir, broadcast_device=device,
+                           served=ServedWeights.of(engine))
     try:
         started = time.perf_counter()
         await runtime.start()

@@ -36,6 +36,7 @@ from rlfleet.orchestrator.fleet.weight_sync import WeightSync, WeightSyncResult
 from rlfleet.sglang.engine import EngineClient, EngineTimeouts
 from rlfleet.sglang.errors import CallError
 from rlfleet.sglang.http import client_session, fleet_connector
+from rlfleet.sglang.launch import ServedWeights
 from rlfleet.sglang.router import RouterClient, normalize_url
 from rlfleet.snapshot.format import SnapshotReference
 
@@ -46,8 +47,8 @@ class FleetRuntime:
     def __init__(self, backend: FleetBackend, router_url: str, *, health: HealthSpec, weight_sync: WeightSyncSpec,
                  reference: SnapshotReference | str | Path | None = None,
                  timeouts: EngineTimeouts | None = None, api_key: str | None = None,
-                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
+                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu",
+                 served: ServedWeights = ServedWeights(), broadcast_port: int | None = None):
         self.backend = backend
         self.api_key = api_key  # the fleet's key: every call to its engines and router sends it
         self.fleet = backend.fleet
@@ -59,9 +60,7 @@ class FleetRuntime:
         self._broadcast_address = broadcast_address
         self._broadcast_port = broadcast_port
         self._broadcast_device = broadcast_device
-        self._engine_tp_size = engine_tp_size
-        self._engine_device = engine_device
-        self._engine_dtype = engine_dtype
+        self._served = served
         self.session: aiohttp.ClientSession | None = None
         self.monitor: HealthMonitor | None = None
         self.membership: RouterMembership | None = None
@@ -118,8 +117,7 @@ class FleetRuntime:
                                   reference=self._reference,
                                   broadcast_address=self._broadcast_address, broadcast_port=self._broadcast_port,
                                   broadcast_device=self._broadcast_device,
-                                  engine_tp_size=self._engine_tp_size, engine_device=self._engine_device,
-                                  engine_dtype=self._engine_dtype)
+                                  served=self._served)
         self._unsubscribe = [self.backend.subscribe(self._on_death), self.backend.subscribe_resize(self._on_resize)]
         await self.backend.start()
         await self.monitor.start()

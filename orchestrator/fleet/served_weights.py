@@ -48,9 +48,14 @@ class EngineLayout:
     vocab_size: int = 0
 
     @classmethod
-    def of(cls, *, device: str, tp_size: int, config: Mapping[str, Any]) -> EngineLayout | str:
+    def of(cls, *, device: str, tp_size: int, config: Mapping[str, Any],
+           quantization: str | None = None) -> EngineLayout | str:
         """The layout of an engine on `device` with `tp_size` ranks serving a model of `config` (its
-        config.json's shape keys), or why its checksums cannot be predicted."""
+        config.json's shape keys), quantized as `quantization` (None: as loaded), or why its checksums
+        cannot be predicted."""
+        if quantization is not None:
+            return (f"the engines serve the weights quantized ({quantization}): their checksums are of other "
+                    "values than the trainer's")
         native = device != "cpu"
         if tp_size == 1:
             return cls(native=native, vocab_size=int(config.get("vocab_size") or 0))

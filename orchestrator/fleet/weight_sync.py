@@ -36,6 +36,7 @@ from rlfleet.orchestrator.fleet.served_weights import EngineLayout
 from rlfleet.orchestrator.fleet.update_group import TransferFailed, UpdateGroup, membership_key
 from rlfleet.sglang.engine import CacheNotFlushed, EngineClient, PauseMode, gone_for_good, pin_weights
 from rlfleet.sglang.errors import CallError
+from rlfleet.sglang.launch import ServedWeights
 from rlfleet.snapshot.format import Manifest, SnapshotInvalid, SnapshotReference, validate_snapshot
 from rlfleet.util.aio import LazyTask, settle
 
@@ -105,8 +106,8 @@ class WeightSync:
                  engine_client: Callable[[str], EngineClient], monitor: HealthMonitor | None = None,
                  reference: SnapshotReference | str | Path | None = None,
                  wait_alive_timeout_s: float | None = None, fleet: str | None = None,
-                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu", engine_tp_size: int = 1,
-                 engine_device: str = "cpu", engine_dtype: str | None = None, broadcast_port: int | None = None):
+                 broadcast_address: str = "127.0.0.1", broadcast_device: str = "cpu",
+                 served: ServedWeights = ServedWeights(), broadcast_port: int | None = None):
         self.backend = backend
         self.membership = membership
         self.spec = spec
@@ -123,9 +124,7 @@ class WeightSync:
         # hold its group under the same counter.
         self._group_prefix = f"rlfleet-{self.fleet}-{secrets.token_hex(4)}"
         self.broadcast_device = broadcast_device
-        self.engine_tp_size = engine_tp_size
-        self.engine_device = engine_device  # where engines hold their weights: how they hash them
-        self.engine_dtype = engine_dtype  # the dtype engines serve (None: the snapshot's)
+        self.served = served  # how the engines hold the weights: their ranks, how they hash them
         self._group: UpdateGroup | None = None
         self._groups_built = 0
         self._verifiable_syncs = 0  # syncs that carried tensors: what `verifyEvery` counts
@@ -335,7 +334,7 @@ class WeightSync:
             alive, buckets=buckets, bounds=plan.StepBounds(self.spec.transfer_timeout_seconds),
             client=lambda url: self._engine_client(url), address=self.broadcast_address, backend=backend,
             group_name=f"{self._group_prefix}-{self._groups_built}", device=self.broadcast_device,
-            tp_size=self.engine_tp_size, port=self.broadcast_port)
+            tp_size=self.served.tp_size, port=self.broadcast_port)
         metrics.WEIGHT_UPDATE_GROUP_BUILDS.labels(fleet=self.fleet).inc()
         phases["group"] = time.monotonic() - started
         return self._group
@@ -536,13 +535,14 @@ class WeightSync:
     def engine_layout(self) -> EngineLayout | str:
         """How this fleet's engines hold the weights (for their checksums), or why it is not known."""
         config = self._reference.config if self._reference is not None else {}
-        return EngineLayout.of(device=self.engine_device, tp_size=self.engine_tp_size, config=config)
+        return EngineLayout.of(device=self.served.device, tp_size=self.served.tp_size, config=config,
+                               quantization=self.served.quantization)
 
     async def _expected_checksums(self, tensors: Mapping[str, Any], layout: EngineLayout) -> list[dict[str, str]] | str:
         """The checksums each tensor-parallel rank of an engine should report for the trainer's `tensors`,
         or why they cannot be computed here (no SGLang, or no GPU for a CUDA engine's)."""
         def every_rank() -> list[dict[str, str]]:
-            return [plan.checksums(tensors, dtype=self.engine_dtype, device=self.engine_device, layout=layout,
+            return [plan.checksums(tensors, dtype=self.served.dtype, device=self.served.device, layout=layout,
                                    rank=rank) for rank in range(layout.tp_size)]
 
         try:

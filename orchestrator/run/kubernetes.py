@@ -45,7 +45,7 @@ from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snaps
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_guard import EnginePods
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions
-from rlfleet.sglang.launch import served_dtype
+from rlfleet.sglang.launch import ServedWeights
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +97,7 @@ class KubernetesRun(RunLoop):
                                   broadcast_address=pod_ip or "127.0.0.1",
                                   broadcast_port=conventions.UPDATE_GROUP_PORT,
                                   broadcast_device="cuda" if spec.trainer.gpus > 0 else "cpu",
-                                  engine_tp_size=spec.rollout.engine.tensor_parallel_size,
-                                  engine_device=spec.rollout.engine.device,
-                                  engine_dtype=served_dtype(spec.rollout.engine))
+                                  served=ServedWeights.of(spec.rollout.engine))
         stack.push_async_callback(self._flush_status_writes)
         return url
 

@@ -22,7 +22,7 @@ from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.run.local_gpus import plan_local_gpus
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions, resolve_model_dir, snapshot_dir
 from rlfleet.sglang.http import new_api_key
-from rlfleet.sglang.launch import served_dtype
+from rlfleet.sglang.launch import ServedWeights
 from rlfleet.snapshot.volume import default_local_volume, is_scratch_volume
 
 __all__ = ["LocalRun", "RunFailed", "RunOptions", "resolve_model_dir", "snapshot_dir"]
@@ -69,8 +69,7 @@ class LocalRun(RunLoop):
                                   weight_sync=spec.weight_sync, reference=self.current_snapshot,
                                   api_key=self.api_key,
                                   broadcast_device="cuda" if spec.trainer.gpus > 0 else "cpu",
-                                  engine_tp_size=spec.rollout.engine.tensor_parallel_size,
-                                  engine_device=spec.rollout.engine.device, engine_dtype=served_dtype(engine))
+                                  served=ServedWeights.of(engine))
         return router_url
 
     def _checkpoint_root(self) -> Path:

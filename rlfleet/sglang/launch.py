@@ -6,6 +6,7 @@ table the API uses to refuse those flags in `extraArgs`. Pure: no I/O.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlfleet.crds.managed import USER_SETTABLE_ENGINE_FLAGS, EngineFlags
@@ -159,11 +160,45 @@ def build_router_args(*, host: str, port: int, metrics_port: int, health_interva
     ]
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value `args` give `flag` (`--flag value` or `--flag=value`; the last one counts, as SGLang's
+    parser takes it), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def served_dtype(engine: EngineSpec) -> str | None:
     """The dtype the engine serves its weights in: its --dtype (CPU engines: float32 unless told), else None
     (the snapshot's own)."""
-    args = list(engine.extra_args)
-    if "--dtype" in args and args.index("--dtype") + 1 < len(args):
-        value = args[args.index("--dtype") + 1]
+    value = _flag_value(engine.extra_args, "--dtype")
+    if value is not None:
         return None if value == "auto" else {"half": "float16", "float": "float32"}.get(value, value)
     return "float32" if engine.device == "cpu" else None
+
+
+def served_quantization(engine: EngineSpec) -> str | None:
+    """The quantization the engine serves its weights in (its --quantization, e.g. fp8), or None: the
+    weights as loaded."""
+    value = _flag_value(engine.extra_args, "--quantization")
+    return None if value is None or value.lower() == "none" else value
+
+
+@dataclass(frozen=True)
+class ServedWeights:
+    """How the engines of one spec hold the weights they load: what a weight sync needs to know of them
+    (their update-group ranks, and how they hash what they serve)."""
+
+    device: str = "cpu"
+    tp_size: int = 1
+    dtype: str | None = None  # None: the snapshot's own
+    quantization: str | None = None  # None: as loaded
+
+    @classmethod
+    def of(cls, engine: EngineSpec) -> ServedWeights:
+        return cls(device=engine.device, tp_size=engine.tensor_parallel_size, dtype=served_dtype(engine),
+                   quantization=served_quantization(engine))

@@ -141,6 +141,22 @@ def test_served_dtype_is_what_the_engine_launch_asks_for():
     assert served_dtype(EngineSpec(model_path="m", device="cuda")) is None  # the snapshot's own
     assert served_dtype(EngineSpec(model_path="m", device="cpu", extra_args=["--dtype", "bfloat16"])) == "bfloat16"
     assert served_dtype(EngineSpec(model_path="m", device="cuda", extra_args=["--dtype", "half"])) == "float16"
+    assert served_dtype(EngineSpec(model_path="m", device="cuda", extra_args=["--dtype=bfloat16"])) == "bfloat16"
+
+
+def test_how_an_engine_spec_serves_its_weights():
+    from rlfleet.crds.specs import EngineSpec
+    from rlfleet.orchestrator.fleet.served_weights import EngineLayout
+    from rlfleet.sglang.launch import ServedWeights
+
+    plain = ServedWeights.of(EngineSpec(model_path="m", tensor_parallel_size=4, gpus_per_engine=4))
+    assert plain == ServedWeights(device="cuda", tp_size=4, dtype=None, quantization=None)
+    fp8 = ServedWeights.of(EngineSpec(model_path="m", extra_args=["--quantization", "fp8", "--dtype", "bfloat16"]))
+    assert (fp8.quantization, fp8.dtype) == ("fp8", "bfloat16")
+    assert ServedWeights.of(EngineSpec(model_path="m", extra_args=["--quantization=none"])).quantization is None
+    # Quantized weights hash to other values than the trainer's: unverifiable, never a mismatch.
+    why = EngineLayout.of(device="cuda", tp_size=1, config={}, quantization="fp8")
+    assert isinstance(why, str) and "quantized (fp8)" in why
 
 
 def test_checksums_in_the_engines_dtype():
