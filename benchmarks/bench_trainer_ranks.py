@@ -7,7 +7,8 @@ batch to the ranks, the statistics' reductions) is timed on every rank: its cost
 the step's critical path, from the last rank entering each call to the last rank leaving it, as a
 share of the step; the time rank 0 waits in those calls for ranks still computing is shown apart
 (imbalance). The baseline is one rank measured in the same run; speed-up is step time of one rank /
-step time of N. On a 2-core machine expect little speed-up: N ranks share the same cores.
+step time of N. The floor under the plumbing, measured in the same ranks before they train: a bare 8-byte
+broadcast among them, timed the same way. On a 2-core machine expect little speed-up: N ranks share the same cores.
 
     python benchmarks/bench_trainer_ranks.py [--backend megatron|torch] [--steps 10] [--prompts 16 --group 16]
     python benchmarks/bench_trainer_ranks.py --layouts 1,1,1 2,1,1 1,1,2 2,1,2    # tensor,pipeline,data
@@ -51,6 +52,22 @@ def marked(marks: dict[str, list[tuple[float, float]]], kind: str, fn: Any) -> A
 
 
 PLUMBING = ("command", "stats")  # rank 0 handing out the batch; the statistics' reduction
+FLOOR_ROUNDS = 40
+
+
+def bare_broadcasts(marks: dict[str, list[tuple[float, float]]]) -> None:
+    """The floor under any rank plumbing: a bare broadcast of 8 bytes from rank 0 among the ranks, each
+    after a little compute of every rank's own (as a step's calls come), timed as the plumbing calls are."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.zeros(8, dtype=torch.uint8)
+    x = torch.randn(192, 192)
+    broadcast = marked(marks, "floor", dist.broadcast)
+    for _ in range(FLOOR_ROUNDS):
+        for _ in range(3):
+            x = torch.tanh(x @ x)
+        broadcast(flag, 0)
 
 
 def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps: int, prompts: int,
@@ -82,6 +99,8 @@ def rank_entry(backend: str, model_dir: str, layout: tuple[int, int, int], steps
         return marked(marks, "stats", marked(marks, "stats", start_stats)(sums, maxima))
 
     trainer._start_stats_reduction = marked_stats_reduction  # type: ignore[method-assign]
+    if parallel.world > 1:
+        bare_broadcasts(marks)
     if ranks.rank_env()[0] != 0:
         ranks.follow(trainer)
         return {"marks": marks}
@@ -127,6 +146,16 @@ def plumbing_of(by_rank: dict[int, dict[str, Any]], window: tuple[float, float])
     return costs, waits
 
 
+def floor_of(by_rank: dict[int, dict[str, Any]]) -> float:
+    """The median cost of the bare broadcasts (the first few left out: connections warming up), from the
+    last rank's arrival to the last rank's departure, as the plumbing's."""
+    costs = []
+    for i in range(5, FLOOR_ROUNDS):
+        calls = [r["marks"]["floor"][i] for r in by_rank.values()]
+        costs.append(max(leave for _, leave in calls) - max(enter for enter, _ in calls))
+    return statistics.median(costs)
+
+
 def summarise(by_rank: dict[int, dict[str, Any]]) -> dict[str, float]:
     result = by_rank[0]
     rows = result["rows"]
@@ -146,7 +175,7 @@ def summarise(by_rank: dict[int, dict[str, Any]]) -> dict[str, float]:
             "grad_allreduce": allreduce, "other": step - compute - allreduce, "plumbing": med("plumbing"),
             **{f"plumbing_{kind}": med(f"plumbing_{kind}") for kind in PLUMBING},
             "waits": med("waits"), "plumbing_share": statistics.median(r["plumbing"] / r["step"] for r in rows),
-            "tokens_per_s": result["tokens"] / step}
+            "tokens_per_s": result["tokens"] / step, "floor": floor_of(by_rank) if len(by_rank) > 1 else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['grad_allreduce']:>8.4f}{f['other']:>8.4f}{f['waits']:>8.4f}{f['plumbing']:>10.4f}"
               f"{f.get('plumbing_command', 0.0):>8.4f}{f.get('plumbing_stats', 0.0):>8.4f}"
               f"{f['plumbing_share']:>7.1%}")
+    for layout, f in figures.items():
+        if f["floor"]:
+            tp, pp, dp = layout
+            print(f"floor, tp{tp} pp{pp} dp{dp}: a bare 8-byte broadcast among its {tp * pp * dp} ranks costs "
+                  f"{f['floor'] * 1000:.2f} ms; two of them (the plumbing's calls a step) "
+                  f"{2 * f['floor'] / f['step']:.1%} of the step; the plumbing is "
+                  f"{f['plumbing'] / (2 * f['floor']):.2f}x that")
     print("seconds, median over the steps. other = the step outside forward/backward/optimizer/gradient all-reduce "
           "(collation, loss, plumbing); plumbing = the rank plumbing on the step's critical path: rank 0 handing "
           "the batch to the ranks (cmd) and the statistics' reduction (stats, its start and its wait), each from "
