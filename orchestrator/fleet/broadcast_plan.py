@@ -261,6 +261,8 @@ def compare_engine(expected: Sequence[Mapping[str, str]], ranks: Sequence[RankCh
     """Compare every rank of one engine with the trainer's checksums of what that rank holds (`expected`,
     by tensor-parallel rank), as one verdict; or why the engine cannot be judged (a rank of an unknown
     place or of another layout, or one that matched nothing)."""
+    if not ranks:
+        return "the engine answered no rank"
     compared = 0
     mismatched: list[str] = []
     unmatched: set[str] = set()
@@ -276,8 +278,6 @@ def compare_engine(expected: Sequence[Mapping[str, str]], ranks: Sequence[RankCh
         where = f" (tp rank {rank.tp_rank})" if len(expected) > 1 else ""
         mismatched += [name + where for name in verdict.mismatched]
         unmatched.update(verdict.unmatched)
-    if not ranks:
-        return "the engine answered no rank"
     return ChecksumVerdict(compared, tuple(mismatched), tuple(sorted(unmatched)))
 
 

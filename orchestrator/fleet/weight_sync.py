@@ -128,6 +128,7 @@ class WeightSync:
         self._group: UpdateGroup | None = None
         self._groups_built = 0
         self._verifiable_syncs = 0  # syncs that carried tensors: what `verifyEvery` counts
+        self._unverifiable_said: str | None = None  # why the engines' checksums cannot be predicted, once said
         for outcome in SYNC_OUTCOMES:  # at 0 from the start, so increase() sees the first failure
             metrics.WEIGHT_SYNCS.labels(fleet=self.fleet, outcome=outcome)
 
@@ -557,7 +558,9 @@ class WeightSync:
         slowed the transfer down)."""
         layout = self.engine_layout()
         if isinstance(layout, str):
-            log.warning("fleet %s: served weights not verified: %s", self.fleet, layout)
+            if layout != self._unverifiable_said:  # once, not every sync: the engines' layout does not change
+                log.warning("fleet %s: served weights not verified: %s", self.fleet, layout)
+                self._unverifiable_said = layout
             for o in synced:
                 o.checksum = "unverifiable"
         else:
