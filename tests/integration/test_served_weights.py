@@ -36,8 +36,9 @@ def write_models(root: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM
 
     from rlfleet.trainer.tiny import build_config, ensure_tiny_model
+    from rlfleet.util.binaries import CACHE_DIR
 
-    cache = Path.home() / ".cache" / "rlfleet" / "models"
+    cache = CACHE_DIR / "models"
     models = {"llama": ensure_tiny_model(cache / "tiny-llama-seed0", seed=0, arch="llama"),
               "qwen3": ensure_tiny_model(cache / "tiny-qwen3-seed0", seed=0, arch="qwen3")}
     config = build_config("qwen2")
