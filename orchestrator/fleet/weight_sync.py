@@ -533,6 +533,12 @@ class WeightSync:
 
     # --- verification --------------------------------------------------------------------------------
 
+    @property
+    def verifies(self) -> bool:
+        """Does a sync given the trainer's tensors compare the engines' checksums at all (verifyEvery on,
+        and the engines' layout known)? Otherwise the tensors need not be kept for it."""
+        return self.spec.verify_every > 0 and not isinstance(self.engine_layout(), str)
+
     def engine_layout(self) -> EngineLayout | str:
         """How this fleet's engines hold the weights (for their checksums), or why it is not known."""
         config = self._reference.config if self._reference is not None else {}

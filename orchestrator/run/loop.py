@@ -430,8 +430,10 @@ class RunLoop:
             if ws.mode == "broadcast":
                 result, began = await self._broadcast_step(trainer, step, phases)
             else:
+                # The tensors are kept (a copy of the model) only for a verification that can take place.
+                verifies = self.fleet.weights is not None and self.fleet.weights.verifies
                 path, tensors = await asyncio.to_thread(export_step, trainer, snapshot_dir(self.snapshots, step), step,
-                                                        ws.verify_every > 0)
+                                                        verifies)
                 phases["export"] = clock() - began
                 self._phase("weight sync")
                 began = clock()
