@@ -96,10 +96,14 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     assert served_again <= 6, data  # a later step shows the replacement serving
     for step in range(served_again, 7):
         assert set(engine_versions[str(step)]) == both, (step, engine_versions)
-    # Disk mode verifies too (verifyEvery 1): every engine that read back its step's version served the
-    # trainer's weights, checksum for checksum.
+    # Disk mode verifies too (verifyEvery 1): every engine that read back its step's version was checked,
+    # and none served other weights than the trainer's. All matched but at the step of the kill, where
+    # an engine killed between its read-back and its checksum call answers none ("unverifiable").
+    checks = {step: data["weight_sync_per_step"][step]["checksums"] for step in engine_versions}
     for step, engines in engine_versions.items():
-        assert data["weight_sync_per_step"][step]["checksums"] == {"match": len(engines)}, (step, data)
+        assert sum(checks[step].values()) == len(engines) and "mismatch" not in checks[step], (step, checks)
+    unverified = [int(step) for step, engines in engine_versions.items() if checks[step] != {"match": len(engines)}]
+    assert len(unverified) <= 1 and all(step > steps_before_kill for step in unverified), checks
     # Only the killed slot was ever recreated.
     assert {s for slots in data["recovered_slots_per_step"].values() for s in slots} <= {victim.slot}, data
     assert summary.failure is None
