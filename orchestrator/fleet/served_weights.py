@@ -14,8 +14,8 @@ Pure: it lets the checksum verification of a weight sync predict every engine ra
   with tied embeddings the last stage of some model classes (qwen3) holds an `lm_head` of its own, loaded
   from the embeddings (`tied_aliases`).
 
-Checked against SGLang's own model classes and weight loaders, on one rank and on two
-(`tests/integration/test_served_weights.py`).
+Checked against SGLang's own model classes and weight loaders on one rank, two tensor-parallel ranks
+and two pipeline stages (`tests/integration/test_served_weights.py`).
 """
 from __future__ import annotations
 
@@ -38,11 +38,10 @@ VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
 @dataclass(frozen=True)
 class EngineLayout:
     """How one engine holds the weights: SGLang's own model code or its Transformers implementation,
-    over how many tensor-parallel ranks, for a model of these head counts and vocabulary."""
+    over how many tensor-parallel ranks, for a model of these kv heads and vocabulary."""
 
     native: bool
     tp_size: int = 1
-    heads: int = 1
     kv_heads: int = 1
     head_dim: int = 1
     vocab_size: int = 0
@@ -70,7 +69,7 @@ class EngineLayout:
             return f"the model's config.json lacks what tensor-parallel shards are cut by: {exc!r}"
         if heads % tp_size or (kv_heads % tp_size and tp_size % kv_heads):
             return f"{heads} heads and {kv_heads} kv heads are not split evenly over {tp_size} ranks"
-        return cls(native=True, tp_size=tp_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        return cls(native=True, tp_size=tp_size, kv_heads=kv_heads, head_dim=head_dim,
                    vocab_size=vocab_size)
 
 
