@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -68,11 +69,15 @@ from rlfleet.orchestrator.fleet.backend import (
     fleet_not_ready,
 )
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
+from rlfleet.policy.recovery import exponential_backoff
+from rlfleet.util.aio import stop_task
 from rlfleet.util.redact import redact
 
 log = logging.getLogger(__name__)
 
 WATCH_READY_TIMEOUT_S = 30.0
+MARK_RETRY_BASE_S = 1.0  # a dead mark the API server did not take: written again after 1, 2, 4 ... 30 s
+MARK_RETRY_MAX_S = 30.0
 
 
 def slot_view(slot: int, pod: dict | None, entry: dict | None, *, port: int, marked_dead: int | None,
@@ -178,6 +183,7 @@ class KubernetesBackend(FleetBackend):
         self._resizes: Listeners[FleetResize] = Listeners("resize")
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._mark_retries: set[asyncio.Task] = set()  # dead marks the API server has not taken yet
         self._changed = asyncio.Event()
         self._pods_listed = asyncio.Event()
         self._fleet_listed = asyncio.Event()
@@ -223,6 +229,8 @@ class KubernetesBackend(FleetBackend):
         await self._deaths.drain()
         await self._resizes.drain()
         await asyncio.gather(*self._background, return_exceptions=True)
+        for task in list(self._mark_retries):
+            await stop_task(task)
 
     def _slot_of(self, pod: dict) -> int | None:
         if not owned_by(pod, self.fleet_uid):
@@ -393,13 +401,36 @@ class KubernetesBackend(FleetBackend):
         self._notify()
         if pod is not None:
             self._set_mark(slot, pod, dead=cause.value, deadMessage=redact(reason)[-2000:])
-            try:
-                await self._write_mark(slot)
-            except ApiError as e:
-                if not e.not_found:  # a fleet already gone takes its engines with it
-                    log.error("could not mark %s dead: %s", pod["metadata"]["name"], e)
-                    raise
+            await self._write_dead_mark(slot, pod["metadata"]["name"])
         return True
+
+    async def _write_dead_mark(self, slot: int, pod_name: str) -> None:
+        """Write a dead mark; one the API server did not take is written again in the background until it
+        lands. The operator recreates the pod only once it reads the mark, and the caller (a weight sync
+        with engines paused, a probe) must not fail on a passing API-server error: the engine is dead
+        here already."""
+        try:
+            await self._write_mark(slot)
+        except (ApiError, OSError, TimeoutError) as e:
+            if isinstance(e, ApiError) and e.not_found:
+                return  # a fleet already gone takes its engines with it
+            log.warning("could not mark %s dead yet (%s); writing the mark again in the background", pod_name, e)
+            task = asyncio.create_task(self._write_mark_until_taken(slot, pod_name))
+            self._mark_retries.add(task)
+            task.add_done_callback(self._mark_retries.discard)
+
+    async def _write_mark_until_taken(self, slot: int, pod_name: str) -> None:
+        for attempt in itertools.count():
+            await asyncio.sleep(exponential_backoff(attempt, MARK_RETRY_BASE_S, MARK_RETRY_MAX_S))
+            try:
+                await self._write_mark(slot)  # the slot's latest mark, which a later one may have replaced
+            except (ApiError, OSError, TimeoutError) as e:
+                if isinstance(e, ApiError) and e.not_found:
+                    return
+                log.warning("could not mark %s dead yet (attempt %d): %s", pod_name, attempt + 2, e)
+            else:
+                log.info("marked %s dead (attempt %d)", pod_name, attempt + 2)
+                return
 
     def _set_mark(self, slot: int, pod: dict, **fields: str) -> None:
         """Update the slot's mark here; a mark of another pod (an earlier incarnation) starts afresh."""

@@ -222,11 +222,31 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         assert [(e.slot, e.incarnation, e.state) for e in first] == [(0, 1, EngineState.ALIVE)]
         key = await asyncio.to_thread(fleet_api_key, cp, "rf-k", NS)
         assert http_json(first[0].url + "/model_info", api_key=key)["model_path"] == str(tiny_model)
+        [first_uid] = [p["metadata"]["uid"] for p in engine_pods(cp, "rf-k", 0)]
 
-        # Marked dead by the orchestrator -> the operator recreates the slot.
-        assert await backend.mark_dead(0, "3 probes timed out", cause=DeathCause.PROBE_FAILED, incarnation=1)
-        assert backend.engines()[0].state is EngineState.DEAD and deaths[-1].cause is DeathCause.PROBE_FAILED
-        assert not await backend.mark_dead(0, "again", incarnation=1)  # a stale report changes nothing
+        # Marked dead by the orchestrator -> the operator recreates the slot. The API server refuses the
+        # first write of the mark (the trainer's Role may not patch fleet status for a moment): marking
+        # does not fail (a sync with paused engines must go on), and the mark lands once it may.
+        role = await asyncio.to_thread(get_json, cp, "role", "rlfleet-trainer", namespace=NS)
+        assert role is not None
+        role = {**role, "metadata": {k: v for k, v in role["metadata"].items() if k in ("name", "namespace")}}
+        no_status_patch = {**role, "rules": [{**r, "verbs": [v for v in r["verbs"] if v != "patch"]}
+                                             for r in role["rules"]]}
+        await asyncio.to_thread(apply, cp, no_status_patch)
+        can_patch = ("auth", "can-i", "patch", "rolloutfleets/status", "-n", NS,
+                     f"--as=system:serviceaccount:{NS}:rlfleet-trainer")
+        await asyncio.to_thread(wait_for, lambda: cp.kubectl(*can_patch, check=False).stdout.strip() == "no",
+                                timeout=30, what="the trainer's Role without status patch")
+        try:
+            assert await backend.mark_dead(0, "3 probes timed out", cause=DeathCause.PROBE_FAILED, incarnation=1)
+            assert backend.engines()[0].state is EngineState.DEAD and deaths[-1].cause is DeathCause.PROBE_FAILED
+            assert not await backend.mark_dead(0, "again", incarnation=1)  # a stale report changes nothing
+            await asyncio.sleep(3)
+            status = await asyncio.to_thread(fleet_status, cp, "rf-k")
+            assert not status.get("orchestrator", {}).get("engines"), "the mark was refused, yet it is there"
+            assert [p["metadata"]["uid"] for p in engine_pods(cp, "rf-k", 0)] == [first_uid]
+        finally:
+            await asyncio.to_thread(apply, cp, role)
         second = await backend.wait_all_alive(timeout=ENGINE_START_S)
         assert [(e.slot, e.incarnation) for e in second] == [(0, 2)] and second[0].url != first[0].url
         status = await asyncio.to_thread(fleet_status, cp, "rf-k")
