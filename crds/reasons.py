@@ -38,6 +38,7 @@ ENGINE_CRASH_LOOP = "EngineCrashLoop"  # Failed: the slot that gave up crashed o
 ENGINE_FAILED = "EngineFailed"  # Failed: it gave up for another reason (probes, startup, ...)
 
 # TrainingRun conditions and Events (the phase names are Events too: Running, Succeeded).
+RESTORING_FLEET_SPEC = "RestoringFleetSpec"  # a run's fleet was edited apart from its run: set back
 SCALING_FLEET = "ScalingFleet"  # a run scales its fleet to its spec (its replicas changed, or a scale was undone)
 TRAINING = "Training"
 STARTING = "Starting"

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rlfleet.crds import reasons
 from rlfleet.crds.fleet_specs import FleetSpec
@@ -37,6 +37,7 @@ from rlfleet.operator.trainer_decide import TrainerPlan, decide_trainer
 from rlfleet.util.redact import redact
 
 TERMINAL = ("Succeeded", "Failed")
+RESTORED_FIELDS_SHOWN = 5  # fields an Event names when a run's fleet is set back to the run's spec
 # Failed reasons the operator sets itself; any other True Failed condition was adopted from the
 # orchestrator, and is kept once its report is gone.
 OWN_FAILED_REASONS = frozenset({reasons.TRAINER_FAILED, reasons.TRAINER_LOST, reasons.ENGINE_CRASH_LOOP,
@@ -152,6 +153,7 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
         events=phase_events(phase, change),
     )
     plan.events.extend(fleet_scale_events(phase, plan.patch_fleet_specs, [children.rollout, children.eval]))
+    plan.events.extend(fleet_restore_events(plan.patch_fleet_specs, [children.rollout, children.eval]))
     if any(obj["kind"] in ("RolloutFleet", "EvalFleet", "Pod") for obj in plan.create):
         plan.api_key_fleets = [f["metadata"]["name"] for f in (rollout, evalf) if f is not None]
     if trainer_plan is not None and change.phase not in TERMINAL:
@@ -223,6 +225,40 @@ def fleet_scale_events(phase: str, patches: list[tuple[str, str, dict]], fleets:
             why = "the run succeeded" if phase == "Succeeded" else f"the run's {field.get(kind, 'spec')} is {after}"
             events.append(Event("Normal", reasons.SCALING_FLEET, f"scaling {kind} {name} from {before} to {after} "
                                 f"engine(s): {why}"))
+    return events
+
+
+def differing_fields(desired: BaseModel, current: BaseModel, prefix: str = "spec") -> list[str]:
+    """The camelCase paths (`spec.engine.maxTotalTokens`) of the leaf fields where two models differ."""
+    paths = []
+    for name, info in type(desired).model_fields.items():
+        a, c = getattr(desired, name), getattr(current, name)
+        path = f"{prefix}.{info.alias or name}"
+        if isinstance(a, BaseModel) and type(a) is type(c):
+            paths += differing_fields(a, c, path)
+        elif a != c:
+            paths.append(path)
+    return paths
+
+
+def fleet_restore_events(patches: list[tuple[str, str, dict]], fleets: list[dict | None]) -> list[Event]:
+    """A Warning Event on the run for each fleet whose spec was edited apart from its run (anything but its
+    replicas and minimum, which `fleet_scale_events` tells): the operator sets it back, and says which
+    fields and where to make such a change instead."""
+    current = {(f["kind"], f["metadata"]["name"]): f.get("spec") for f in fleets if f is not None}
+    events = []
+    for kind, name, spec in patches:
+        try:
+            edited = differing_fields(FleetSpec.model_validate(spec), FleetSpec.model_validate(current[(kind, name)]))
+        except (KeyError, ValidationError):
+            continue
+        edited = [p for p in edited if p not in ("spec.replicas", "spec.minReadyEngines")]
+        if edited:
+            shown = ", ".join(edited[:RESTORED_FIELDS_SHOWN]) + (
+                f" and {len(edited) - RESTORED_FIELDS_SHOWN} more" if len(edited) > RESTORED_FIELDS_SHOWN else "")
+            events.append(Event("Warning", reasons.RESTORING_FLEET_SPEC,
+                                f"setting {kind} {name} back to the spec of its run: {shown} differed (a run's "
+                                "fleets follow the TrainingRun; change the run instead)"))
     return events
 
 

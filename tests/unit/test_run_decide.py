@@ -70,6 +70,24 @@ def test_a_scale_of_the_runs_fleet_itself_is_undone_saying_so():
     assert plan.patch_fleet_specs and not [e for e in plan.events if e.reason == "ScalingFleet"]
 
 
+def test_an_edit_of_the_runs_fleet_is_set_back_naming_the_fields():
+    r = run()
+    edited = fleet_of(r)
+    edited["spec"]["health"] = {**edited["spec"]["health"], "intervalSeconds": 9}
+    edited["spec"]["engine"] = {**edited["spec"]["engine"], "maxTotalTokens": 1234}
+    plan = decide_run(r, RunChildren(rollout=edited, trainer=trainer("Running"), pvc={}), now=T0)
+    assert plan.patch_fleet_specs[0][2]["health"] == fleet_of(r)["spec"]["health"]
+    assert [(e.type, e.message) for e in plan.events if e.reason == "RestoringFleetSpec"] == [
+        ("Warning", "setting RolloutFleet r-rollout back to the spec of its run: spec.engine.maxTotalTokens, "
+         "spec.health.intervalSeconds differed (a run's fleets follow the TrainingRun; change the run instead)")]
+    scaled = fleet_of(r)
+    scaled["spec"]["replicas"] = 5  # a scale is told by ScalingFleet alone
+    plan = decide_run(r, RunChildren(rollout=scaled, trainer=trainer("Running"), pvc={}), now=T0)
+    assert not [e for e in plan.events if e.reason == "RestoringFleetSpec"]
+    plan = decide_run(r, RunChildren(rollout=fleet_of(r), trainer=trainer("Running"), pvc={}), now=T0)
+    assert plan.patch_fleet_specs == [] and not [e for e in plan.events if e.type == "Warning"]
+
+
 def test_running_trainer_and_ready_fleet_make_a_ready_run():
     r = run()
     f = fleet_of(r, readyReplicas=2, restarts=1, engines=[{"slot": 0, "state": "Ready", "restarts": 1}],
