@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, create_model
 
 from rlfleet.crds.fleet_specs import MIN_READY_RULE, RouterSpec
-from rlfleet.crds.rules import Rule
+from rlfleet.crds.rules import Rule, only_when
 from rlfleet.crds.specs import (
     NODE_SELECTOR_RULE,
     PATH,
@@ -95,6 +95,10 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
     return EngineSpec.model_validate(merged)
 
 
+DEFAULT_INPUT_KEY = "prompt"
+DEFAULT_LABEL_KEY = "answer"
+
+
 class EvalDatasetSpec(ApiModel):
     """One evaluation dataset: a JSONL file of prompts and answers, or a built-in task."""
 
@@ -109,8 +113,9 @@ class EvalDatasetSpec(ApiModel):
         None, max_length=256, pattern=TASK_PATTERN,
         description="A built-in task name (e.g. reverse) or an import path module:object, used instead of a file.",
     )
-    input_key: str = Field("prompt", min_length=1, max_length=64, description="JSONL key of the prompt (path).")
-    label_key: str = Field("answer", min_length=1, max_length=64,
+    input_key: str = Field(DEFAULT_INPUT_KEY, min_length=1, max_length=64,
+                           description="JSONL key of the prompt (path).")
+    label_key: str = Field(DEFAULT_LABEL_KEY, min_length=1, max_length=64,
                            description="JSONL key of the expected answer (path).")
     max_prompts: int | None = Field(
         None, ge=1, le=10_000_000, description="Evaluate only the first N prompts; unset: all of a file, 64 of a task."
@@ -135,6 +140,10 @@ class EvalDatasetSpec(ApiModel):
             field="path",
             message="set exactly one of path and task",
         ),
+        *(only_when(field, attribute, default, when_cel="has(self.path)", when=lambda s: s.path is not None,
+                    message=f"{field} names a key of a JSONL file (path): a task makes its own prompts; remove it")
+          for field, attribute, default in (("inputKey", "input_key", DEFAULT_INPUT_KEY),
+                                            ("labelKey", "label_key", DEFAULT_LABEL_KEY))),
     )
 
 
@@ -161,6 +170,12 @@ class ExternalEvalSpec(ApiModel):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the class, passed as given.")
 
 
+DEFAULT_EVAL_KEEP = 2
+DEFAULT_PIN_TIMEOUT_S = 600.0
+DEFAULT_PIN_RETRIES = 2
+DEFAULT_ROUTER_PROBE_TIMEOUT_S = 180.0
+
+
 class EvalSpec(ApiModel):
     """Evaluation during fully-async training, always on a pinned weight version."""
 
@@ -180,19 +195,19 @@ class EvalSpec(ApiModel):
         "backpressure",
         description="When maxInFlight points are pending: backpressure waits for the oldest; skip records a busy skip.",
     )
-    keep_snapshots: int = Field(2, ge=1, le=100,
+    keep_snapshots: int = Field(DEFAULT_EVAL_KEEP, ge=1, le=100,
                                 description="Consumed eval snapshots kept on the volume (postures fleet and external; "
                                 "shared evaluates the live weights and writes none).")
     pin_timeout_seconds: float = Field(
-        600.0, ge=1, le=86400,
+        DEFAULT_PIN_TIMEOUT_S, ge=1, le=86400,
         description="Bound on loading a snapshot on every eval engine and reading the version back (posture "
         "fleet)."
     )
-    pin_retries: int = Field(2, ge=1, le=10,
+    pin_retries: int = Field(DEFAULT_PIN_RETRIES, ge=1, le=10,
                              description="Attempts to pin the eval fleet before the point is skipped pin_violation "
                              "(posture fleet).")
     router_probe_timeout_seconds: float = Field(
-        180.0, ge=1, le=3600,
+        DEFAULT_ROUTER_PROBE_TIMEOUT_S, ge=1, le=3600,
         description="Bound on admitting the pinned engines to the eval router and on the one-token probe through "
         "it, each (posture fleet)."
     )
@@ -232,6 +247,17 @@ class EvalSpec(ApiModel):
             field="datasets",
             message="datasets must name at least one dataset unless posture is external",
         ),
+        *(only_when(field, attribute, default, when_cel="self.posture == 'fleet'", when=lambda s: s.posture == "fleet",
+                    message=f"{field} bounds the pinning of an eval fleet: it is read with posture fleet only; "
+                    "remove it")
+          for field, attribute, default in (
+              ("pinTimeoutSeconds", "pin_timeout_seconds", DEFAULT_PIN_TIMEOUT_S),
+              ("pinRetries", "pin_retries", DEFAULT_PIN_RETRIES),
+              ("routerProbeTimeoutSeconds", "router_probe_timeout_seconds", DEFAULT_ROUTER_PROBE_TIMEOUT_S))),
+        only_when("keepSnapshots", "keep_snapshots", DEFAULT_EVAL_KEEP, when_cel="self.posture != 'shared'",
+                  when=lambda s: s.posture != "shared",
+                  message="keepSnapshots counts eval snapshots: posture shared evaluates the live weights and "
+                  "writes none; remove it"),
         Rule(
             cel="self.datasets.all(d, self.datasets.exists_one(e, e.name == d.name))",
             check=lambda s: len({d.name for d in s.datasets}) == len(s.datasets),

@@ -161,7 +161,8 @@ class FleetSpec(ApiModel):
 
     replicas: int = Field(1, ge=0, le=4096, description="Number of engine slots (the scale subresource sets it).")
     min_ready_engines: int = Field(
-        1, ge=0, le=4096, description="The fleet is Ready with at least this many engines serving."
+        1, ge=0, le=4096, description="The fleet is Ready with at least this many engines serving; at least 1 "
+        "while replicas > 0 (0 is for a fleet scaled to 0)."
     )
     engine: EngineSpec
     health: HealthSpec = Field(default_factory=HealthSpec)
@@ -169,8 +170,10 @@ class FleetSpec(ApiModel):
     router: RouterSpec = Field(default_factory=RouterSpec)
     run_name: str | None = Field(None, max_length=40, pattern=kv.DNS1035_LABEL,
                                  description="The TrainingRun this fleet belongs to: set by the operator on the "
-                                 "fleets a run creates (their only client is its trainer); on a fleet no run "
-                                 "created it changes nothing.")
+                                 "fleets a run creates (their only client is its trainer). It counts only on a "
+                                 "fleet that run owns (its controller): a fleet created by anyone else is a fleet "
+                                 "of no run whatever runName says, and the fields only a run uses (they must "
+                                 "otherwise be left at their defaults) have no effect on it.")
     snapshots: SnapshotMountSpec | None = Field(None, description="Shared snapshot volume mounted in every engine pod.")
 
     cel_rules = (

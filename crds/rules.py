@@ -78,6 +78,20 @@ def immutable(field: str, attribute: str, what: str | None = None, *, message: s
     )
 
 
+def only_when(field: str, attribute: str, default: Any, *, when_cel: str, when: Callable[[Any], bool],
+              message: str) -> Rule:
+    """`field` (camelCase; python `attribute`) takes effect only when `when` holds; otherwise it must be left
+    at `default`, or it would be accepted and ignored. `default` None: left unset."""
+    if default is None:
+        kept_cel, kept = f"!has(self.{field})", (lambda s: getattr(s, attribute) is None)
+    else:
+        literal = ("true" if default else "false") if isinstance(default, bool) else (
+            f"'{default}'" if isinstance(default, str) else repr(default))  # an int field compares with an int
+        kept_cel, kept = f"self.{field} == {literal}", (lambda s: getattr(s, attribute) == default)
+    return Rule(cel=f"({when_cel}) || {kept_cel}", check=lambda s: when(s) or kept(s), field=field,
+                message=message)
+
+
 def fixed_except(model_cls: type[BaseModel], keep: Collection[str], *, message: str) -> Rule:
     """A transition rule: every field of `model_cls` but those in `keep` (python names) may not change.
 

@@ -30,7 +30,7 @@ from rlfleet.crds.managed import (
     env_name_reserved,
     extra_arg_allowed,
 )
-from rlfleet.crds.rules import Rule, raise_violations, value_rule
+from rlfleet.crds.rules import Rule, only_when, raise_violations, value_rule
 
 # Bounds on strings and lists keep the API server's CEL cost estimates finite and inputs sane.
 SHORT = 253  # a Kubernetes name or label value
@@ -206,11 +206,16 @@ class HeatSourceSpec(ApiModel):
             field="path",
             message="source type file requires path",
         ),
+        only_when("url", "url", None, when_cel="self.type in ['dcgm', 'prometheus']",
+                  when=lambda s: s.type in ("dcgm", "prometheus"),
+                  message="url is read by source types dcgm and prometheus only; remove it"),
+        only_when("path", "path", None, when_cel="self.type == 'file'", when=lambda s: s.type == "file",
+                  message="path is read by source type file only; remove it"),
     )
 
 
 class HeatGuardSpec(ApiModel):
-    """Pause generation on an engine whose GPU runs hot."""
+    """Pause generation on a rollout engine whose GPU runs hot (eval engines are never paused)."""
 
     enabled: bool = Field(False, description="Turn the heat guard on.")
     pause_at_c: float = Field(84.0, ge=0, le=150, description="Pause generation at or above this temperature.")
@@ -242,22 +247,29 @@ class HeatGuardSpec(ApiModel):
     )
 
 
+DEFAULT_SNAPSHOT_SIZE = "20Gi"
+
+
 class SnapshotVolumeSpec(ApiModel):
     """The shared (ReadWriteMany) volume for weight and eval snapshots."""
 
     claim_name: str | None = Field(None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
-                                   description="Use this existing PersistentVolumeClaim.")
+                                   description="Use this existing PersistentVolumeClaim (pods; a local run uses "
+                                   "localPath).")
     size: str = Field(
-        "20Gi", max_length=64, pattern=QUANTITY_PATTERN,
-        description="Size of the claim the operator creates when claimName is unset (a Kubernetes quantity).",
+        DEFAULT_SNAPSHOT_SIZE, max_length=64, pattern=QUANTITY_PATTERN,
+        description="Size of the claim the operator creates when claimName is unset (a Kubernetes quantity; a "
+        "local run uses localPath).",
     )
     storage_class_name: str | None = Field(
         None, max_length=SHORT, pattern=DNS1123_SUBDOMAIN_PATTERN,
-        description="Storage class of the created claim (must offer ReadWriteMany)."
+        description="Storage class of the claim the operator creates (must offer ReadWriteMany; a local run uses "
+        "localPath)."
     )
     local_path: str | None = Field(
         None, max_length=PATH,
-        description="Directory used by local runs (default: a directory of the run, tmpfs when available)."
+        description="Directory used by local runs (default: a directory of the run, tmpfs when available); pods "
+        "use the claim."
     )
 
     cel_rules = (
@@ -267,6 +279,10 @@ class SnapshotVolumeSpec(ApiModel):
             field="storageClassName",
             message="storageClassName applies only to a created claim; remove it or claimName",
         ),
+        only_when("size", "size", DEFAULT_SNAPSHOT_SIZE, when_cel="!has(self.claimName)",
+                  when=lambda s: s.claim_name is None,
+                  message="size is the size of a claim the operator creates: an existing claim (claimName) keeps "
+                  "its own; remove size or claimName"),
         Rule(
             cel="quantity(self.size).isGreaterThan(quantity('0'))",
             check=lambda s: (kv.quantity(s.size) or 0) > 0,
@@ -284,6 +300,9 @@ MOUNT_PATH_RULE = Rule(
     field="mountPath",
     message="mountPath must not contain '..' nor lie under /dev/shm (the engines' shared memory)",
 )
+
+
+DEFAULT_BUCKET_MB = 512
 
 
 class WeightSyncSpec(ApiModel):
@@ -314,7 +333,7 @@ class WeightSyncSpec(ApiModel):
         "(false: the sync fails)."
     )
     bucket_megabytes: int = Field(
-        512, ge=1, le=16384,
+        DEFAULT_BUCKET_MB, ge=1, le=16384,
         description="Broadcast mode: tensors go in flattened buckets of at most this many MiB (one tensor may "
         "exceed it).",
     )
@@ -344,7 +363,17 @@ class WeightSyncSpec(ApiModel):
 
     # Fixed once a run exists with the rest of spec.weightSync (models.TrainingRunSpec): a running trainer
     # sends engines paths under its own mount; replacements mounting elsewhere could not load them.
-    cel_rules = (MOUNT_PATH_RULE,)
+    cel_rules = (
+        MOUNT_PATH_RULE,
+        only_when("fallbackToDisk", "fallback_to_disk", True, when_cel="self.mode == 'broadcast'",
+                  when=lambda s: s.mode == "broadcast",
+                  message="fallbackToDisk is what a broadcast sync does when its broadcast fails: mode disk has "
+                  "no broadcast; remove it or set mode: broadcast"),
+        only_when("bucketMegabytes", "bucket_megabytes", DEFAULT_BUCKET_MB, when_cel="self.mode == 'broadcast'",
+                  when=lambda s: s.mode == "broadcast",
+                  message="bucketMegabytes sizes the buckets of mode broadcast: mode disk sends none; remove it or "
+                  "set mode: broadcast"),
+    )
     snapshot_volume: SnapshotVolumeSpec = Field(default_factory=SnapshotVolumeSpec)
 
 
@@ -614,7 +643,9 @@ class EngineSpec(ApiModel):
     image: str = Field("lmsysorg/sglang:v0.5.23", max_length=IMAGE, pattern=kv.IMAGE,
                        description="Container image of the engine pod (a local run uses the installed SGLang).")
     model_path: str = Field(..., min_length=1, max_length=PATH,
-                            description="Model directory or hub id served at start.")
+                            description="Model directory served at start: a path in the engine's image or on a "
+                            "volume it mounts. Engines run offline (HF_HUB_OFFLINE=1): to have SGLang download a "
+                            "hub id instead, set HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE to 0 in env.")
     device: Literal["cuda", "cpu"] = Field(
         "cuda", description="cpu runs `--device cpu --model-impl transformers --sleep-on-idle`."
     )

@@ -204,6 +204,22 @@ BAD_INPUT: list[Case] = [
          "greater than or equal to 1", base=BASE_EVAL),
     Case("eval-keep-snapshots-zero", spec({"eval": {"keepSnapshots": 0}}), "spec.eval.keepSnapshots",
          "greater than or equal to 1", base=BASE_EVAL),
+    # Accepted only where they take effect (elsewhere they would be silently ignored).
+    Case("eval-shared-keep-snapshots", spec({"eval": {"keepSnapshots": 5}}), "spec.eval.keepSnapshots",
+         "posture shared evaluates the live weights", base=BASE_EVAL),
+    Case("eval-shared-pin-retries", spec({"eval": {"pinRetries": 4}}), "spec.eval.pinRetries",
+         "read with posture fleet only", base=BASE_EVAL),
+    Case("eval-task-input-key", spec({"eval": {"datasets": [{"name": "a", "task": "reverse", "inputKey": "q"}]}}),
+         "spec.eval.datasets[0].inputKey", "a task makes its own prompts", base=BASE_EVAL),
+    Case("weight-sync-disk-no-fallback", spec({"weightSync": {"fallbackToDisk": False}}),
+         "spec.weightSync.fallbackToDisk", "mode disk has no broadcast"),
+    Case("weight-sync-disk-buckets", spec({"weightSync": {"bucketMegabytes": 64}}),
+         "spec.weightSync.bucketMegabytes", "mode disk sends none"),
+    Case("heat-file-source-with-url",
+         spec({"heatGuard": {"source": {"type": "file", "path": "/t", "url": "http://dcgm:9400/metrics"}}}),
+         "spec.heatGuard.source.url", "read by source types dcgm and prometheus only"),
+    Case("snapshot-claim-with-size", spec({"weightSync": {"snapshotVolume": {"claimName": "c", "size": "1Ti"}}}),
+         "spec.weightSync.snapshotVolume.size", "an existing claim (claimName) keeps its own"),
     Case("eval-overflow-unknown", spec({"eval": {"overflowPolicy": "drop"}}), "spec.eval.overflowPolicy",
          "Unsupported value", base=BASE_EVAL),
     Case("eval-class-path-invalid", spec({"eval": {"posture": "external", "external": {"classPath": "not a path"}}}),
@@ -381,6 +397,12 @@ GOOD_INPUT: list[Case] = [
          None),
     Case("backoff-base-equals-max", spec({"rollout": {"recovery": {"backoffBaseSeconds": 5, "backoffMaxSeconds": 5}}}),
          None),
+    Case("broadcast-buckets-no-fallback", spec({"weightSync": {"mode": "broadcast", "bucketMegabytes": 64,
+                                                               "fallbackToDisk": False}}), None),
+    Case("eval-fleet-pin-bounds", spec({"eval": {"posture": "fleet", "fleet": {"replicas": 1}, "pinRetries": 4,
+                                                 "pinTimeoutSeconds": 60, "keepSnapshots": 3}}), None, base=BASE_EVAL),
+    Case("eval-file-keys", spec({"eval": {"datasets": [{"name": "a", "path": "a.jsonl", "inputKey": "q",
+                                                        "labelKey": "a"}]}}), None, base=BASE_EVAL),
     Case("broadcast-engine-dp-attention",
          spec({"weightSync": {"mode": "broadcast"},
                "rollout": {"engine": {"dataParallelSize": 2, "tensorParallelSize": 2, "gpusPerEngine": 2,
@@ -435,7 +457,8 @@ UPDATES = [
     ("claim-changed", {"weightSync": {"snapshotVolume": {"claimName": "other"}}}, "spec.weightSync", "fixed"),
     ("claim-removed", {"weightSync": {"snapshotVolume": {"claimName": DELETE}}}, "spec.weightSync", "fixed"),
     ("mount-path-changed", {"weightSync": {"mountPath": "/elsewhere"}}, "spec.weightSync", "fixed"),
-    ("volume-size-changed", {"weightSync": {"snapshotVolume": {"size": "40Gi"}}}, "spec.weightSync", "fixed"),
+    ("volume-local-path-changed", {"weightSync": {"snapshotVolume": {"localPath": "/elsewhere"}}}, "spec.weightSync",
+     "fixed"),
     # What the trainer pods and the orchestrator read when they start is fixed: a live edit would reach
     # them only at a recreation.
     ("steps-changed", {"trainer": {"steps": 500}}, "spec.trainer", "fixed once the run exists"),
@@ -632,7 +655,7 @@ def test_run_scale_subresource_scales_its_rollout_fleet(cluster):
 
 def test_kubectl_explain_shows_field_docs(cluster):
     heat = cluster.kubectl("explain", "trainingrun.spec.heatGuard").stdout
-    assert "Pause generation on an engine whose GPU runs hot" in heat
+    assert "Pause generation on a rollout engine whose GPU runs hot" in heat
     for name in ("pauseAtC", "resumeAtC", "minPauseSeconds", "maxPauseSeconds", "source"):
         assert name in heat
     assert "Default: 84.0." in cluster.kubectl("explain", "trainingrun.spec.heatGuard.pauseAtC").stdout

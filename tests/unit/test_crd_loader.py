@@ -200,3 +200,28 @@ def test_checkpoint_fields_are_checked_naming_the_field():
         assert found and found[0][0] == "spec.checkpoint.path", (path, found)
     gpu = RUN + "  trainer: {backend: megatron, gpus: 1}\n  checkpoint: {intervalSteps: 3}\n"
     assert errors(gpu) == []  # on GPUs the distributed optimizer's state is gathered into the checkpoint
+
+
+def test_fields_that_would_be_ignored_are_refused_where_they_take_no_effect():
+    """A field accepted where it has no effect would be silently ignored: each is refused there, naming it."""
+    refused = {
+        "  weightSync: {fallbackToDisk: false}\n": "spec.weightSync.fallbackToDisk",
+        "  weightSync: {bucketMegabytes: 64}\n": "spec.weightSync.bucketMegabytes",
+        "  weightSync: {snapshotVolume: {claimName: c, size: 1Ti}}\n": "spec.weightSync.snapshotVolume.size",
+        "  heatGuard: {source: {type: file, path: /t, url: 'http://d:9400/metrics'}}\n": "spec.heatGuard.source.url",
+        "  heatGuard: {source: {type: dcgm, url: 'http://d:9400/metrics', path: /t}}\n": "spec.heatGuard.source.path",
+        "  eval: {datasets: [{name: a, task: reverse}], keepSnapshots: 3}\n": "spec.eval.keepSnapshots",
+        "  eval: {datasets: [{name: a, task: reverse}], pinTimeoutSeconds: 30}\n": "spec.eval.pinTimeoutSeconds",
+        "  eval: {posture: external, external: {classPath: 'm:C'}, routerProbeTimeoutSeconds: 30}\n":
+            "spec.eval.routerProbeTimeoutSeconds",
+        "  eval: {datasets: [{name: a, task: reverse, labelKey: y}]}\n": "spec.eval.datasets[0].labelKey",
+    }
+    for text, path in refused.items():
+        assert [p for p, _ in errors(RUN + text)] == [path], text
+    # Where they take effect, and their defaults anywhere, are accepted.
+    for text in ("  weightSync: {mode: broadcast, fallbackToDisk: false, bucketMegabytes: 64}\n",
+                 "  weightSync: {fallbackToDisk: true, bucketMegabytes: 512, snapshotVolume: {claimName: c}}\n",
+                 "  heatGuard: {source: {type: dcgm, url: 'http://d:9400/metrics'}}\n",
+                 "  eval: {datasets: [{name: a, path: a.jsonl, inputKey: q, labelKey: y}], keepSnapshots: 2}\n",
+                 "  eval: {posture: external, external: {classPath: 'm:C'}, keepSnapshots: 4}\n"):
+        assert errors(RUN + text) == [], text
