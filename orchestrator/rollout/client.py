@@ -42,7 +42,7 @@ from rlfleet.orchestrator.rollout.continuation import (
 from rlfleet.orchestrator.rollout.stream import ChunkSink, stream_generate
 from rlfleet.policy.circuit import Admission, CircuitBreaker, CircuitState
 from rlfleet.sglang.engine import raise_if_aborted
-from rlfleet.sglang.errors import CallError, FailureKind
+from rlfleet.sglang.errors import CallError, CallTimeout, FailureKind
 from rlfleet.sglang.http import call, expect_dict, is_connect_timeout
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class RetryPolicy:
             raise ValueError("need 0 <= backoff_base_s <= backoff_max_s")
         if self.deadline_s <= 0:
             raise ValueError("deadline_s must be positive")
+        if self.attempt_timeout_s is not None and self.attempt_timeout_s <= 0:
+            raise ValueError("attempt_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,16 @@ class Retry:
 class GiveUp:
     outcome: str  # failed | deadline
     why: str
+
+
+def attempt_timeout(policy: RetryPolicy, elapsed_s: float) -> float | None:
+    """The bound of an attempt sent `elapsed_s` into its request: what is left of the deadline, capped by
+    `attempt_timeout_s`; None when nothing is left (a backoff sleep or a circuit probe overran, or the loop
+    lagged): the request has reached its deadline and the attempt is not sent."""
+    left = policy.deadline_s - elapsed_s
+    if left <= 0:
+        return None
+    return left if policy.attempt_timeout_s is None else min(left, policy.attempt_timeout_s)
 
 
 def next_step(policy: RetryPolicy, attempt: int, error: CallError, elapsed_s: float,
@@ -286,18 +298,24 @@ class RolloutClient:
         if progress is not None:
             self.progress[sample_id] = progress
         attempt = 0
+        last: CallError | None = None
         try:
             while True:
                 attempt += 1
-                elapsed = loop.time() - started
-                budget = self.policy.deadline_s - elapsed
-                timeout = budget if self.policy.attempt_timeout_s is None else min(budget,
-                                                                                  self.policy.attempt_timeout_s)
                 made = 0
                 try:
                     refused = await self._admit(loop.time())
                     if refused is not None:
                         raise refused
+                    # Measured once admitted: the probe of an open circuit takes time too.
+                    timeout = attempt_timeout(self.policy, loop.time() - started)
+                    if timeout is None:
+                        deadline = f"deadline of {self.policy.deadline_s:g} s"
+                        last = last or CallTimeout(f"no time left of the {deadline}", method="POST",
+                                                   url=self.generate_url)
+                        self._settle("deadline", started)
+                        raise RolloutRequestFailed(sample_id, "deadline", f"{deadline} reached after {attempt - 1} "
+                                                   f"attempts", last) from last
                     try:
                         if progress is None:
                             answer = await self._send(request, timeout)
@@ -313,6 +331,7 @@ class RolloutClient:
                         raise
                     self._note(None, loop.time())
                 except CallError as error:
+                    last = error
                     if progress is not None and (finish := progress.finished_without_engine()) is not None:
                         answer = stitched_answer(None, progress, finish=finish)  # broke after its last token
                         break

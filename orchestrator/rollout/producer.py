@@ -4,6 +4,11 @@ Groups of `samples_per_prompt` samples are generated concurrently through the ro
 with the weight version each sample was produced under. `pause()` stops new groups from starting
 and waits until the groups in flight have finished (nothing is aborted; their samples are kept), so
 evaluation on the shared engines and weight syncs see a quiet fleet when they need one.
+
+A lost group (its requests failed) is dropped and counted. Anything else stops the producer for good
+(the reward function raised, the task's prompts ran out, a bug): `next_group()` hands out the groups
+already queued, then raises that failure, a RolloutProducerFailed, so the run fails at once with its
+cause instead of waiting out its step timeout for groups that will never come.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from rlfleet.crds.models import TrainerSpec
+from rlfleet.errors import RunError
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
 from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.trainer.grpo import Sample, sample_from_generate
@@ -28,6 +34,26 @@ LOST_GROUP_BACKOFF_MAX_S = 4.0
 
 RewardFn = Callable[[str, str, str], float]  # (prompt, response text, expected answer) -> reward
 Encode = Callable[[str], list[int]]
+
+
+class RolloutProducerFailed(RunError):
+    """The producer stopped on an error: no more groups will come. `reason` says whose error it was."""
+
+    reason = "RolloutProducerFailed"
+
+
+def prompts_ran_out(groups: int) -> RolloutProducerFailed:
+    return RolloutProducerFailed(f"the task's prompts ran out after {groups} groups (a task must be endless or "
+                                 f"hold at least steps x promptsPerStep prompts, more when groups are lost or "
+                                 f"too stale)", reason="TaskPromptsExhausted")
+
+
+def unexpected_failure(exc: Exception) -> RolloutProducerFailed:
+    """An error nobody expected (a bug), named by its innermost error (a task group's holds others)."""
+    cause: BaseException = exc
+    while isinstance(cause, BaseExceptionGroup):
+        cause = cause.exceptions[0]
+    return RolloutProducerFailed(f"the rollout producer failed: {type(cause).__name__}: {cause}")
 
 
 def groups_in_flight(*, requests_per_engine: int, engines: int, samples_per_prompt: int, prompts_per_step: int) -> int:
@@ -91,6 +117,8 @@ class RolloutProducer:
         self._live: set[int] = set()  # indices of the workers running
         self.failures: list[RolloutRequestFailed] = []
         self.lost_in_a_row = 0
+        self.failure: RolloutProducerFailed | None = None  # set once the producer stopped on an error
+        self._queued = asyncio.Event()  # a group was queued or the producer failed: wakes next_group
 
     # --- control -----------------------------------------------------------------------------
 
@@ -126,7 +154,15 @@ class RolloutProducer:
         return not self._running.is_set()
 
     async def next_group(self) -> list[Sample]:
-        return await self.queue.get()
+        """The next group queued. Once the producer has stopped on an error and its queued groups are
+        taken, raises that error (RolloutProducerFailed) rather than wait for groups that will never come."""
+        # Waiting on an event takes nothing from the queue, so a cancelled wait loses no group.
+        while self.queue.empty():
+            if self.failure is not None:
+                raise self.failure
+            self._queued.clear()
+            await self._queued.wait()
+        return self.queue.get_nowait()
 
     # --- work --------------------------------------------------------------------------------
 
@@ -136,6 +172,11 @@ class RolloutProducer:
                 self._workers = workers
                 for index in range(self.concurrency):
                     self._spawn(index)
+        except ExceptionGroup as group:  # the first worker's error stopped the others
+            first = group.exceptions[0]
+            self.failure = first if isinstance(first, RolloutProducerFailed) else unexpected_failure(first)
+            log.error("rollout producer stopped: %s", self.failure, exc_info=first)  # with the whole traceback
+            self._queued.set()
         finally:
             self._workers = None
 
@@ -149,6 +190,10 @@ class RolloutProducer:
         try:
             while await self._next_group_allowed(index):
                 await self._one_group()
+        except RolloutProducerFailed:
+            raise
+        except Exception as exc:
+            raise unexpected_failure(exc) from exc
         finally:
             self._live.discard(index)
 
@@ -158,7 +203,13 @@ class RolloutProducer:
         return index < self.concurrency
 
     async def _one_group(self) -> None:
-        prompt, answer = next(self.prompts)
+        try:
+            prompt, answer = next(self.prompts)
+        except StopIteration:  # said here: out of a coroutine it would become a bare RuntimeError
+            raise prompts_ran_out(self.stats.groups_started) from None
+        except Exception as exc:  # the task's own code raised
+            raise RolloutProducerFailed(f"the task raised {type(exc).__name__}: {exc} on prompt "
+                                        f"{self.stats.groups_started + 1}", reason="TaskFailed") from exc
         group_id = f"{self.run_id}-g{next(self._group_ids)}"
         self._in_flight += 1
         self.stats.groups_started += 1
@@ -173,6 +224,7 @@ class RolloutProducer:
         if group is not None:
             self.lost_in_a_row = 0
             await self.queue.put(group)
+            self._queued.set()
         else:
             self.lost_in_a_row += 1
             await asyncio.sleep(exponential_backoff(self.lost_in_a_row - 1, LOST_GROUP_BACKOFF_BASE_S,
@@ -204,7 +256,11 @@ class RolloutProducer:
         samples = []
         for task in tasks:
             body = task.result()
-            reward = float(self.reward_fn(prompt, body.get("text", ""), answer))
+            try:
+                reward = float(self.reward_fn(prompt, body.get("text", ""), answer))
+            except Exception as exc:  # a bug in the reward is the run's failure, never hidden
+                raise RolloutProducerFailed(f"the reward function raised {type(exc).__name__}: {exc} on group "
+                                            f"{group_id}", reason="RewardFunctionFailed") from exc
             samples.append(sample_from_generate(prompt_ids, body, group_id=group_id, reward=reward))
             self.stats.generated_tokens += len(body.get("output_ids") or [])
         self.stats.samples += len(samples)

@@ -175,3 +175,29 @@ async def test_connect_timeouts_open_the_circuit_like_refusals_but_answer_timeou
         with pytest.raises(RolloutRequestFailed):
             await client.generate("s", {"text": "hi"})
         assert (client.circuit.opened == 1) is opens
+
+
+@pytest.mark.looptime
+async def test_a_probe_that_ends_past_the_deadline_gives_up_at_it_sending_nothing_more():
+    """The router answers the circuit's probe, but only after the request's deadline: the request fails as
+    one past its deadline, and no attempt is sent with what was left before the probe."""
+    sent: list[float] = []
+
+    async def refuse(payload, timeout_s):
+        assert timeout_s > 0  # what the HTTP call requires
+        sent.append(asyncio.get_running_loop().time())
+        raise error_for(FailureKind.CONNECTION_REFUSED, "refused")
+
+    async def late_probe(timeout_s):
+        await asyncio.sleep(timeout_s)  # answers at its bound
+        return True
+
+    client = RolloutClient("http://router", None, transport=refuse, probe=late_probe, fleet="circuit-test",
+                           circuit=CircuitBreaker(CircuitSettings(threshold=1, open_base_s=0.5, open_max_s=0.5)),
+                           policy=RetryPolicy(max_attempts=100, backoff_base_s=0.1, backoff_max_s=0.1, deadline_s=1.5),
+                           rng=random.Random(0))
+    with pytest.raises(RolloutRequestFailed) as info:
+        await client.generate("s", {"text": "hi"})
+    assert info.value.outcome == "deadline" and "deadline of 1.5 s reached" in str(info.value)
+    assert sent == [0.0]  # the refusal that opened the circuit; none after the probe
+    assert client.circuit.state is CircuitState.CLOSED  # the probe's answer still counts

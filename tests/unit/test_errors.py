@@ -9,6 +9,7 @@ from rlfleet.errors import RunError
 from rlfleet.orchestrator.evaluation.run import EvalSetupError
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady, WeightSyncFailed
 from rlfleet.orchestrator.guards.watchdog import RolloutEnginesUnavailable
+from rlfleet.orchestrator.rollout.producer import RolloutProducerFailed
 from rlfleet.orchestrator.run.loop import RunFailed
 from rlfleet.snapshot.format import SnapshotInvalid
 
@@ -22,6 +23,8 @@ CAMEL_CASE = re.compile(r"^[A-Z][A-Za-z0-9]*$")
     (WeightSyncFailed("1 engine serves it", result=None), "WeightSyncFailed"),
     (SnapshotInvalid("/s/step_3", "no .complete marker"), "SnapshotInvalid"),
     (RolloutEnginesUnavailable("503 storm"), "RolloutEnginesUnavailable"),
+    (RolloutProducerFailed("the rollout producer failed: KeyError"), "RolloutProducerFailed"),
+    (RolloutProducerFailed("the reward function raised", reason="RewardFunctionFailed"), "RewardFunctionFailed"),
     (EvalSetupError("eval dataset: no such file"), "EvalInvalid"),
     (RunFailed("RolloutTimeout", "only 1 of 2 groups"), "RolloutTimeout"),
 ])

@@ -15,6 +15,7 @@ from rlfleet.orchestrator.rollout.client import (
     RolloutLedger,
     RolloutRequestFailed,
     attempt_label,
+    attempt_timeout,
     generate_all,
     is_retryable,
     next_step,
@@ -68,7 +69,17 @@ def test_gives_up_after_max_attempts_on_client_errors_and_at_the_deadline():
     assert next_step(policy, 1, err(K.TIMEOUT), 9.99999, rng).outcome == "deadline"
 
 
-@pytest.mark.parametrize("bad", [dict(max_attempts=0), dict(backoff_base_s=2, backoff_max_s=1), dict(deadline_s=0)])
+def test_an_attempt_gets_what_is_left_of_the_deadline_and_none_is_sent_once_it_has_passed():
+    assert attempt_timeout(RetryPolicy(deadline_s=10), 4) == 6
+    assert attempt_timeout(RetryPolicy(deadline_s=10, attempt_timeout_s=3), 4) == 3
+    assert attempt_timeout(RetryPolicy(deadline_s=10, attempt_timeout_s=3), 8.5) == 1.5
+    # A backoff sleep, a circuit probe or a lagging loop can end past the deadline: no attempt, whatever is left.
+    assert attempt_timeout(RetryPolicy(deadline_s=10), 10) is None
+    assert attempt_timeout(RetryPolicy(deadline_s=10, attempt_timeout_s=3), 10.2) is None
+
+
+@pytest.mark.parametrize("bad", [dict(max_attempts=0), dict(backoff_base_s=2, backoff_max_s=1), dict(deadline_s=0),
+                                 dict(attempt_timeout_s=0)])
 def test_bad_policies_are_rejected(bad):
     with pytest.raises(ValueError):
         RetryPolicy(**bad)

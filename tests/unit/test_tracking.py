@@ -165,6 +165,42 @@ async def test_sink_bounds_open_apart_from_other_calls():
     assert tracker.logged == [1] and sink.counts.written == 1 and sink.counts.failure is None
 
 
+class StuckLog:
+    """A tracker whose log never answers, and whose cancelled call takes a moment to wind down."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.logging = asyncio.Event()
+
+    async def open(self, params):
+        pass
+
+    async def log(self, step, scalars):
+        self.logging.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.shield(asyncio.sleep(0.5))
+
+    async def close(self, status):
+        pass
+
+
+async def test_a_caller_cancelled_while_the_sink_closes_is_cancelled():
+    """Ctrl-C while the run's end waits for a tracker's worker to stop: the cancellation reaches the caller."""
+    tracker = StuckLog()
+    sink = TrackerSink(tracker, {}, call_timeout_s=60)
+    sink.start()
+    sink.submit(1, {"train/loss": 1.0})
+    await tracker.logging.wait()
+    closing = asyncio.create_task(sink.close(drain_s=0.01))
+    await asyncio.sleep(0.1)  # the drain is over: close waits for the worker's call to wind down
+    closing.cancel()
+    await asyncio.wait([closing], timeout=5)
+    assert closing.cancelled()
+
+
 class LogsInBatches:
     """A tracker whose log takes 0.15 s per 1,000 scalars, as a tracker of bounded batches would."""
 

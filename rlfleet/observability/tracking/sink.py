@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rlfleet.observability import metrics
+from rlfleet.util.aio import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,7 @@ class TrackerSink:
                 await self._queue.join()
         except TimeoutError:
             pass
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await stop_task(self._task)  # a cancellation of the caller (Ctrl-C at the run's end) still propagates
         left = self._queue.qsize() + self._in_flight
         self._in_flight = 0
         if left:

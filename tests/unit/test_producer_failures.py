@@ -1,0 +1,107 @@
+"""A producer that stops on an error (the reward function raised, the task's prompts ran out, a bug) fails the
+step's group collection at once with that cause, not at the step's 900 s timeout (looptime: the virtual clock
+would run to it). The client is a stand-in that answers every request at once (no I/O)."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+
+from rlfleet.crds.loader import load_training_run
+from rlfleet.errors import RunError
+from rlfleet.orchestrator.rollout.producer import RolloutProducer, RolloutProducerFailed, SamplingSettings
+from rlfleet.orchestrator.run.loop import RunLoop, RunOptions
+from rlfleet.trainer.grpo import StalenessPolicy
+
+pytestmark = pytest.mark.looptime
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+PROMPTS_PER_STEP = 4
+STEP_TIMEOUT_S = 900.0
+
+
+class Answers:
+    """generate() answers at once, as an engine at weight version "0" would."""
+
+    def __init__(self, meta: dict | None = None) -> None:
+        self.meta = {"output_token_logprobs": [[-0.5, 7, None]], "weight_version": "0"} if meta is None else meta
+
+    async def generate(self, request_id: str, payload: dict) -> dict:
+        await asyncio.sleep(0.1)
+        return {"text": "x", "output_ids": [7], "meta_info": self.meta}
+
+
+def run_loop(tmp_path: Path) -> RunLoop:
+    run = load_training_run(QUICKSTART)
+    run.spec.trainer.prompts_per_step = PROMPTS_PER_STEP
+    return RunLoop(run, RunOptions(run_dir=tmp_path / "run", step_group_timeout_s=STEP_TIMEOUT_S),
+                   snapshots=tmp_path / "snapshots")
+
+
+def producer(prompts, reward=lambda prompt, text, answer: 1.0, client=None) -> RolloutProducer:
+    return RolloutProducer(client or Answers(), prompts, reward, lambda text: [1, 2], samples_per_prompt=2,
+                           sampling=SamplingSettings(), concurrency=2, queue_groups=8, run_id="run")
+
+
+async def collect_failure(tmp_path: Path, rollout: RolloutProducer, steps: int = 1) -> RolloutProducerFailed:
+    """The error the loop's group collection fails with, within `steps` steps (each step's groups collected)."""
+    loop = run_loop(tmp_path)
+    policy = StalenessPolicy(1)
+    rollout.start()
+    try:
+        with pytest.raises(RolloutProducerFailed) as failed:
+            for step in range(steps):
+                groups, _ = await loop._collect_groups(rollout, step, policy)
+                assert len(groups) == PROMPTS_PER_STEP
+    finally:
+        await rollout.stop()
+    assert asyncio.get_running_loop().time() < 60, "failed at the step's timeout, not at once"
+    assert isinstance(failed.value, RunError)  # the run fails with its reason and message
+    return failed.value
+
+
+def raising_on(call: int):
+    """A reward function whose `call`-th call raises."""
+    calls = itertools.count(1)
+
+    def reward(prompt: str, text: str, answer: str) -> float:
+        if next(calls) == call:
+            raise ValueError(f"cannot score {text!r}")
+        return 1.0
+
+    return reward
+
+
+async def test_a_reward_function_that_raises_fails_the_step_at_once_naming_it_and_its_group(tmp_path: Path):
+    failure = await collect_failure(tmp_path, producer(itertools.repeat(("p", "a")), reward=raising_on(3)))
+    assert failure.reason == "RewardFunctionFailed"
+    assert str(failure).startswith("the reward function raised ValueError: cannot score 'x' on group run-g")
+    assert isinstance(failure.__cause__, ValueError)
+
+
+async def test_a_finite_task_fails_once_its_prompts_ran_out_after_its_groups_were_taken(tmp_path: Path):
+    six = iter([(f"p{i}", "a") for i in range(6)])  # a step and a half
+    failure = await collect_failure(tmp_path, producer(six), steps=2)
+    assert failure.reason == "TaskPromptsExhausted"
+    assert str(failure).startswith("the task's prompts ran out after 6 groups (a task must be endless or hold at "
+                                   "least steps x promptsPerStep prompts")
+
+
+async def test_a_task_that_raises_fails_the_step_naming_it(tmp_path: Path):
+    def problems():
+        yield "p0", "a"
+        raise KeyError("row 1")
+
+    failure = await collect_failure(tmp_path, producer(problems()))
+    assert failure.reason == "TaskFailed"
+    assert str(failure) == "the task raised KeyError: 'row 1' on prompt 2"
+
+
+async def test_any_other_error_of_the_producer_fails_the_step_naming_it(tmp_path: Path):
+    no_version = Answers({"output_token_logprobs": [[-0.5, 7, None]]})  # an engine without weight versions
+    failure = await collect_failure(tmp_path, producer(itertools.repeat(("p", "a")), client=no_version))
+    assert failure.reason == "RolloutProducerFailed"
+    assert str(failure) == ("the rollout producer failed: ValueError: generate answer has no "
+                            "meta_info.weight_version")
