@@ -7,6 +7,11 @@ then every rank trains on its data-parallel replica's part of it; `state_for_exp
 `export_hf`) has every rank join the gather of the tensor-parallel shards, and only rank 0 writes the
 snapshot. The other ranks run `follow` until rank 0 says stop.
 
+A command whose part rank 0 did not finish (it raised, or still runs in another thread) may hold the
+other ranks inside its collectives; rank 0 then sends nothing more (a broadcast would wait for them as
+long as the collective's timeout) and the other ranks end with rank 0's process: its exit fails their
+collectives, and the launcher stops the group when it exits non-zero.
+
     init_process_group(device)                     # in each rank, from torchrun's environment
     trainer = build_trainer(..., parallel=layout)  # each rank its shards
     if rank == 0: lead = LeadingTrainer(trainer); ...; lead.close()
@@ -14,10 +19,11 @@ snapshot. The other ranks run `follow` until rank 0 says stop.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -171,6 +177,20 @@ class LeadingTrainer:
         self._reports: Any = None  # checkpoint shard reports, made at the first checkpoint
         # One command at a time, whichever thread calls (the loop trains, eval copies weights).
         self._lock = threading.Lock()
+        self._unfinished: str | None = None  # a command whose part rank 0 did not finish
+
+    @contextlib.contextmanager
+    def _every_rank(self, *command: Any) -> Iterator[None]:
+        """Send `command`, then run rank 0's part of it (the body) under the lock. A body that raises
+        leaves the command unfinished: the other ranks may be inside its collectives for good."""
+        with self._lock:
+            if self._unfinished is not None:
+                raise RuntimeError(f"trainer rank 0 failed in its part of {self._unfinished!r}; the other "
+                                   "ranks may still be inside it, so no command can reach them")
+            self._unfinished = command[0]
+            self._commands.send(*command)
+            yield
+            self._unfinished = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
@@ -183,13 +203,11 @@ class LeadingTrainer:
         if not batch:
             raise ValueError("train_step needs at least one sample")
         shards = BatchShards(batch, self.local.options.parallel.data)
-        with self._lock:
-            self._commands.send("train", shards)
+        with self._every_rank("train", shards):
             return train_part(self.local, shards)
 
     def state_for_export(self, into: Mapping[str, Any] | None = None) -> ExportState:
-        with self._lock:
-            self._commands.send("state")
+        with self._every_rank("state"):
             return self.local.state_for_export(into)  # the other ranks' part of the gather: theirs to drop
 
     def export_hf(self, out_dir: str | os.PathLike, step: int | None = None) -> Path:
@@ -199,8 +217,7 @@ class LeadingTrainer:
         return write_hf_snapshot(state, out_dir)
 
     def logits(self, input_ids: Any) -> Any:
-        with self._lock:
-            self._commands.send("logits", input_ids)
+        with self._every_rank("logits", input_ids):
             return self.local.logits(input_ids)
 
     # --- checkpoints (trainer/rank_checkpoints.py) ---------------------------------------------
@@ -210,8 +227,7 @@ class LeadingTrainer:
         next steps; rank 0's state is returned (its shard is `write_checkpoint_shard`'s)."""
         from rlfleet.trainer import rank_checkpoints
 
-        with self._lock:
-            self._commands.send("checkpoint", str(directory))
+        with self._every_rank("checkpoint", str(directory)):
             self._shard_reports.group()
             return rank_checkpoints.capture(self.local)
 
@@ -225,8 +241,7 @@ class LeadingTrainer:
         """Every rank restores its shard of the (validated) checkpoint `info`."""
         from rlfleet.trainer import checkpoint as ckpt
 
-        with self._lock:
-            self._commands.send("restore", str(info.directory), info.step, dict(info.meta))
+        with self._every_rank("restore", str(info.directory), info.step, dict(info.meta)):
             ckpt.restore_rank(self.local, info, 0)
 
     @property
@@ -242,11 +257,19 @@ class LeadingTrainer:
         return Trainer.greedy_generate(self, prompt_ids, max_new_tokens, stop_ids)  # type: ignore[arg-type]  # its logits are every rank's
 
     def close(self) -> None:
-        """Release the other ranks (they return from `follow`). Idempotent."""
-        with self._lock:
-            if not self._closed:
+        """Release the other ranks (they return from `follow`) when they wait for a command. Idempotent;
+        never waits for them: while a command rank 0 did not finish (it raised, or still runs in another
+        thread) may hold them inside its collectives, no stop is sent (a gloo send waits for its
+        receiver, here as long as the collective's timeout). They end with this process then, which
+        exits non-zero (it failed, or was stopped by a signal): the launcher stops the group."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self._closed and self._unfinished is None:
                 self._closed = True
                 self._commands.send("stop")
+        finally:
+            self._lock.release()
 
 
 def follow(trainer: Trainer) -> int:

@@ -97,11 +97,6 @@ class UpdateGroup:
         broadcaster = Broadcaster(buffer_bytes(buckets), device=device)
         group = cls(members, membership_key(engines), broadcaster, group_name=group_name, backend=backend,
                     buckets=buckets, bounds=bounds, client=client)
-        try:
-            await broadcaster.start()
-        except (BroadcastError, OSError) as exc:
-            await broadcaster.close()
-            raise TransferFailed(f"broadcast cannot start: {exc}") from exc
 
         async def engine_joins(m: Member) -> tuple[bool, str]:
             return await client(m.url).init_weights_update_group(
@@ -109,11 +104,17 @@ class UpdateGroup:
                 group_name=group_name, backend=backend, timeout_s=bounds.join_s)
 
         try:
+            try:
+                await broadcaster.start()
+            except (BroadcastError, OSError) as exc:
+                raise TransferFailed(f"broadcast cannot start: {exc}") from exc
             await group._together(lambda: broadcaster.join(address=address, port=port, world_size=world_size,
                                                            group_name=group_name, backend=backend,
                                                            timeout_s=bounds.join_s),
                                   engine_joins, "init_weights_update_group", bounds.join_s)
-        except TransferFailed:
+        except BaseException:
+            # Whatever ended the build (a failure, a cancel, a buffer torch could not map) leaves neither
+            # the broadcasting process nor its model-sized buffer behind.
             await group.abandon()
             raise
         log.info("update group %s: rank 0 at %s:%d, %d engine(s), world size %d, %s, %d bucket(s) of %.1f MiB",

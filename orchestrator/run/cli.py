@@ -24,6 +24,7 @@ from typing import Any
 from rlfleet.crds.loader import FieldError, ManifestError, load_training_run, local_run_errors, validate_object
 from rlfleet.crds.models import TrainingRun
 from rlfleet.crds.specs import literal_env
+from rlfleet.errors import RunError
 from rlfleet.observability.report import report_path_for, write_report
 from rlfleet.orchestrator.run import tracking
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             run = asyncio.run(_read_cluster_run(args))
             if run is not None and run.spec.trainer.world_size > 1:
                 return _launch_cluster_ranks(run, list(sys.argv[1:] if argv is None else argv), args)
-        return _finish(lambda: _run_in_cluster(args),
+        bound = StopBound()
+        return _finish(lambda: _run_in_cluster(args, stopping=bound.failed), bound=bound,
                        report=report_path_for(args.snapshot_dir / f"{args.training_run}-summary.json"))
     if not args.file:
         return _usage_error("give a TrainingRun FILE (or --kubernetes inside a cluster)")
@@ -127,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     set_trainer_environment(literal_env(run.spec.trainer.env))
     if run.spec.trainer.world_size > 1 and "RANK" not in os.environ:  # this process launches the ranks
         return _launch_ranks(run, list(sys.argv[1:] if argv is None else argv), run_dir)
+    bound = StopBound(force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None))
     options = _options(args, run_dir, host=args.metrics_host or "127.0.0.1",
-                       manifest_dir=Path(args.file).resolve().parent)
+                       manifest_dir=Path(args.file).resolve().parent, stopping=bound.failed)
     local = LocalRun(run, options)
-    return _finish(local.execute,
-                   force_stop=lambda: _kill_what_is_left(run_dir, local.snapshots if local.scratch_volume else None),
+    return _finish(local.execute, bound=bound,
                    report=report_path_for(args.summary) if args.summary else run_dir / "report.html",
                    so_far=lambda: local.summary)
 
@@ -196,7 +198,6 @@ def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
     run that splits the model only then); a rank's death
     fails this pod (exit 1, the rank's last log lines on stderr: the pod's termination message) and the
     operator replaces the group within spec.trainer.maxRestarts."""
-    from rlfleet.errors import RunError
     from rlfleet.kube.client import ApiError
     from rlfleet.orchestrator.run.loop import resolve_model_dir
     from rlfleet.orchestrator.run.ranks import check_before_launch, launch_run
@@ -291,10 +292,12 @@ async def _record_rank_failure(args, reason: str, message: str, world: int) -> N
 
 def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:
     """The last resort of a stop that ran past its bound: SIGKILL every process group of the run (each
-    child logs under run_dir) and remove the scratch volume. Runs in a thread: the loop may be stuck."""
+    child logs under run_dir) and remove the scratch volume. Runs in a thread: the loop may be stuck.
+    Not this process's own group: rank 0 of several ranks logs under run_dir too, in its launcher's
+    group (the launcher stops the other ranks when rank 0 exits)."""
     from rlfleet.util.procs import groups_writing_under
 
-    for group in groups_writing_under(run_dir):
+    for group in groups_writing_under(run_dir) - {os.getpgrp()}:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, sig)
@@ -302,14 +305,15 @@ def _kill_what_is_left(run_dir: Path, scratch: Path | None) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _options(args, run_dir: Path, *, host: str, manifest_dir: Path | None, summary: Path | None = None) -> RunOptions:
+def _options(args, run_dir: Path, *, host: str, manifest_dir: Path | None, summary: Path | None = None,
+             stopping: Callable[[BaseException], None] | None = None) -> RunOptions:
     return RunOptions(run_dir=run_dir, summary_path=args.summary or summary, chaos=args.chaos,
                       chaos_interval_s=args.chaos_interval, metrics_host=host, metrics_port=args.metrics_port,
                       progress=ProgressReporter(), manifest_dir=manifest_dir, resume=args.resume,
-                      record_batches=args.record_batches)
+                      record_batches=args.record_batches, stopping=stopping)
 
 
-async def _run_in_cluster(args) -> RunSummary:
+async def _run_in_cluster(args, stopping: Callable[[BaseException], None] | None = None) -> RunSummary:
     """Read the run, execute it, and on failure write the reason on the run for the operator."""
     from rlfleet.kube.client import ApiError, KubeClient
     from rlfleet.orchestrator.fleet.k8s_backend import TRAININGRUNS, fail_run
@@ -334,7 +338,8 @@ async def _run_in_cluster(args) -> RunSummary:
             options = _options(args, run_dir, host=args.metrics_host or os.environ.get("POD_IP") or "0.0.0.0",
                                # A pod has no manifest: relative eval dataset paths (and evaluator
                                # modules) are found on the snapshot volume, as spec.eval.datasets[].path says.
-                               manifest_dir=args.snapshot_dir, summary=args.snapshot_dir / f"{name}-summary.json")
+                               manifest_dir=args.snapshot_dir, summary=args.snapshot_dir / f"{name}-summary.json",
+                               stopping=stopping)
             return await KubernetesRun(run, options, kube=kube, namespace=args.namespace,
                                        snapshots=args.snapshot_dir, run_uid=obj["metadata"]["uid"]).execute()
         except RunFailed as exc:
@@ -349,9 +354,13 @@ async def _run_in_cluster(args) -> RunSummary:
 # A stop (SIGTERM, SIGHUP, Ctrl-C) cancels the run, which stops its engines and routers (each within
 # its grace period, all at once) and removes its scratch volume: about 10 s. Whatever the serving
 # path is doing, the process exits within STOP_BOUND_S of the signal: past it, what is left of the run
-# is SIGKILLed and the process exits at once.
+# is SIGKILLed and the process exits at once. A run that fails stops the same way, within
+# FAILED_STOP_BOUND_S of the failure: nobody is waiting on it, and in a pod the failure is still to be
+# written on the run (bounded at 30 s) after the cleanup.
 STOP_BOUND_S = 20.0
+FAILED_STOP_BOUND_S = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+FAILED_STATUS = 1  # a failed run's exit status
 
 
 class Terminated(Exception):
@@ -385,38 +394,87 @@ def _still_running(loop: asyncio.AbstractEventLoop, most: int = 20) -> str:
     return "rlfleet run: still running at the bound:\n" + "\n".join(lines)
 
 
-async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
-                        stop_bound_s: float = STOP_BOUND_S) -> RunSummary:
-    """Run `execute()`; the first SIGTERM/SIGHUP/SIGINT cancels it (engines, routers and scratch volumes
-    are cleaned up on the way out); later ones are ignored so cleanup is not cut short, but the whole
-    stop is bounded: after `stop_bound_s` a thread (the loop may be stuck) calls `force_stop()` and
-    exits the process with 128 + the signal number."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None, "called from a task"
-    received: list[int] = []
-    deadline: list[threading.Timer] = []
+class StopBound:
+    """The bound on a stop: once started (a signal, or the run failing), the process exits within the
+    stop's bound whatever its cleanup, or the loop's own shutdown (it waits for the threads still
+    running), is doing. Past it a thread (the loop may be stuck) names what is still running, calls
+    `force_stop()` and exits with the stop's status. The first start counts; after `end()`, none."""
 
-    def force(signum: int) -> None:
-        print(f"rlfleet run: stop took longer than {stop_bound_s:g} s; killing what is left of the run",
+    def __init__(self, seconds: float = STOP_BOUND_S, failed_s: float = FAILED_STOP_BOUND_S,
+                 force_stop: Callable[[], None] | None = None):
+        self.seconds, self.failed_s = seconds, failed_s
+        self.force_stop = force_stop
+        self.loop: asyncio.AbstractEventLoop | None = None  # the run's: what is still running in it is named
+        self._timer: threading.Timer | None = None
+        self._ended = False
+        self._lock = threading.Lock()  # started from the loop, ended after it
+
+    def signalled(self, signum: int) -> None:
+        self._start(self.seconds, 128 + signum, None)
+
+    def failed(self, error: BaseException | None = None) -> None:
+        """The run failed (`error`, when known): its cleanup starts now."""
+        self._start(self.failed_s, FAILED_STATUS, error)
+
+    def end(self) -> None:
+        """The loop has shut down: nothing is left to bound."""
+        with self._lock:
+            self._ended = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _start(self, seconds: float, status: int, error: BaseException | None) -> None:
+        with self._lock:
+            if self._timer is None and not self._ended:
+                self._timer = threading.Timer(seconds, self._force, args=(seconds, status, error))
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _force(self, seconds: float, status: int, error: BaseException | None) -> None:
+        if error is not None:  # said here: the run's own report of it would come after its cleanup
+            print(f"rlfleet run: {_failure_line(error)}", file=sys.stderr, flush=True)
+        print(f"rlfleet run: stop took longer than {seconds:g} s; killing what is left of the run",
               file=sys.stderr, flush=True)
         try:
-            print(_still_running(loop), file=sys.stderr, flush=True)
+            if self.loop is not None:
+                print(_still_running(self.loop), file=sys.stderr, flush=True)
         except Exception:  # a report on a stuck loop must never keep the process alive
             pass
         try:
-            if force_stop is not None:
-                force_stop()
+            if self.force_stop is not None:
+                self.force_stop()
         finally:
-            os._exit(128 + signum)
+            os._exit(status)
+
+
+def _failure_line(error: BaseException) -> str:
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:  # raised inside a task group
+        error = error.exceptions[0]
+    if isinstance(error, RunError):
+        return f"FAILED ({error.reason}): {getattr(error, 'message', None) or error}"
+    return f"FAILED: {type(error).__name__}: {error}"
+
+
+async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
+                        stop_bound_s: float = STOP_BOUND_S, bound: StopBound | None = None) -> RunSummary:
+    """Run `execute()`; the first SIGTERM/SIGHUP/SIGINT cancels it (engines, routers and scratch volumes
+    are cleaned up on the way out); later ones are ignored so cleanup is not cut short, but the whole
+    stop is bounded: the signal starts `bound` (exit status 128 + the signal number), as an exception
+    out of `execute()` does (status 1) for the loop's shutdown after it. `bound` is its caller's to end
+    once the loop has shut down; None: one of `stop_bound_s` and `force_stop`, ended here."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None, "called from a task"
+    own = bound is None
+    if bound is None:
+        bound = StopBound(stop_bound_s, force_stop=force_stop)
+    bound.loop = loop
+    received: list[int] = []
 
     def on_signal(signum: int) -> None:
         if not received:
             received.append(signum)
-            timer = threading.Timer(stop_bound_s, force, args=(signum,))
-            timer.daemon = True
-            timer.start()
-            deadline.append(timer)
+            bound.signalled(signum)
             task.cancel()
 
     for signum in STOP_SIGNALS:
@@ -427,24 +485,37 @@ async def _until_signal(execute: Callable[[], Awaitable[RunSummary]], *, force_s
         if received:
             raise Terminated(received[0]) from None
         raise
+    except Exception as exc:
+        bound.failed(exc)
+        raise
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
-        for timer in deadline:
-            timer.cancel()
+        if own:
+            bound.end()
+
+
+def _run_bounded(execute: Callable[[], Awaitable[RunSummary]], bound: StopBound) -> RunSummary:
+    """asyncio.run(execute) with its stop bounded up to the loop's end (which waits for its threads)."""
+    try:
+        return asyncio.run(_until_signal(execute, bound=bound))
+    finally:
+        bound.end()
 
 
 def _finish(execute: Callable[[], Awaitable[RunSummary]], *, force_stop: Callable[[], None] | None = None,
-            report: Path | None = None, so_far: Callable[[], RunSummary] | None = None) -> int:
+            report: Path | None = None, so_far: Callable[[], RunSummary] | None = None,
+            bound: StopBound | None = None) -> int:
     """Run `execute`, print its outcome, and write the run's report to `report` (a failed run's too, from
-    `so_far`: the summary as far as it got)."""
+    `so_far`: the summary as far as it got). `bound`: the run's stop bound (default: one calling
+    `force_stop`)."""
     try:
-        summary = asyncio.run(_until_signal(execute, force_stop=force_stop))
+        summary = _run_bounded(execute, bound or StopBound(force_stop=force_stop))
     except RunFailed as exc:
         print(f"rlfleet run: FAILED ({exc.reason}): {exc.message}", file=sys.stderr)
         if report is not None and so_far is not None:
             _write_report(so_far().to_dict(), report)
-        return 1
+        return FAILED_STATUS
     except KeyboardInterrupt:
         print("rlfleet run: interrupted; engines and router stopped", file=sys.stderr)
         return 130

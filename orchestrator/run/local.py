@@ -51,8 +51,8 @@ class LocalRun(RunLoop):
         router = LocalRouter(self.options.run_dir, health_interval_s=spec.rollout.router.health_check_interval_seconds,
                              health_failure_threshold=spec.rollout.router.health_failure_threshold,
                              api_key=self.api_key, policy=spec.rollout.router.policy)
+        stack.push_async_callback(router.stop)  # before the start: a cancel during its wait stops it too
         router_url = await router.start()
-        stack.push_async_callback(router.stop)
         self.router = router
 
         self._phase(f"starting {spec.rollout.replicas} engines")

@@ -23,8 +23,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from rlfleet.crds.derive import parse_tiny_model
@@ -118,6 +120,24 @@ class RunOptions:
     eval_engine_python: str | None = None  # interpreter (or wrapper) of local eval engines; None: this one
     resume: bool = False  # start from the newest complete checkpoint (spec.checkpoint)
     record_batches: Path | None = None  # write each step's training batch here (step_<N>.json), to replay it
+    # Told (with the exception) as a failure or a cancel starts the run's cleanup, before any of it:
+    # `rlfleet run` bounds the stop from then on, as it does from a signal.
+    stopping: Callable[[BaseException], None] | None = None
+
+
+class RunStack(contextlib.AsyncExitStack):
+    """The run's cleanup (engines, routers, trainer ranks, ...); `stopping(exception)` is called when an
+    exception starts it, before the first callback runs."""
+
+    def __init__(self, stopping: Callable[[BaseException], None] | None = None):
+        super().__init__()
+        self._stopping = stopping
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        if exc is not None and self._stopping is not None:
+            self._stopping(exc)
+        return await super().__aexit__(exc_type, exc, tb)
 
 
 def resolve_model_dir(model_path: str) -> Path:
@@ -269,7 +289,7 @@ class RunLoop:
         check_heat_guard(spec.heat_guard, self._engine_placement())
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)
-        async with contextlib.AsyncExitStack() as stack:
+        async with RunStack(opts.stopping) as stack:
             server = MetricsServer(opts.metrics_host,
                                    spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
             url = await server.start()

@@ -10,7 +10,10 @@ every rank logs to `<run dir>/trainer-ranks/rank-<r>.log`.
 Stopping: Ctrl-C / SIGTERM reach the launcher, which stops every rank (rank 0 stops its engines and
 router first, as a single-rank run does). A launcher killed with SIGKILL takes its ranks with it (each
 rank gets SIGKILL when its parent dies), and rank 0 its engines and router. A rank that dies stops the
-group: the run fails with `TrainerRankFailed`, naming the rank, its exit code and its last log lines.
+group: the run fails with `TrainerRankFailed`, naming the rank, its exit code and its last log lines. Rank 0
+failing fails the run with its own error, even inside a step whose collectives hold the other ranks: it
+sends them nothing more (trainer/ranks.py), exits non-zero once its run has stopped, and the launcher stops
+them.
 
 In a trainer pod (`rlfleet run --kubernetes`) the same: the pod's process launches the ranks, rank 0
 runs `rlfleet run --kubernetes` (the fleets through the API server); a rank's death that rank 0 did

@@ -9,15 +9,18 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from pathlib import Path
 
 from rlfleet.util.redact import redact_lines
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -37,8 +40,34 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-# How long a stopped group's SIGKILLed children may take to go before we stop waiting for them.
+# How long a stopped group's SIGKILLed processes may take to go before we stop waiting for them.
 GROUP_EXIT_TIMEOUT_S = 10.0
+# Reaps still waiting for a SIGKILLed leader that did not go in time (held here: the loop keeps only
+# weak references to its tasks).
+_reaping: set[asyncio.Future] = set()
+
+
+async def reap_within(wait: Awaitable[int], timeout_s: float = GROUP_EXIT_TIMEOUT_S) -> int | None:
+    """The exit status from `wait` (a SIGKILLed leader's reap), or None after `timeout_s`: a process in
+    uninterruptible sleep (a hung device or file system) goes only when that ends, perhaps never. The
+    reap goes on in the background then, and a cancel of the caller does not stop it either."""
+    reap = asyncio.ensure_future(wait)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(reap)
+    except TimeoutError:
+        pass
+    finally:
+        if not reap.done():
+            _reaping.add(reap)
+            reap.add_done_callback(_reaped)
+    return None
+
+
+def _reaped(reap: asyncio.Future) -> None:
+    _reaping.discard(reap)
+    if not reap.cancelled():
+        reap.exception()  # retrieved: a failed background reap is not reported as never retrieved
 
 
 
@@ -164,7 +193,10 @@ class ManagedProcess(_ProcessGroup):
         finally:
             self._kill()
             with contextlib.suppress(ProcessLookupError):
-                await asyncio.shield(self.proc.wait())
+                if await reap_within(self.proc.wait()) is None:
+                    log.warning("%s (pid %d) did not exit within %g s of SIGKILL (uninterruptible sleep?); "
+                                "still reaping it in the background", self.name, self.proc.pid,
+                                GROUP_EXIT_TIMEOUT_S)
         return self.proc.returncode
 
 
@@ -256,7 +288,11 @@ class GroupProcess(_ProcessGroup):
                     self.proc.wait(grace_s)
         finally:
             self._kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(GROUP_EXIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # a later returncode (poll) reaps it
+                log.warning("%s (pid %d) did not exit within %g s of SIGKILL (uninterruptible sleep?)",
+                            self.name, self.proc.pid, GROUP_EXIT_TIMEOUT_S)
             deadline = time.monotonic() + GROUP_EXIT_TIMEOUT_S
             while group_pids(self.proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)  # SIGKILLed children take a moment to go

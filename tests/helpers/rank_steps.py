@@ -108,6 +108,39 @@ def train_steps(backend: str, model_dir: str, layout: tuple[int, int, int], step
             "seconds": time.perf_counter() - started}
 
 
+def fail_in_step(model_dir: str, out_dir: str) -> None:
+    """Rank 0's part of a step raises while the other replica trains its part and then waits for rank 0
+    in the step's reductions (torch DDP, dataParallelSize 2): replica 0's samples alone hold a token
+    outside the vocabulary. Every rank writes its pid to `out_dir`/pid-<rank>; rank 0 writes the time
+    its step began to `out_dir`/step-began."""
+    import dataclasses
+    import os
+    import time
+
+    from rlfleet.trainer.base import build_trainer
+    from rlfleet.trainer.parallel import ParallelLayout
+    from rlfleet.trainer.ranks import LeadingTrainer, follow, init_process_group, rank_env
+
+    out = Path(out_dir)
+    parallel = ParallelLayout(1, 1, 2)
+    init_process_group("cpu")
+    rank = rank_env()[0]
+    (out / f"pid-{rank}").write_text(str(os.getpid()))
+    trainer = build_trainer("torch", model_dir, lr=1e-2, seed=0, parallel=parallel)
+    if rank != 0:
+        follow(trainer)
+        return
+    lead = LeadingTrainer(trainer)
+    try:
+        batch = make_batch(lead, 0)
+        first = batch[0]  # replica 0 trains the first half of the batch
+        outside = dataclasses.replace(first, response_ids=(10**6, *first.response_ids[1:]))
+        (out / "step-began").write_text(str(time.time()))
+        lead.train_step([outside, *batch[1:]])
+    finally:
+        lead.close()
+
+
 def replay_run(manifest: str, batch_files: list[str], checkpoint_dir: str, moved_since: int) -> dict[str, Any] | None:
     """A trainer that never stopped: built as `rlfleet run MANIFEST` builds it (every rank, in its
     layout), trained on a run's recorded batches in order (every rank reads them; each trains its

@@ -1,7 +1,8 @@
 """The broadcasting rank 0 in its own process, against a real gloo peer created as SGLang creates its
 side of the update group (`init_custom_process_group`): bytes arrive intact; rank 0 listens on exactly
 the address it is given (store and gloo); a peer that never joins or stops mid-broadcast costs the
-bound, kills the process, and leaves the caller free."""
+bound, kills the process, and leaves the caller free. A group's build cancelled while its rank 0 starts
+leaves neither the process nor its shared buffer behind."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from rlfleet.orchestrator.fleet import broadcast_plan as plan
 from rlfleet.orchestrator.fleet.broadcaster import Broadcaster, BroadcastError
+from rlfleet.orchestrator.fleet.update_group import UpdateGroup
 from rlfleet.util.ports import free_port
 
 pytestmark = [pytest.mark.engines, pytest.mark.asyncio(loop_scope="session")]
@@ -124,3 +128,53 @@ async def test_a_peer_stopped_mid_broadcast_costs_the_bound_and_kills_rank_zero(
     finally:
         os.killpg(peer.pid, signal.SIGKILL)
         await broadcaster.close()
+
+
+def broadcasting_processes() -> list[int]:
+    """This process's children that run a broadcasting rank 0 (not zombies)."""
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        try:  # a thread may end meanwhile
+            children = Path(f"/proc/self/task/{task}/children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+                stat = Path(f"/proc/{child}/stat").read_text()
+            except OSError:
+                continue
+            if b"rlfleet.orchestrator.fleet.broadcaster" in cmdline and stat[stat.rindex(")") + 2] != "Z":
+                found.append(int(child))
+    return found
+
+
+def weight_buffers() -> list[str]:
+    """This process's descriptors of a broadcast's shared buffer (a memfd)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:rlfleet-weights"):
+            found.append(target)
+    return found
+
+
+async def test_a_build_cancelled_while_rank_zero_starts_leaves_neither_it_nor_its_buffer():
+    buckets = plan.plan_buckets([plan.TensorSpec("t", "float32", (1024,), 4096)], 4096)
+    assert not weight_buffers()
+    build = asyncio.ensure_future(UpdateGroup.build([], buckets=buckets, bounds=plan.StepBounds(60.0),
+                                                    client=lambda url: None, address="127.0.0.1",  # type: ignore[arg-type,return-value]
+                                                    backend="gloo", group_name="cancelled"))
+    deadline = time.monotonic() + 30
+    while not broadcasting_processes():  # rank 0 runs: it answers once torch is imported, seconds later
+        assert time.monotonic() < deadline and not build.done(), "no broadcasting process started"
+        await asyncio.sleep(0.02)
+    assert weight_buffers()
+    build.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await build
+    assert not broadcasting_processes()
+    assert not weight_buffers()

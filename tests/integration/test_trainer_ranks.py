@@ -10,7 +10,8 @@ and dtypes). SGLang loading that layout is proven in test_trainer_parity.py (the
 here an engine loads the TP=2 x DP=2 export and its greedy tokens equal the single-rank trainer's. Qwen3
 (per-head q/k norms) trains alike under TP=2. FSDP replicas with unequal micro-batch counts train like one
 rank, and an FSDP checkpoint (whole tensors) resumes in its ranks and in one rank. A rank that dies stops
-the group and is named with its last log lines.
+the group and is named with its last log lines; rank 0 failing inside a step, the other rank waiting for
+it in the step's reduction, stops the group within seconds, named with its own error.
 
 World 2 runs its five layouts one after another in the same ranks (one launch); world 4 its two likewise.
 """
@@ -18,13 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 from safetensors.torch import load_file
 
-from helpers.rank_steps import checkpoint_round_trip, relay_commands, train_layouts, train_steps, trainer_label
+from helpers.rank_steps import (
+    checkpoint_round_trip,
+    fail_in_step,
+    relay_commands,
+    train_layouts,
+    train_steps,
+    trainer_label,
+)
 from rlfleet.sglang.engine import EngineClient
 from rlfleet.snapshot.format import validate_snapshot
 from rlfleet.trainer import grpo
@@ -199,6 +208,32 @@ def test_a_dying_rank_stops_the_group_and_is_named(tiny_model, tmp_path):
     assert failed.value.rank == 1 and failed.value.exitcode == 3
     assert "rank 1: failing on purpose" in failed.value.log_tail
     assert "trainer rank 1 exited with 3" in str(failed.value) and failed.value.reason == "TrainerRankFailed"
+
+
+def running(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_rank_0_failing_inside_a_step_stops_the_group_at_once_and_is_named(tiny_model, tmp_path):
+    """Rank 0's part of a step raises while rank 1 waits for it in the step's gradient reduction (which
+    only the 30-minute collective timeout would end): the group stops within seconds, the failure is
+    rank 0's with its own error, and no rank is left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RankFailed) as failed:
+        launch_ranks(fail_in_step, (str(tiny_model), str(out)), world=2, log_dir=tmp_path / "logs")
+    took = time.time() - float((out / "step-began").read_text())
+    print(f"rank 0 failed inside its step: the group stopped {took:.1f} s after the step began")
+    assert took < 60, f"the group took {took:.0f} s to stop"
+    assert failed.value.rank == 0 and failed.value.exitcode == 1, str(failed.value)
+    assert "IndexError: index out of range" in failed.value.log_tail, failed.value.log_tail
+    left = [p.name for p in out.glob("pid-*") if running(int(p.read_text()))]
+    assert not left, f"ranks still running: {left}"
 
 
 @pytest.fixture(scope="module")

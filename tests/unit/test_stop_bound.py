@@ -1,4 +1,5 @@
-"""A stop is bounded: SIGTERM, SIGHUP or Ctrl-C ends `rlfleet run` even when its cleanup hangs."""
+"""A stop is bounded: SIGTERM, SIGHUP or Ctrl-C ends `rlfleet run` even when its cleanup hangs, and so
+does a failure, whether its cleanup hangs or a thread the loop's shutdown waits for never ends."""
 from __future__ import annotations
 
 import signal
@@ -45,6 +46,42 @@ GRACEFUL = textwrap.dedent("""
     sys.exit(cli._finish(run, force_stop=lambda: None))
 """)
 
+# A run that fails: the loop tells the bound as its cleanup starts (RunStack), and the cleanup hangs.
+FAILING_CLEANUP = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from rlfleet.orchestrator.run import cli
+    from rlfleet.orchestrator.run.loop import RunFailed, RunStack
+
+    def force_stop():
+        Path(sys.argv[1]).write_text("forced")
+
+    bound = cli.StopBound(30.0, failed_s=1.0, force_stop=force_stop)  # a signal's bound is not the one
+
+    async def failing():
+        print("running", flush=True)
+        async with RunStack(bound.failed) as stack:
+            stack.push_async_callback(asyncio.Event().wait)  # a cleanup that never finishes
+            raise RunFailed("TrainerRankFailed", "rank 0 failed on purpose")
+
+    sys.exit(cli._finish(failing, bound=bound))
+""")
+
+# A run that fails while a thread it started (a trainer call, say) never returns: the loop's shutdown
+# waits for it.
+FAILING_THREAD = textwrap.dedent("""
+    import asyncio, sys, threading
+    from rlfleet.orchestrator.run import cli
+
+    async def failing():
+        print("running", flush=True)
+        asyncio.ensure_future(asyncio.to_thread(threading.Event().wait))
+        await asyncio.sleep(0.1)
+        raise ValueError("a step failed on purpose")
+
+    sys.exit(cli._finish(failing, bound=cli.StopBound(30.0, failed_s=1.0)))
+""")
+
 
 def start(tmp_path: Path, script: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-P", "-c", script, str(tmp_path / "forced")], stdout=subprocess.PIPE,
@@ -77,3 +114,20 @@ def test_a_clean_stop_exits_with_the_signal_and_forces_nothing(tmp_path: Path, s
     output = proc.stdout.read()
     assert rc == 128 + sig and says in output, output
     assert "stop took longer" not in output
+
+
+@pytest.mark.parametrize("script, says, forced", [
+    (FAILING_CLEANUP, "FAILED (TrainerRankFailed): rank 0 failed on purpose", True),
+    (FAILING_THREAD, "FAILED: ValueError: a step failed on purpose", False),  # nothing to kill: no force_stop
+], ids=["cleanup-hangs", "thread-never-returns"])
+def test_a_failed_run_whose_stop_hangs_exits_failed_at_its_bound(tmp_path: Path, script: str, says: str,
+                                                                  forced: bool):
+    proc = start(tmp_path, script)
+    started = time.monotonic()
+    rc = proc.wait(timeout=30)
+    took = time.monotonic() - started
+    output = proc.stdout.read()
+    assert rc == 1, output
+    assert says in output and "stop took longer than 1 s" in output, output  # the failure is said first
+    assert took < 10, took
+    assert (tmp_path / "forced").exists() == forced

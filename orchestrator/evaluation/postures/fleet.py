@@ -234,8 +234,9 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
     router = LocalRouter(eval_dir, name="eval-router", health_interval_s=router_spec.health_check_interval_seconds,
                          health_failure_threshold=router_spec.health_failure_threshold, api_key=api_key,
                          policy=router_spec.policy)
-    router_url = await router.start()
-    try:
+    runtime: FleetRuntime | None = None
+    try:  # a failure or a cancel anywhere here stops what was started: the router, engines launched
+        router_url = await router.start()
         engine = fleet_spec.engine.model_copy(update={"model_path": str(launch_model)})
         backend = LocalBackend(engine=engine, replicas=fleet_spec.replicas, recovery=fleet_spec.recovery,
                                run_dir=eval_dir, fleet="eval", min_ready=fleet_spec.min_ready_engines,
@@ -245,7 +246,11 @@ async def start_local_eval_fleet(run_name: str, spec, *, launch_model: Path, run
                                api_key=api_key)
         await runtime.start()
     except BaseException:
-        await router.stop()
+        try:
+            if runtime is not None:
+                await runtime.stop()
+        finally:
+            await router.stop()
         raise
     fleet = PinnedEvalFleet(runtime, spec.eval, wait_alive_timeout_s=fleet_spec.recovery.wait_all_alive_timeout_seconds)
     return fleet, router
