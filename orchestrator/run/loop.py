@@ -257,18 +257,14 @@ class RunLoop:
     async def execute(self) -> RunSummary:
         started = self._started = time.monotonic()
         try:
-            await self._execute()
-        except* RunFailed as group:
-            exc = group.exceptions[0]
-            assert isinstance(exc, RunFailed), "a RunFailed is raised at most one task group deep"
-            self.summary.failure = f"{exc.reason}: {exc.message}"
-            raise exc from None
-        except* RunError as group:
-            error = group.exceptions[0]
-            while isinstance(error, BaseExceptionGroup):  # raised inside a nested task group
-                error = error.exceptions[0]
-            self.summary.failure = f"{error.reason}: {error}"
-            raise RunFailed(error.reason, str(error)) from None
+            await self._execute_as_run_failed()
+        except Exception as exc:  # not a RunError: a bug, raised as it is; the summary says it too
+            if self.summary.failure is None:
+                error: BaseException = exc
+                while isinstance(error, BaseExceptionGroup):
+                    error = error.exceptions[0]
+                self.summary.failure = f"{type(error).__name__}: {error}"
+            raise
         finally:
             if self.scratch_volume:
                 await asyncio.to_thread(shutil.rmtree, self.snapshots, True)
@@ -281,6 +277,22 @@ class RunLoop:
                 await asyncio.to_thread(self.summary.write, self.options.summary_path)
             self.progress.close()
         return self.summary
+
+    async def _execute_as_run_failed(self) -> None:
+        """The run; any RunError that ends it is raised as a RunFailed, recorded in the summary."""
+        try:
+            await self._execute()
+        except* RunFailed as group:
+            exc = group.exceptions[0]
+            assert isinstance(exc, RunFailed), "a RunFailed is raised at most one task group deep"
+            self.summary.failure = f"{exc.reason}: {exc.message}"
+            raise exc from None
+        except* RunError as group:
+            error = group.exceptions[0]
+            while isinstance(error, BaseExceptionGroup):  # raised inside a nested task group
+                error = error.exceptions[0]
+            self.summary.failure = f"{error.reason}: {error}"
+            raise RunFailed(error.reason, str(error)) from None
 
     async def _execute(self) -> None:
         spec = self.spec

@@ -93,3 +93,24 @@ def test_record_survives_a_checkpoint():
     restore_summary(again, state)
     assert again.to_dict()["records"] == summary.to_dict()["records"]
     assert again.events == summary.events
+
+
+async def test_a_run_ended_by_an_unexpected_error_says_it_in_its_summary(tmp_path):
+    """Not a RunError (a bug, an error nobody classified): raised as it is, and the summary written for the
+    run's report still says what ended it."""
+    import json
+
+    import pytest
+
+    from rlfleet.crds.loader import load_text
+    from rlfleet.orchestrator.run.local import LocalRun, RunOptions
+
+    (doc,) = load_text("apiVersion: rlfleet.io/v1alpha1\nkind: TrainingRun\nmetadata: {name: r}\n"
+                       "spec: {modelPath: 'tiny://llama', rollout: {engine: {device: cpu}}, trainer: {gpus: 0}}\n")
+    not_a_directory = tmp_path / "run"
+    not_a_directory.write_text("")
+    local = LocalRun(doc.obj, RunOptions(run_dir=not_a_directory, summary_path=tmp_path / "summary.json"))
+    with pytest.raises(FileExistsError):
+        await local.execute()
+    failure = json.loads((tmp_path / "summary.json").read_text())["failure"]
+    assert failure.startswith("FileExistsError: "), failure
