@@ -696,8 +696,6 @@ def test_scale_subresource_scales_a_fleet_down(control_plane, operator, node_age
         delete_and_wait(cp, "rolloutfleet", "rf-s", "rlfleet.io/fleet=rf-s", node_agent, operator)
 
 
-@pytest.mark.engines
-@pytest.mark.timeout(1800)
 def routed_to(cp, fleet: str, key: str) -> list[str]:
     """The worker URLs the fleet's router routes to (its Running router pod's GET /workers)."""
     pods = (get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}", namespace=NS)
@@ -724,6 +722,8 @@ def generate_through_router(cp, fleet: str, key: str) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.engines
+@pytest.mark.timeout(1800)
 def test_a_fleet_of_no_run_takes_an_edit_by_replacing_its_engine_and_recreates_a_hung_one(
         control_plane, operator, node_agent, tiny_model):
     """A fleet of no run, its one engine serving, and its router routing to it (the engine follower in the

@@ -332,7 +332,9 @@ def test_kubectl_logs_tail_follow_and_only_the_cluster_ca_may_read(control_plane
             follower.wait()
     assert follower.returncode == 0, errors
     assert rest == "".join(f"tick {i}\n" for i in range(6))
-    assert phase("ticker") in ("Running", "Succeeded")  # it ended: the stream closed with the container
+    # It ended: the stream closed with the container, and the pod (restartPolicy Never) succeeds.
+    wait_for(lambda: phase("ticker") == "Succeeded", timeout=30, interval=0.3, what="pod ticker to succeed",
+             context=logs_node.tail)
 
     # Straight to the agent: a client certificate of the cluster CA is required.
     node = get_json(cp, "node", "local-node")

@@ -202,7 +202,8 @@ async def serving_matches_trainer(url: str, trained: dict[str, Trainer], snapsho
                 expected = await asyncio.to_thread(trainer.greedy_generate, prompt, GREEDY_TOKENS)
                 assert list(sample.response_ids) == expected, f"{family} {backend}: greedy tokens differ for {text!r}"
                 ours = on_policy_logprobs(trainer, prompt, expected)
-                worst = max(worst, max(abs(a - b) for a, b in zip(ours, sample.sampling_logprobs, strict=False)))
+                assert len(sample.sampling_logprobs) == len(ours) == GREEDY_TOKENS
+                worst = max(worst, max(abs(a - b) for a, b in zip(ours, sample.sampling_logprobs, strict=True)))
             print(f"{family} {backend}: SGLang float32 greedy tokens match; max |logprob diff| = {worst:.2e}; "
                   f"{changed}/{len(PROMPTS)} answers differ from the untrained model's")
             assert worst < LOGPROB_TOLERANCE

@@ -87,7 +87,7 @@ async def test_server_down_warns_once_and_counts_drops():
     began = loop.time()
     for step in range(1, 6):
         sink.submit(step, {"train/loss": 1.0})
-    assert loop.time() - began < 0.05  # submitting never waits
+    assert loop.time() - began < 1.0  # submitting never waits (a call would: the server is down, 2 s timeout)
     await sink.close()
     assert sink.counts.written == 0 and sink.counts.dropped == 5
     assert len(warnings) == 1 and "mlflow" in warnings[0] and "ClientConnectorError" in (sink.counts.failure or "")
@@ -401,7 +401,7 @@ async def test_wandb_server_down_warns_once_counts_drops_and_finishes_in_bounds(
     began = loop.time()
     for step in range(1, 4):
         sink.submit(step, {"train/loss": 1.0})
-    assert loop.time() - began < 0.05  # submitting never waits
+    assert loop.time() - began < 1.0  # submitting never waits (a call would: the server is down, 2 s timeout)
     await sink.close(drain_s=60)
     assert loop.time() - began < 90
     assert sink.counts.written == 0 and sink.counts.dropped == 3
