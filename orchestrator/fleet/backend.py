@@ -51,6 +51,12 @@ class DeathCause(StrEnum):
 ENGINE_STATES = tuple(state.value for state in EngineState)  # the values of rlfleet_engine_state's `state`
 
 
+def export_restart_budget(fleet: str, recovery: RecoverySpec) -> None:
+    """`rlfleet_engine_restart_budget` of a fleet: what the restart alerts compare its restarts with."""
+    metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="engine").set(recovery.max_restarts_per_engine)
+    metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="run").set(recovery.max_restarts_per_run)
+
+
 @dataclass(frozen=True)
 class EngineSlot:
     """A read-only view of one slot's current incarnation."""
@@ -269,8 +275,7 @@ class SlotFleetBackend(FleetBackend):
         self._failure: FleetFailed | None = None
         self._recovery_started: float | None = None
         self._stopping = False
-        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="engine").set(recovery.max_restarts_per_engine)
-        metrics.ENGINE_RESTART_BUDGET.labels(fleet=fleet, scope="run").set(recovery.max_restarts_per_run)
+        export_restart_budget(fleet, recovery)
         # Counters exist at 0 from the start, so increase() sees the first death and recreation.
         metrics.ENGINE_RECREATIONS.labels(fleet=fleet)
         for cause in DeathCause:

@@ -66,6 +66,7 @@ from rlfleet.orchestrator.fleet.backend import (
     Listeners,
     ResizeListener,
     death_listeners,
+    export_restart_budget,
     fleet_not_ready,
 )
 from rlfleet.orchestrator.fleet.errors import FleetFailed, FleetNotReady
@@ -187,6 +188,8 @@ class KubernetesBackend(FleetBackend):
         self._changed = asyncio.Event()
         self._pods_listed = asyncio.Event()
         self._fleet_listed = asyncio.Event()
+        # The operator spends the budget; the restart alerts compare the slots' restarts with it.
+        export_restart_budget(fleet, recovery)
 
     @classmethod
     async def connect(cls, kube: KubeClient, *, namespace: str, fleet: str, kind: str = "RolloutFleet"

@@ -265,3 +265,15 @@ async def test_engine_state_series_follow_the_pods_and_a_slot_scaled_away_leaves
     assert state(1) is None
     assert REGISTRY.get_sample_value("rlfleet_engine_weight_version", {"fleet": "f", "slot": "1"}) is None
     assert REGISTRY.get_sample_value("rlfleet_engine_restarts", {"fleet": "f", "slot": "1"}) is None
+
+
+def test_the_fleets_restart_budget_is_exported_for_the_restart_alerts():
+    """The operator spends the budget, but only the trainer exports metrics: without these series the
+    restart-budget alerts compare the slots' restarts with nothing and never fire."""
+    from prometheus_client import REGISTRY
+
+    KubernetesBackend(None, namespace="ns", fleet="f-budget", fleet_uid=FLEET_UID, replicas=2, min_ready=1,
+                      recovery=RecoverySpec(max_restarts_per_engine=3, max_restarts_per_run=7))
+    budget = {scope: REGISTRY.get_sample_value("rlfleet_engine_restart_budget", {"fleet": "f-budget", "scope": scope})
+              for scope in ("engine", "run")}
+    assert budget == {"engine": 3, "run": 7}
