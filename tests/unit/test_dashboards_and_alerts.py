@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rlfleet.observability import metrics, monitoring, promql
 from rlfleet.util.generated import stale_files
@@ -17,6 +18,7 @@ from rlfleet.util.generated import stale_files
 CHART = Path(__file__).resolve().parents[2] / "charts" / "rlfleet"
 DASHBOARDS = sorted((CHART / "dashboards").glob("*.json"))
 ALERTS = CHART / "alerts" / "rlfleet-alerts.yaml"
+ALERT_TESTS = CHART.parents[1] / "tests" / "alerts" / "rlfleet-alerts.test.yaml"
 QUERIES = [q for path in DASHBOARDS for q in monitoring.dashboard_queries(path)] + list(monitoring.rule_queries(ALERTS))
 EXPORTED = promql.exported_series(metrics.REGISTRY)
 
@@ -67,6 +69,31 @@ def test_alert_rule_has_for_severity_summary_and_description(rule):
     assert "for" in rule, "an alert without `for:` fires on a single bad scrape"
     assert rule["labels"]["severity"] in ("critical", "warning", "info")
     assert rule["annotations"]["summary"].strip() and rule["annotations"]["description"].strip()
+
+
+def _alert_cases() -> list[dict]:
+    return yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+
+
+def test_the_alert_tests_load_the_charts_rules_file():
+    rule_files = yaml.safe_load(ALERT_TESTS.read_text())["rule_files"]
+    assert [(ALERT_TESTS.parent / f).resolve() for f in rule_files] == [ALERTS.resolve()]
+
+
+@pytest.mark.parametrize("alert", [r["alert"] for r in monitoring.rules(ALERTS) if "alert" in r])
+def test_every_alert_rule_has_a_promtool_case_in_which_it_fires(alert):
+    """An alert only checked with `exp_alerts: []` passes even when its expression can never match (a join
+    that matches no series, a wrong label or metric name): each one must also be seen firing."""
+    firing = [case for test in _alert_cases() for case in test.get("alert_rule_test", [])
+              if case["alertname"] == alert and case.get("exp_alerts")]
+    assert firing, f"{ALERT_TESTS.name} has no case in which {alert} fires (non-empty exp_alerts)"
+
+
+@pytest.mark.parametrize("series", sorted({s["series"] for test in _alert_cases() for s in test["input_series"]}))
+def test_alert_case_series_are_what_rlfleet_exports(series):
+    """The synthetic series carry the names and labels the code exports, so a case that fires proves the
+    rule matches real series."""
+    assert monitoring.problems(series, EXPORTED) == [], series
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
