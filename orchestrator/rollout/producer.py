@@ -6,9 +6,10 @@ and waits until the groups in flight have finished (nothing is aborted; their sa
 evaluation on the shared engines and weight syncs see a quiet fleet when they need one.
 
 A lost group (its requests failed) is dropped and counted. Anything else stops the producer for good
-(the reward function raised, the task's prompts ran out, a bug): `next_group()` hands out the groups
-already queued, then raises that failure, a RolloutProducerFailed, so the run fails at once with its
-cause instead of waiting out its step timeout for groups that will never come.
+(the reward function raised, a bug; a task whose prompts ran out, once the groups in flight are
+queued): `next_group()` hands out the groups already queued, then raises that failure, a
+RolloutProducerFailed, so the run fails at once with its cause instead of waiting out its step timeout
+for groups that will never come.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ def prompts_ran_out(groups: int) -> RolloutProducerFailed:
     return RolloutProducerFailed(f"the task's prompts ran out after {groups} groups (a task must be endless or "
                                  f"hold at least steps x promptsPerStep prompts, more when groups are lost or "
                                  f"too stale)", reason="TaskPromptsExhausted")
+
+
+class PromptsRanOut(Exception):
+    """The task's prompts are all drawn: the worker that found it ends; groups in flight still finish."""
 
 
 def unexpected_failure(exc: Exception) -> RolloutProducerFailed:
@@ -119,6 +124,7 @@ class RolloutProducer:
         self.lost_in_a_row = 0
         self.failure: RolloutProducerFailed | None = None  # set once the producer stopped on an error
         self._queued = asyncio.Event()  # a group was queued or the producer failed: wakes next_group
+        self._prompts_ran_out = False
 
     # --- control -----------------------------------------------------------------------------
 
@@ -177,6 +183,11 @@ class RolloutProducer:
             self.failure = first if isinstance(first, RolloutProducerFailed) else unexpected_failure(first)
             log.error("rollout producer stopped: %s", self.failure, exc_info=first)  # with the whole traceback
             self._queued.set()
+        else:
+            if self._prompts_ran_out:  # every worker ended once its groups were queued: none will come
+                self.failure = prompts_ran_out(self.stats.groups_started)
+                log.error("rollout producer stopped: %s", self.failure)
+                self._queued.set()
         finally:
             self._workers = None
 
@@ -190,6 +201,8 @@ class RolloutProducer:
         try:
             while await self._next_group_allowed(index):
                 await self._one_group()
+        except PromptsRanOut:
+            self._prompts_ran_out = True  # this worker ends; the others finish the groups they generate
         except RolloutProducerFailed:
             raise
         except Exception as exc:
@@ -206,7 +219,7 @@ class RolloutProducer:
         try:
             prompt, answer = next(self.prompts)
         except StopIteration:  # said here: out of a coroutine it would become a bare RuntimeError
-            raise prompts_ran_out(self.stats.groups_started) from None
+            raise PromptsRanOut() from None
         except Exception as exc:  # the task's own code raised
             raise RolloutProducerFailed(f"the task raised {type(exc).__name__}: {exc} on prompt "
                                         f"{self.stats.groups_started + 1}", reason="TaskFailed") from exc

@@ -40,9 +40,9 @@ def run_loop(tmp_path: Path) -> RunLoop:
                    snapshots=tmp_path / "snapshots")
 
 
-def producer(prompts, reward=lambda prompt, text, answer: 1.0, client=None) -> RolloutProducer:
+def producer(prompts, reward=lambda prompt, text, answer: 1.0, client=None, concurrency: int = 2) -> RolloutProducer:
     return RolloutProducer(client or Answers(), prompts, reward, lambda text: [1, 2], samples_per_prompt=2,
-                           sampling=SamplingSettings(), concurrency=2, queue_groups=8, run_id="run")
+                           sampling=SamplingSettings(), concurrency=concurrency, queue_groups=8, run_id="run")
 
 
 async def collect_failure(tmp_path: Path, rollout: RolloutProducer, steps: int = 1) -> RolloutProducerFailed:
@@ -87,6 +87,21 @@ async def test_a_finite_task_fails_once_its_prompts_ran_out_after_its_groups_wer
     assert failure.reason == "TaskPromptsExhausted"
     assert str(failure).startswith("the task's prompts ran out after 6 groups (a task must be endless or hold at "
                                    "least steps x promptsPerStep prompts")
+
+
+async def test_the_groups_in_flight_when_the_prompts_run_out_still_train(tmp_path: Path):
+    """Eight workers draw all six prompts at once, and the seventh draw finds none while the six groups are
+    still generated: they are finished and handed out (step 1 trains), the failure comes at step 2."""
+    rollout = producer(iter([(f"p{i}", "a") for i in range(6)]), concurrency=8)
+    loop, policy = run_loop(tmp_path), StalenessPolicy(1)
+    rollout.start()
+    try:
+        groups, _ = await loop._collect_groups(rollout, 0, policy)
+        assert len(groups) == PROMPTS_PER_STEP
+        with pytest.raises(RolloutProducerFailed, match="the task's prompts ran out after 6 groups"):
+            await loop._collect_groups(rollout, 1, policy)
+    finally:
+        await rollout.stop()
 
 
 async def test_a_task_that_raises_fails_the_step_naming_it(tmp_path: Path):
