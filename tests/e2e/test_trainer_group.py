@@ -5,16 +5,19 @@ the operator as a local process with the chart's ServiceAccount token, the node 
 pod as local processes (each on its own 127.0.0.N). The quickstart, sized down, with a torch trainer
 of 4 data-parallel ranks over `nodes: 2` (gloo; ranks 0-1 in pod 0, 2-3 in pod 1, rendezvous on pod
 0's IP read through the API) and one real SGLang engine pod, in `weightSync.mode: broadcast` (rank 0,
-in pod 0, is rank 0 of the update group on its pod IP). After the first checkpoint pod 1 is deleted:
-the group fails as one, the operator replaces both pods (one restart, `--resume`), and the run goes on
-to Succeeded. Asserted: status.trainer, one validated snapshot per step, every step broadcast with the
+in pod 0, is rank 0 of the update group on its pod IP). At the first checkpoint rank 0 is held (SIGSTOP:
+a step takes well under a second) while pod 1 is deleted, then let go: the group fails as one, the
+operator replaces both pods (one restart, `--resume`), and the run goes on to Succeeded.
+Asserted: status.trainer, one validated snapshot per step, every step broadcast with the
 engine's version read back and its checksum matching, the NetworkPolicies, both pods' ranks (their
 logs), and the group's removal with the run.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -40,7 +43,7 @@ pytestmark = [pytest.mark.cluster]
 NS = "rlfleet-group"
 RUN = "group"
 ENGINE_START_S = 600  # CPU engines start in 25-60 s alone; far slower on a busy 2-core machine
-STEPS = 4
+STEPS = 5
 TRAINER = {"app.kubernetes.io/component": "trainer", "rlfleet.io/run": RUN}
 ENGINE = {"app.kubernetes.io/component": "engine", "rlfleet.io/fleet": f"{RUN}-rollout"}
 
@@ -91,6 +94,39 @@ def namespace_of(pid: str) -> str | None:
         return None
     prefix = f"{ReservedEnv.POD_NAMESPACE}=".encode()
     return next((v[len(prefix):].decode() for v in environ if v.startswith(prefix)), None)
+
+
+def environ_of(pid: str) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def parent_of(pid: str) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def rank_process(pod: str, rank: int) -> int | None:
+    """The pid of trainer rank `rank`, started by pod `pod`'s launcher (not a child of the rank's own)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        env = environ_of(entry.name)
+        if (env.get(ReservedEnv.POD_NAME), env.get(ReservedEnv.POD_NAMESPACE), env.get("RANK")) != (pod, NS, str(rank)):
+            continue
+        parent = parent_of(entry.name)
+        if parent is not None and environ_of(parent).get("RANK") != str(rank):
+            return int(entry.name)
+    return None
+
+
+def checkpointed_steps(claim: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[1]) for p in (claim / "checkpoints").glob("step_*/COMPLETE"))
 
 
 class Listeners:
@@ -186,12 +222,27 @@ def test_a_trainer_group_of_two_pods_trains_broadcasts_survives_losing_a_pod_and
 
             # After the first complete checkpoint, pod 1 goes: the group fails as one and comes back whole.
             with Listeners(29500, NS) as rendezvous, Listeners(29600, NS) as update_group:
-                wait_for(lambda: list((claim / "checkpoints").glob("step_*/COMPLETE"))
-                         and (run_status(cp).get("step") or 0) >= 1, timeout=ENGINE_START_S + 600, interval=0.5,
-                         what="step 1 and its checkpoint", context=context)
-                first_uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cp, TRAINER)}
-                lost_at_step = run_status(cp)["step"]
-                cp.kubectl("delete", "pod", f"{RUN}-trainer-1", "-n", NS, "--wait=false")
+                # A step takes well under a second here: rank 0, which runs the run, is held (SIGSTOP) at its first
+                # checkpoint while pod 1 goes, so the loss lands with steps left to train after it.
+                rank0 = wait_for(lambda: rank_process(f"{RUN}-trainer-0", 0), timeout=ENGINE_START_S, interval=0.5,
+                                 what="trainer rank 0's process", context=context)
+                wait_for(lambda: checkpointed_steps(claim), timeout=ENGINE_START_S + 600, interval=0.02,
+                         what="step 1's checkpoint", context=context)
+                os.kill(rank0, signal.SIGSTOP)
+                try:
+                    lost_at_step = checkpointed_steps(claim)[-1]
+                    assert lost_at_step + 1 < STEPS, f"rank 0 was held at step {lost_at_step}: too late for the test"
+                    first_uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cp, TRAINER)}
+                    cp.kubectl("delete", "pod", f"{RUN}-trainer-1", "-n", NS, "--wait=false")
+                    # The node agent removes the pod once its processes are gone.
+                    wait_for(lambda: (get_json(cp, "pod", f"{RUN}-trainer-1", namespace=NS) or {}).get("metadata", {})
+                             .get("uid") != first_uids[f"{RUN}-trainer-1"], timeout=120, interval=0.5,
+                             what="pod 1's processes to be gone", context=context)
+                finally:
+                    try:
+                        os.kill(rank0, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass  # the group was already stopped with its pods
                 phases: list = []
 
                 def replaced() -> list[dict] | None:
