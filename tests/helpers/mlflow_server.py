@@ -79,7 +79,7 @@ for line in sys.stdin:
             raise LookupError(f"{len(runs)} runs in experiment {experiment}")
         (run,) = runs
         keys = sorted(run.data.metrics)
-        print(json.dumps({"name": run.info.run_name, "params": run.data.params, "metrics": {
+        print(json.dumps({"name": run.info.run_name, "status": run.info.status, "params": run.data.params, "metrics": {
             k: [[m.step, m.value] for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
             for k in keys}}), flush=True)
     except Exception as exc:
@@ -89,7 +89,7 @@ for line in sys.stdin:
 
 class MlflowReader:
     """MLflow's own client in the server's environment, imported ahead (it takes seconds), reading a run
-    back when asked: `read(url, experiment)` -> name, params and every metric's history."""
+    back when asked: `read(url, experiment)` -> name, status, params and every metric's history."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen([str(mlflow_env() / "bin" / "python"), "-c", READ_RUN], stdin=subprocess.PIPE,

@@ -7,15 +7,11 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Callable
 from pathlib import Path
 
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 from prometheus_client import REGISTRY
 
 from rlfleet.observability.tracking.mlflow import (
-    OPEN_TAG,
     MlflowTracker,
     log_bound_s,
     open_bound_s,
@@ -233,111 +229,6 @@ async def test_sink_bounds_a_large_record_by_its_requests():
     one_bound.submit(1, {f"eval/{i}": 1.0 for i in range(2500)})
     await one_bound.close()
     assert one_bound.counts.dropped == 1 and "no answer within 0.25 s" in (one_bound.counts.failure or "")
-
-
-class MlflowLike:
-    """An aiohttp server answering the MLflow REST calls rlfleet makes, with MLflow's JSON shapes, that
-    leaves chosen requests unanswered until the test ends: for rlfleet's open and its retry, not MLflow."""
-
-    def __init__(self, *, stall: Callable[[str, dict], bool]):
-        self.stall = stall  # (path, body) -> leave this request unanswered
-        self.calls: list[str] = []
-        self.experiments: dict[str, str] = {}
-        self.runs: dict[str, dict] = {}  # run id -> tags, params, metrics, status
-        self.released = asyncio.Event()
-        app = web.Application()
-        app.router.add_route("*", "/api/2.0/mlflow/{path:.*}", self.handle)
-        self.server = TestServer(app)
-
-    @property
-    def url(self) -> str:
-        return str(self.server.make_url(""))
-
-    async def handle(self, request: web.Request) -> web.Response:
-        path = request.match_info["path"]
-        body = await request.json() if request.method == "POST" else dict(request.query)
-        self.calls.append(path)
-        stalled = self.stall(path, body)
-        if stalled and path != "runs/create":  # never taken
-            await self.released.wait()
-        answer = self.answer(path, body)
-        if stalled:  # taken, but its answer never comes
-            await self.released.wait()
-        return answer
-
-    def answer(self, path: str, body: dict) -> web.Response:
-        if path == "experiments/get-by-name":
-            if body["experiment_name"] not in self.experiments:
-                return web.json_response({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no such"}, status=404)
-            return web.json_response({"experiment": {"experiment_id": self.experiments[body["experiment_name"]]}})
-        if path == "experiments/create":
-            self.experiments[body["name"]] = str(len(self.experiments) + 1)
-            return web.json_response({"experiment_id": self.experiments[body["name"]]})
-        if path == "runs/create":
-            run_id = f"run{len(self.runs) + 1}"
-            self.runs[run_id] = {"tags": {t["key"]: t["value"] for t in body["tags"]}, "params": {}, "metrics": []}
-            return web.json_response({"run": {"info": {"run_id": run_id, "status": "RUNNING"}}})
-        if path == "runs/search":
-            found = [r for r, run in self.runs.items() if f"'{run['tags'].get(OPEN_TAG)}'" in body["filter"]]
-            return web.json_response({"runs": [{"info": {"run_id": r}} for r in found]} if found else {})
-        run = self.runs[body["run_id"]]
-        if path == "runs/log-batch":
-            run["params"].update({p["key"]: p["value"] for p in body.get("params", [])})
-            run["metrics"] += [(m["step"], m["key"]) for m in body.get("metrics", [])]
-        elif path == "runs/update":
-            run["status"] = body["status"]
-        return web.json_response({})
-
-    async def __aenter__(self) -> MlflowLike:
-        await self.server.start_server()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.released.set()
-        await self.server.close()
-
-
-PARAMS = {f"spec.p{i:03}": str(i) for i in range(113)}  # two batches
-
-
-async def open_cut_once_then_one_record(server: MlflowLike) -> TrackerSink:
-    """Two records through a sink: the first open is cut by its bound (the record dropped), the retry
-    before the second record completes it."""
-    sink = TrackerSink(MlflowTracker(server.url, "e", "r", timeout_s=30), PARAMS, call_timeout_s=5,
-                       open_timeout_s=1.0)
-    sink.start()
-    sink.submit(1, {"train/loss": 1.0})
-    sink.submit(2, {"train/loss": 0.5})
-    await sink.close()
-    assert sink.counts.written == 1 and sink.counts.dropped == 1
-    assert "open: no answer within 1 s" in (sink.counts.failure or "")
-    return sink
-
-
-async def test_mlflow_open_cut_in_its_params_resumes_the_same_run():
-    first_stall = []
-
-    def second_batch_once(path: str, body: dict) -> bool:
-        stall = path == "runs/log-batch" and "spec.p100" in {p["key"] for p in body.get("params", [])}
-        if stall and not first_stall:
-            first_stall.append(path)
-            return True
-        return False
-
-    async with MlflowLike(stall=second_batch_once) as server:
-        await open_cut_once_then_one_record(server)
-    assert server.calls.count("runs/create") == 1 and server.calls.count("experiments/get-by-name") == 1
-    (run,) = server.runs.values()
-    assert run["params"] == PARAMS and run["metrics"] == [(2, "train/loss")] and run["status"] == "FINISHED"
-    assert server.calls.count("runs/log-batch") == 2 + 1 + 1  # both batches, the second again, one record
-
-
-async def test_mlflow_run_created_but_unanswered_is_found_not_made_again():
-    async with MlflowLike(stall=lambda path, body: path == "runs/create" and not server.runs) as server:
-        await open_cut_once_then_one_record(server)
-    assert server.calls.count("runs/create") == 1 and server.calls.count("runs/search") == 1
-    (run,) = server.runs.values()
-    assert run["params"] == PARAMS and run["metrics"] == [(2, "train/loss")] and run["status"] == "FINISHED"
 
 
 def test_tracking_fields_are_checked_naming_the_field():
