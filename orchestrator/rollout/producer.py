@@ -99,7 +99,9 @@ class ProducerStats:
 class RolloutProducer:
     def __init__(self, client: RolloutClient, prompts: Iterator[tuple[str, str]], reward_fn: RewardFn,
                  encode: Encode, *, samples_per_prompt: int, sampling: SamplingSettings,
-                 concurrency: int = 4, queue_groups: int = 16, run_id: str = "run"):
+                 concurrency: int = 4, queue_groups: int = 16, run_id: str = "run", prompts_before: int = 0):
+        """`prompts_before`: the task's prompts drawn before this producer (a run resumed from a checkpoint
+        goes on from there): the task's counts and the group ids go on from it too."""
         if samples_per_prompt < 1:
             raise ValueError("samples_per_prompt must be >= 1")
         self.client = client
@@ -112,7 +114,8 @@ class RolloutProducer:
         self.queue: asyncio.Queue[list[Sample]] = asyncio.Queue(maxsize=queue_groups)
         self.stats = ProducerStats()
         self.run_id = run_id
-        self._group_ids = itertools.count()
+        self.prompts_before = prompts_before
+        self._group_ids = itertools.count(prompts_before)
         self._running = asyncio.Event()
         self._running.set()
         self._in_flight = 0
@@ -185,7 +188,7 @@ class RolloutProducer:
             self._queued.set()
         else:
             if self._prompts_ran_out:  # every worker ended once its groups were queued: none will come
-                self.failure = prompts_ran_out(self.stats.groups_started)
+                self.failure = prompts_ran_out(self.prompts_before + self.stats.groups_started)
                 log.error("rollout producer stopped: %s", self.failure)
                 self._queued.set()
         finally:
@@ -222,7 +225,8 @@ class RolloutProducer:
             raise PromptsRanOut() from None
         except Exception as exc:  # the task's own code raised
             raise RolloutProducerFailed(f"the task raised {type(exc).__name__}: {exc} on prompt "
-                                        f"{self.stats.groups_started + 1}", reason="TaskFailed") from exc
+                                        f"{self.prompts_before + self.stats.groups_started + 1}",
+                                        reason="TaskFailed") from exc
         group_id = f"{self.run_id}-g{next(self._group_ids)}"
         self._in_flight += 1
         self.stats.groups_started += 1

@@ -410,8 +410,9 @@ class RunLoop:
         task = await asyncio.to_thread(load_task, t.task)
         reward_fn = await asyncio.to_thread(load_reward_fn, t.reward_function) if t.reward_function else task.reward
         problems = iter(task.problems(t.seed))
-        if self.prompts_drawn:  # resumed: the prompts drawn before the checkpoint are not drawn again
-            problems = itertools.islice(problems, self.prompts_drawn, None)
+        drawn_before = self.prompts_drawn
+        if drawn_before:  # resumed: the prompts drawn before the checkpoint are not drawn again
+            problems = itertools.islice(problems, drawn_before, None)
 
         def prompts():
             for p in problems:
@@ -429,7 +430,7 @@ class RunLoop:
             samples_per_prompt=t.samples_per_prompt,
             sampling=SamplingSettings.for_trainer(t, tokenizer.eos_token_id),
             concurrency=self._groups_in_flight(self.backend.replicas if self.backend else self.spec.rollout.replicas),
-            queue_groups=2 * t.prompts_per_step, run_id=self.name,
+            queue_groups=2 * t.prompts_per_step, run_id=self.name, prompts_before=drawn_before,
         )
 
     async def _train(self, trainer, producer: RolloutProducer) -> None:

@@ -40,9 +40,11 @@ def run_loop(tmp_path: Path) -> RunLoop:
                    snapshots=tmp_path / "snapshots")
 
 
-def producer(prompts, reward=lambda prompt, text, answer: 1.0, client=None, concurrency: int = 2) -> RolloutProducer:
+def producer(prompts, reward=lambda prompt, text, answer: 1.0, client=None, concurrency: int = 2,
+             prompts_before: int = 0) -> RolloutProducer:
     return RolloutProducer(client or Answers(), prompts, reward, lambda text: [1, 2], samples_per_prompt=2,
-                           sampling=SamplingSettings(), concurrency=concurrency, queue_groups=8, run_id="run")
+                           sampling=SamplingSettings(), concurrency=concurrency, queue_groups=8, run_id="run",
+                           prompts_before=prompts_before)
 
 
 async def collect_failure(tmp_path: Path, rollout: RolloutProducer, steps: int = 1) -> RolloutProducerFailed:
@@ -87,6 +89,21 @@ async def test_a_finite_task_fails_once_its_prompts_ran_out_after_its_groups_wer
     assert failure.reason == "TaskPromptsExhausted"
     assert str(failure).startswith("the task's prompts ran out after 6 groups (a task must be endless or hold at "
                                    "least steps x promptsPerStep prompts")
+
+
+async def test_a_resumed_run_counts_the_tasks_prompts_from_the_start_of_the_task(tmp_path: Path):
+    """Resumed after 10 of the task's prompts: when the six left run out it says "after 16", and a task that
+    raises on its second prompt after the resume names prompt 12: counted as the task counts them."""
+    six = iter([(f"p{i}", "a") for i in range(10, 16)])
+    failure = await collect_failure(tmp_path, producer(six, prompts_before=10), steps=2)
+    assert str(failure).startswith("the task's prompts ran out after 16 groups"), failure
+
+    def problems():
+        yield "p10", "a"
+        raise KeyError("row 11")
+
+    failure = await collect_failure(tmp_path, producer(problems(), prompts_before=10))
+    assert str(failure) == "the task raised KeyError: 'row 11' on prompt 12"
 
 
 async def test_the_groups_in_flight_when_the_prompts_run_out_still_train(tmp_path: Path):
