@@ -425,6 +425,8 @@ class KubernetesBackend(FleetBackend):
     async def _write_mark_until_taken(self, slot: int, pod_name: str) -> None:
         for attempt in itertools.count():
             await asyncio.sleep(exponential_backoff(attempt, MARK_RETRY_BASE_S, MARK_RETRY_MAX_S))
+            if slot not in self._marks:
+                return  # scaled away: its pod goes with the slot
             try:
                 await self._write_mark(slot)  # the slot's latest mark, which a later one may have replaced
             except (ApiError, OSError, TimeoutError) as e:
@@ -447,7 +449,9 @@ class KubernetesBackend(FleetBackend):
         """Write the slot's latest mark into the fleet status. Writes are serialized and each sends the
         mark as it is when sent, so the last write to land is always the newest mark."""
         async with self._mark_lock:
-            await self.kube.merge_patch(self._fleet_res, self.fleet, engine_mark_patch(slot, self._marks[slot]),
+            if (mark := self._marks.get(slot)) is None:
+                return  # the slot was scaled away meanwhile: its pod goes with it, marked or not
+            await self.kube.merge_patch(self._fleet_res, self.fleet, engine_mark_patch(slot, mark),
                                         self.namespace, sub="status")
 
     async def recover(self) -> list[int]:

@@ -277,3 +277,32 @@ def test_the_fleets_restart_budget_is_exported_for_the_restart_alerts():
     budget = {scope: REGISTRY.get_sample_value("rlfleet_engine_restart_budget", {"fleet": "f-budget", "scope": scope})
               for scope in ("engine", "run")}
     assert budget == {"engine": 3, "run": 7}
+
+
+class UnansweredPatches:
+    """A client whose status writes fail as an API server out of reach makes them fail (no API calls)."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    async def merge_patch(self, *args, **kwargs) -> None:
+        self.tries += 1
+        raise OSError("connection refused")
+
+
+@pytest.mark.looptime
+async def test_a_dead_mark_written_again_stops_quietly_once_its_slot_is_scaled_away():
+    kube = UnansweredPatches()
+    backend = KubernetesBackend(kube, namespace="ns", fleet="f", fleet_uid=FLEET_UID, replicas=2, min_ready=1,
+                                recovery=RecoverySpec())
+    await backend._on_fleets_listed([fleet_object(2)])
+    await backend._on_pods_listed([pod(0), pod(1)])
+    await backend.wait_all_alive(timeout=1)
+    assert await backend.mark_dead(1, "probe failed") is True  # dead here, though the write failed
+    (retry,) = backend._mark_retries
+    await asyncio.sleep(1.5)
+    assert kube.tries == 2 and not retry.done()  # written again after 1 s, and again later
+    await backend._on_fleet_event("MODIFIED", fleet_object(1))  # slot 1 is scaled away
+    await asyncio.wait([retry], timeout=10)
+    assert retry.done() and retry.exception() is None and kube.tries == 2
+    await backend.stop()
