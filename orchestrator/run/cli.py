@@ -320,6 +320,21 @@ async def _run_in_cluster(args, stopping: Callable[[BaseException], None] | None
     from rlfleet.orchestrator.run.kubernetes import KubernetesRun
 
     async with await KubeClient.load(args.kubeconfig) as kube:
+        recorded: list[str] = []  # the failure written on the run (once)
+
+        async def record_failure(reason: str, message: str) -> None:
+            if recorded:
+                return
+            recorded.append(reason)
+            try:
+                async with asyncio.timeout(30):
+                    await fail_run(kube, args.namespace, args.training_run, reason=reason, message=message)
+            except (ApiError, OSError, TimeoutError) as write_error:
+                print(f"rlfleet run: could not record the failure on the run: {write_error}", file=sys.stderr)
+
+        async def failing(error: RunError) -> None:  # as the run's cleanup starts: before a stop bound can cut it
+            await record_failure(error.reason, getattr(error, "message", None) or str(error))
+
         try:
             obj = await kube.get(TRAININGRUNS, args.training_run, args.namespace)
         except ApiError as exc:
@@ -340,14 +355,11 @@ async def _run_in_cluster(args, stopping: Callable[[BaseException], None] | None
                                # modules) are found on the snapshot volume, as spec.eval.datasets[].path says.
                                manifest_dir=args.snapshot_dir, summary=args.snapshot_dir / f"{name}-summary.json",
                                stopping=stopping)
+            options.failing = failing
             return await KubernetesRun(run, options, kube=kube, namespace=args.namespace,
                                        snapshots=args.snapshot_dir, run_uid=obj["metadata"]["uid"]).execute()
         except RunFailed as exc:
-            try:
-                async with asyncio.timeout(30):
-                    await fail_run(kube, args.namespace, args.training_run, reason=exc.reason, message=exc.message)
-            except (ApiError, OSError, TimeoutError) as write_error:
-                print(f"rlfleet run: could not record the failure on the run: {write_error}", file=sys.stderr)
+            await record_failure(exc.reason, exc.message)
             raise
 
 
@@ -355,8 +367,10 @@ async def _run_in_cluster(args, stopping: Callable[[BaseException], None] | None
 # its grace period, all at once) and removes its scratch volume: about 10 s. Whatever the serving
 # path is doing, the process exits within STOP_BOUND_S of the signal: past it, what is left of the run
 # is SIGKILLed and the process exits at once. A run that fails stops the same way, within
-# FAILED_STOP_BOUND_S of the failure: nobody is waiting on it, and in a pod the failure is still to be
-# written on the run (bounded at 30 s) after the cleanup.
+# FAILED_STOP_BOUND_S of the failure: nobody is waiting on it. In a pod the failure is written on the run
+# (bounded at 30 s) as the cleanup starts, before any of it: a cleanup cut short at the bound (a large
+# checkpoint still being written, say) leaves the run Failed with its reason, never a pod the operator
+# would take for a trainer crash and recreate.
 STOP_BOUND_S = 20.0
 FAILED_STOP_BOUND_S = 60.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

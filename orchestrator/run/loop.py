@@ -23,7 +23,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -123,21 +123,42 @@ class RunOptions:
     # Told (with the exception) as a failure or a cancel starts the run's cleanup, before any of it:
     # `rlfleet run` bounds the stop from then on, as it does from a signal.
     stopping: Callable[[BaseException], None] | None = None
+    # Awaited with the RunError that ends the run, as its cleanup starts and before any of it: in a pod the
+    # failure is written on the run first, so a cleanup the stop bound cuts short cannot lose it.
+    failing: Callable[[RunError], Awaitable[None]] | None = None
+
+
+def run_error_of(exc: BaseException) -> RunError | None:
+    """The RunError that ends a run, also when a task group raised it; None for anything else."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, RunError) else None
 
 
 class RunStack(contextlib.AsyncExitStack):
-    """The run's cleanup (engines, routers, trainer ranks, ...); `stopping(exception)` is called when an
-    exception starts it, before the first callback runs."""
+    """The run's cleanup (engines, routers, trainer ranks, ...). When an exception starts it, before the
+    first callback runs: `stopping(exception)` is called, then `failing(run_error)` awaited when it is a
+    RunError (an error of `failing` is logged; the cleanup runs whatever it did)."""
 
-    def __init__(self, stopping: Callable[[BaseException], None] | None = None):
+    def __init__(self, stopping: Callable[[BaseException], None] | None = None,
+                 failing: Callable[[RunError], Awaitable[None]] | None = None):
         super().__init__()
         self._stopping = stopping
+        self._failing = failing
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> bool | None:
         if exc is not None and self._stopping is not None:
             self._stopping(exc)
-        return await super().__aexit__(exc_type, exc, tb)
+        try:
+            if exc is not None and self._failing is not None and (error := run_error_of(exc)) is not None:
+                try:
+                    await self._failing(error)
+                except Exception:  # telling of the failure must not keep the cleanup from running
+                    log.exception("could not tell of the run's failure before its cleanup")
+        finally:
+            cleaned = await super().__aexit__(exc_type, exc, tb)
+        return cleaned
 
 
 def resolve_model_dir(model_path: str) -> Path:
@@ -301,7 +322,7 @@ class RunLoop:
         check_heat_guard(spec.heat_guard, self._engine_placement())
         opts.run_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots.mkdir(parents=True, exist_ok=True)
-        async with RunStack(opts.stopping) as stack:
+        async with RunStack(opts.stopping, opts.failing) as stack:
             server = MetricsServer(opts.metrics_host,
                                    spec.metrics_port if opts.metrics_port is None else opts.metrics_port)
             url = await server.start()

@@ -58,9 +58,12 @@ FAILING_CLEANUP = textwrap.dedent("""
 
     bound = cli.StopBound(30.0, failed_s=1.0, force_stop=force_stop)  # a signal's bound is not the one
 
+    async def record(error):  # what a pod does: the failure written on the run, before the cleanup
+        Path(sys.argv[1]).with_name("recorded").write_text(f"{error.reason}: {error.message}")
+
     async def failing():
         print("running", flush=True)
-        async with RunStack(bound.failed) as stack:
+        async with RunStack(bound.failed, record) as stack:
             stack.push_async_callback(asyncio.Event().wait)  # a cleanup that never finishes
             raise RunFailed("TrainerRankFailed", "rank 0 failed on purpose")
 
@@ -131,3 +134,64 @@ def test_a_failed_run_whose_stop_hangs_exits_failed_at_its_bound(tmp_path: Path,
     assert says in output and "stop took longer than 1 s" in output, output  # the failure is said first
     assert took < 10, took
     assert (tmp_path / "forced").exists() == forced
+    if forced:  # the failure was told before the cleanup that the bound cut short
+        assert (tmp_path / "recorded").read_text() == "TrainerRankFailed: rank 0 failed on purpose"
+
+
+async def test_the_run_stack_tells_of_a_run_error_before_its_cleanup_and_cleans_up_whatever_that_did():
+    import asyncio
+
+    from rlfleet.errors import RunError
+    from rlfleet.orchestrator.run.loop import RunStack
+
+    order: list[str] = []
+
+    async def told(error: RunError) -> None:
+        order.append(f"told {error.reason}")
+
+    async def cleanup() -> None:
+        order.append("cleaned up")
+
+    async def group_failing() -> None:  # raised inside a task group, as a run's guards raise
+        async with asyncio.TaskGroup() as group:
+            group.create_task(asyncio.sleep(3600))
+            raise RunError("the watchdog tripped", reason="RolloutEnginesUnavailable")
+
+    with pytest.raises(ExceptionGroup):
+        async with RunStack(failing=told) as stack:
+            stack.push_async_callback(cleanup)
+            await group_failing()
+    assert order == ["told RolloutEnginesUnavailable", "cleaned up"]
+
+    order.clear()
+    with pytest.raises(ValueError):  # not a RunError (a bug): nothing to tell, cleaned up
+        async with RunStack(failing=told) as stack:
+            stack.push_async_callback(cleanup)
+            raise ValueError("a bug")
+    assert order == ["cleaned up"]
+
+    async def cannot_tell(error: RunError) -> None:
+        raise OSError("the API server is gone")
+
+    order.clear()
+    with pytest.raises(RunError, match="rank 1 failed"):  # the run's own error, not the teller's
+        async with RunStack(failing=cannot_tell) as stack:
+            stack.push_async_callback(cleanup)
+            raise RunError("rank 1 failed", reason="TrainerRankFailed")
+    assert order == ["cleaned up"]
+
+    async def hangs(error: RunError) -> None:
+        await asyncio.Event().wait()
+
+    async def fails_then_hangs() -> None:
+        async with RunStack(failing=hangs) as stack:
+            stack.push_async_callback(cleanup)
+            raise RunError("rank 1 failed", reason="TrainerRankFailed")
+
+    order.clear()
+    task = asyncio.create_task(fails_then_hangs())
+    await asyncio.sleep(0.05)
+    task.cancel()  # a stop while the failure is being told: the cleanup still runs, the cancel goes on
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert order == ["cleaned up"]
