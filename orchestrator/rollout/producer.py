@@ -197,8 +197,13 @@ class RolloutProducer:
     def _spawn(self, index: int) -> None:
         if self._workers is None:
             return  # not started (or stopped): `_run` starts as many as `concurrency` says
+        worker = self._worker(index)
+        try:
+            self._workers.create_task(worker, name=f"rollout-worker-{index}")
+        except RuntimeError:  # the workers are ending (one failed, or none is left): no new one starts
+            worker.close()
+            return
         self._live.add(index)
-        self._workers.create_task(self._worker(index), name=f"rollout-worker-{index}")
 
     async def _worker(self, index: int) -> None:
         try:

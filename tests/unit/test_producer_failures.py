@@ -137,3 +137,39 @@ async def test_any_other_error_of_the_producer_fails_the_step_naming_it(tmp_path
     assert failure.reason == "RolloutProducerFailed"
     assert str(failure) == ("the rollout producer failed: ValueError: generate answer has no "
                             "meta_info.weight_version")
+
+
+class SlowToUnwind(Answers):
+    """The first `quick` requests are answered at once; later ones are never answered, and a cancelled
+    one takes a second to unwind (as an HTTP request's cleanup does)."""
+
+    def __init__(self, quick: int) -> None:
+        super().__init__()
+        self.calls = itertools.count()
+        self.quick = quick
+
+    async def generate(self, request_id: str, payload: dict) -> dict:
+        if next(self.calls) < self.quick:
+            return await super().generate(request_id, payload)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.sleep(1))
+            raise
+        raise AssertionError("never answered")
+
+
+async def test_a_fleet_resize_while_the_workers_end_on_an_error_starts_none_and_keeps_the_error(tmp_path: Path):
+    """The reward function raises on the first group while the other worker's request is still unwinding:
+    a resize in that window (the loop's resize listener calls set_concurrency) neither raises nor hides
+    the producer's failure."""
+    rollout = producer(itertools.repeat(("p", "a")), reward=raising_on(1), client=SlowToUnwind(quick=2))
+    rollout.start()
+    try:
+        await asyncio.sleep(0.5)  # the first group failed; the second worker's request takes 1 s to unwind
+        assert rollout.failure is None
+        rollout.set_concurrency(4)
+        with pytest.raises(RolloutProducerFailed, match="the reward function raised ValueError"):
+            await rollout.next_group()
+    finally:
+        await rollout.stop()
