@@ -425,10 +425,9 @@ class KubernetesBackend(FleetBackend):
     async def _write_mark_until_taken(self, slot: int, pod_name: str) -> None:
         for attempt in itertools.count():
             await asyncio.sleep(exponential_backoff(attempt, MARK_RETRY_BASE_S, MARK_RETRY_MAX_S))
-            if slot not in self._marks:
-                return  # scaled away: its pod goes with the slot
             try:
-                await self._write_mark(slot)  # the slot's latest mark, which a later one may have replaced
+                if not await self._write_mark(slot):  # the slot's latest mark, which a later one may have replaced
+                    return  # scaled away: its pod goes with the slot
             except (ApiError, OSError, TimeoutError) as e:
                 if isinstance(e, ApiError) and e.not_found:
                     return
@@ -445,14 +444,16 @@ class KubernetesBackend(FleetBackend):
             mark = {"podUID": uid, "dead": None, "deadMessage": None, "weightVersion": None}  # None: removed
         self._marks[slot] = {**mark, **fields}
 
-    async def _write_mark(self, slot: int) -> None:
-        """Write the slot's latest mark into the fleet status. Writes are serialized and each sends the
-        mark as it is when sent, so the last write to land is always the newest mark."""
+    async def _write_mark(self, slot: int) -> bool:
+        """Write the slot's latest mark into the fleet status; False when it has none (scaled away). Writes
+        are serialized and each sends the mark as it is when sent, so the last write to land is always the
+        newest mark."""
         async with self._mark_lock:
             if (mark := self._marks.get(slot)) is None:
-                return  # the slot was scaled away meanwhile: its pod goes with it, marked or not
+                return False  # the slot was scaled away meanwhile: its pod goes with it, marked or not
             await self.kube.merge_patch(self._fleet_res, self.fleet, engine_mark_patch(slot, mark),
                                         self.namespace, sub="status")
+            return True
 
     async def recover(self) -> list[int]:
         """The operator recreates dead slots; this reports the slots being recreated or recreated since

@@ -297,7 +297,8 @@ class RolloutClient:
         progress = None if prompt_ids is None else Progress.for_request(payload)
         if progress is not None:
             self.progress[sample_id] = progress
-        attempt = 0
+        attempt = 0  # the retry budget's count: an attempt that generated tokens resets it
+        sent = 0  # attempts sent, for the message
         last: CallError | None = None
         try:
             while True:
@@ -314,8 +315,9 @@ class RolloutClient:
                         last = last or CallTimeout(f"no time left of the {deadline}", method="POST",
                                                    url=self.generate_url)
                         self._settle("deadline", started)
-                        raise RolloutRequestFailed(sample_id, "deadline", f"{deadline} reached after {attempt - 1} "
+                        raise RolloutRequestFailed(sample_id, "deadline", f"{deadline} reached after {sent} "
                                                    f"attempts", last) from last
+                    sent += 1
                     try:
                         if progress is None:
                             answer = await self._send(request, timeout)
