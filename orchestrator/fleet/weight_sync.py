@@ -20,7 +20,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,7 +264,8 @@ class WeightSync:
         t1 = time.monotonic()
         result.recovered_slots = await self.backend.recover()
         alive = await self.backend.wait_all_alive(self.wait_alive_timeout_s)
-        # As the wait judged it: a minReadyEngines raised while this sync runs counts from the next one.
+        # As the wait judged it: a minReadyEngines raised while this sync runs counts from the next one
+        # (a lowered one, with a scale-down under way, counts at once: see the check below).
         min_ready = self.backend.min_ready
         t2 = time.monotonic()
         result.recover_s = t2 - t1
@@ -285,7 +286,7 @@ class WeightSync:
             result.phases["verify"] = time.monotonic() - t3
         for outcome in result.synced:
             await self._admit(outcome)
-        if len(result.synced) < min_ready:
+        if len(result.synced) < min(min_ready, self.backend.min_ready):
             failures = "; ".join(f"slot {e.slot}: {e.error}" for e in result.failed)
             raise WeightSyncFailed(f"fleet {self.fleet}: only {len(result.synced)} engine(s) serve version "
                                    f"{version} after the sync; {failures}", result)
@@ -342,11 +343,14 @@ class WeightSync:
 
     async def _broadcast_sync(self, alive: list[EngineSlot], tensors: Mapping[str, Any], model_path: str,
                               version: str, result: WeightSyncResult, snapshot: LazyTask[Manifest] | None = None,
-                              *, again_if_scaled: bool = True) -> list[EngineSyncOutcome]:
+                              *, again_if_scaled: bool = True,
+                              paused_before: Sequence[EngineSlot] = ()) -> list[EngineSyncOutcome]:
+        """`paused_before`: engines still paused by a broadcast that scaled-away engines broke (they hold part
+        of the new weights: they stay paused until this one has given them all of it)."""
         outcomes = {e.slot: EngineSyncOutcome(slot=e.slot, incarnation=e.incarnation, url=e.url or "",
                                               via="broadcast") for e in alive}
         bounds = plan.StepBounds(self.spec.transfer_timeout_seconds)
-        paused: list[EngineSlot] = []
+        paused: list[EngineSlot] = [e for e in paused_before if e in alive]
         reason = "start"
         try:
             group = await self._ensure_group(alive, plan.tensor_specs(tensors), result.phases)
@@ -354,7 +358,7 @@ class WeightSync:
             first_filled = group.fill_first(tensors)  # beside the pause: it touches no engine
             t = time.monotonic()
             try:
-                await self._pause_all(alive, bounds, paused)
+                await self._pause_all([e for e in alive if e not in paused], bounds, paused)
             except BaseException:
                 await settle(first_filled)  # the pause's failure is the one that counts
                 raise
@@ -377,26 +381,31 @@ class WeightSync:
                 log.info("fleet %s: engines scaled away during the broadcast of version %s (%s): again over "
                          "slot(s) %s", self.fleet, version, exc, [e.slot for e in staying])
                 result.scaled_away = sorted(e.slot for e in alive if e not in staying)
-                await self._leave_group(staying, bounds)
-                await self._continue_all(paused)
+                try:
+                    await self._leave_group(staying, bounds)
+                except BaseException:
+                    await self._continue_all(paused)
+                    raise
+                # Still paused: generation resumes once they hold the whole of a version again.
                 return await self._broadcast_sync(staying, tensors, model_path, version, result, snapshot,
-                                                  again_if_scaled=False)
+                                                  again_if_scaled=False, paused_before=paused)
             await self._broadcast_failed(exc, reason, alive, outcomes, result)
             if not self.spec.fallback_to_disk:
                 await self._continue_all(paused)
                 raise WeightSyncFailed(f"fleet {self.fleet}: broadcast of version {version} failed and "
                                        f"fallbackToDisk is false: {exc}", result) from exc
-            if snapshot is not None:  # the fallback needs the snapshot written and valid (the engines paused:
-                waited = time.monotonic()  # a broadcast cut short leaves them holding part of the new weights)
-                try:
-                    await snapshot.start()
-                except BaseException:
-                    await self._continue_all(paused)  # the old weights serve on
-                    raise
-                finally:
-                    result.phases["snapshot_wait"] = time.monotonic() - waited
-            await self._continue_all(paused)
-            return await self._finish_from_disk(alive, outcomes, model_path, version, result)
+            # The engines stay paused until the disk load: a broadcast cut short leaves them holding part of
+            # the new weights, which no generation may use.
+            try:
+                if snapshot is not None:  # the fallback needs the snapshot written and valid
+                    waited = time.monotonic()
+                    try:
+                        await snapshot.start()
+                    finally:
+                        result.phases["snapshot_wait"] = time.monotonic() - waited
+                return await self._finish_from_disk(alive, outcomes, model_path, version, result)
+            finally:  # a disk load continues its engine; the others too (the sync fails then, or is stopped)
+                await self._continue_all([e for e in paused if not outcomes[e.slot].ok])
         await self._continue_all(paused)
         result.mode = "broadcast"
         for engine in alive:
