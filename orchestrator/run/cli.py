@@ -237,7 +237,7 @@ def _launch_cluster_ranks(run: TrainingRun, argv: list[str], args) -> int:
     if run.spec.trainer.nodes > 1:
         try:
             place = asyncio.run(_find_group_place(args, run))
-        except (ValueError, TimeoutError, OSError) as exc:  # the pod fails; the operator replaces the group
+        except (ValueError, TimeoutError, OSError, ApiError) as exc:  # the pod fails; the operator replaces the group
             print(f"rlfleet run: FAILED (TrainerGroupUnreachable): {exc}", file=sys.stderr)
             return 1
     return launch_run(run, argv, model_dir, run_dir, on_failure=ranks_stopped, place=place)

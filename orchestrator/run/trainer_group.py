@@ -63,29 +63,37 @@ async def find_place(kube: KubeClient, namespace: str, run_name: str, nodes: int
             raise ValueError(f"pod 0 of a trainer group needs its address in ${ReservedEnv.POD_IP} (status.podIP)")
         return GroupPlace(0, nodes, (own, TRAINER_RENDEZVOUS_PORT))
     own_name = env.get(ReservedEnv.POD_NAME) or trainer_pod_name(run_name, rank)
-    async with asyncio.timeout(READ_TIMEOUT_S):
-        me = await kube.get(PODS, own_name, namespace)
-    incarnation = (me["metadata"].get("annotations") or {}).get(ANN_RESTARTS)
     leader = trainer_pod_name(run_name, 0)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    me: dict | None = None
     seen: dict | None = None
     state = "absent"
     while loop.time() < deadline:
+        # A passing API-server error (no answer, 429, 5xx) is read again at the next poll, within the bound.
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
+                if me is None:
+                    me = await kube.get(PODS, own_name, namespace)
                 seen = await kube.get(PODS, leader, namespace)
         except ApiError as exc:
-            if exc.status != 404:
+            if exc.not_found and me is not None:
+                seen, state = None, "absent"
+            elif exc.passing:
+                seen, state = None, f"the API server answered {exc}"
+            else:
                 raise
-            seen, state = None, "absent"
         except TimeoutError:
             seen, state = None, "no answer from the API server"
-        address = leader_address(seen, incarnation)
+        incarnation = (me["metadata"].get("annotations") or {}).get(ANN_RESTARTS) if me is not None else None
+        address = leader_address(seen, incarnation) if me is not None else None
         if address:
             return GroupPlace(rank, nodes, (address, TRAINER_RENDEZVOUS_PORT))
         if seen is not None:
             state = (f"phase {(seen.get('status') or {}).get('phase')}, incarnation "
                      f"{(seen['metadata'].get('annotations') or {}).get(ANN_RESTARTS)}")
         await asyncio.sleep(POLL_S)
+    if me is None:
+        raise TimeoutError(f"could not read this pod ({own_name}) within {timeout_s:g} s: {state}")
+    incarnation = (me["metadata"].get("annotations") or {}).get(ANN_RESTARTS)
     raise TimeoutError(f"pod {leader} (incarnation {incarnation}) had no address within {timeout_s:g} s: {state}")

@@ -52,6 +52,11 @@ class ApiError(RuntimeError):
     def gone(self) -> bool:
         return self.status == 410
 
+    @property
+    def passing(self) -> bool:
+        """No answer, too many requests or a server error: the same request may well succeed again."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
+
 
 @dataclass(frozen=True)
 class Resource:

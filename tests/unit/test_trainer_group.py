@@ -249,3 +249,48 @@ def test_the_run_succeeds_when_pod_0_rank_0s_pod_has_finished():
     assert plan.status["phase"] == "Succeeded" and created(plan) == [] and plan.delete == []
     late, _ = reconcile(r, [pod(0, "Succeeded", exit_code=0), pod(1, "Failed", exit_code=1)], T0)
     assert late.status["phase"] == "Succeeded" and late.status["trainer"]["failures"] == 0
+
+
+class Answers:
+    """Reads of pods answered from a script, in order: a pod, or an ApiError raised (no API server: the
+    retry rule of `find_place` is what is tested)."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.reads: list[str] = []
+
+    async def get(self, resource, name, namespace):
+        self.reads.append(name)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def trainer_pod(node: int, ip: str | None = None) -> dict:
+    return {"metadata": {"name": f"r-trainer-{node}", "annotations": {b.ANN_RESTARTS: "0"}},
+            "status": {"podIP": ip} if ip else {}}
+
+
+@pytest.mark.looptime
+async def test_pod_1_finds_pod_0_through_passing_api_server_errors_and_fails_on_the_others():
+    from rlfleet.kube.client import ApiError
+    from rlfleet.orchestrator.run.trainer_group import find_place
+
+    env = {"RLFLEET_TRAINER_NODE": "1", "POD_NAME": "r-trainer-1"}
+    kube = Answers(ApiError(0, "no answer"), trainer_pod(1), ApiError(503, "Service Unavailable"),
+                   ApiError(429, "Too Many Requests"), trainer_pod(0),
+                   trainer_pod(0, "10.0.0.7"))
+    place = await find_place(kube, "ns", "r", 2, timeout_s=60, env=env)  # type: ignore[arg-type]
+    assert place.rendezvous == ("10.0.0.7", 29500) and place.node_rank == 1
+    assert kube.reads == ["r-trainer-1", "r-trainer-1", "r-trainer-0", "r-trainer-0", "r-trainer-0",
+                          "r-trainer-0"]
+
+    forbidden = Answers(trainer_pod(1), ApiError(403, "Forbidden", "cannot get pods"))
+    with pytest.raises(ApiError, match="403"):
+        await find_place(forbidden, "ns", "r", 2, timeout_s=60, env=env)  # type: ignore[arg-type]
+
+    with pytest.raises(TimeoutError, match=r"could not read this pod \(r-trainer-1\) within 5 s: the API server "
+                                           r"answered 500"):
+        await find_place(Answers(*[ApiError(500, "Internal Server Error")] * 10), "ns", "r", 2, timeout_s=5,
+                         env=env)  # type: ignore[arg-type]
