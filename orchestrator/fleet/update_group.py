@@ -273,8 +273,10 @@ class UpdateGroup:
             except (TimeoutError, CallError) as exc:
                 log.info("update group %s: slot %d did not leave cleanly: %s", self.group_name, m.slot, exc)
 
-        async with asyncio.TaskGroup() as tg:
-            for m in self.members:
-                if alive_urls is None or m.url in alive_urls:
-                    tg.create_task(leave(m))
-        await self.broadcaster.close()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for m in self.members:
+                    if alive_urls is None or m.url in alive_urls:
+                        tg.create_task(leave(m))
+        finally:  # also when cancelled: the model-sized shared buffer goes with rank 0
+            await self.broadcaster.close()

@@ -220,7 +220,7 @@ class WeightSync:
                 else:
                     if snapshot is not None:  # a fallback wrote it
                         waited = time.monotonic()
-                        manifest = await snapshot.start()
+                        manifest = await asyncio.shield(snapshot.start())  # a cancel leaves the write whole
                         validate_s = time.monotonic() - waited
                     assert manifest is not None
                     result.validate_s = validate_s
@@ -400,7 +400,7 @@ class WeightSync:
                 if snapshot is not None:  # the fallback needs the snapshot written and valid
                     waited = time.monotonic()
                     try:
-                        await snapshot.start()
+                        await asyncio.shield(snapshot.start())  # a cancel leaves the write to finish (settled below)
                     finally:
                         result.phases["snapshot_wait"] = time.monotonic() - waited
                 return await self._finish_from_disk(alive, outcomes, model_path, version, result)
@@ -434,20 +434,21 @@ class WeightSync:
 
     async def _pause_all(self, alive: list[EngineSlot], bounds: plan.StepBounds, paused: list[EngineSlot]) -> None:
         """Pause generation everywhere; `paused` gets the engines that did (continued later, also on failure)."""
-        async def pause(engine: EngineSlot) -> str | None:
+        async def pause(engine: EngineSlot) -> CallError | None:
             try:
                 await self._engine_client(engine.url or "").pause_generation(self.pause_mode, bounds.control_s)
             except CallError as exc:
-                return str(exc)
+                return exc
             return None
 
         async with asyncio.TaskGroup() as tg:
             tasks = [(e, tg.create_task(pause(e))) for e in alive]
-        failed = {e.slot: t.result() for e, t in tasks if t.result() is not None}
+        failed = {e.slot: error for e, t in tasks if (error := t.result()) is not None}
         paused.extend(e for e, t in tasks if t.result() is None)
-        if failed:
+        if failed:  # an engine that is gone is no engine wedged in the broadcast
             raise TransferFailed("pause_generation: " + "; ".join(f"slot {s}: {m}" for s, m in failed.items()),
-                                 wedged=list(failed))
+                                 wedged=[s for s, error in failed.items() if not error.engine_gone],
+                                 gone=[s for s, error in failed.items() if error.engine_gone])
 
     async def _continue_all(self, paused: list[EngineSlot]) -> None:
         async def resume(engine: EngineSlot) -> None:
@@ -558,6 +559,11 @@ class WeightSync:
         """The checksums each tensor-parallel rank of an engine should report for the trainer's `tensors`,
         or why they cannot be computed here (no SGLang, or no GPU for a CUDA engine's)."""
         def every_rank() -> list[dict[str, str]]:
+            if self.served.device.startswith("cuda"):
+                import torch
+
+                if not torch.cuda.is_available():  # a CPU build of torch would fail an assertion instead
+                    raise RuntimeError("a CUDA engine's checksums need a CUDA device, and torch sees none")
             return [plan.checksums(tensors, dtype=self.served.dtype, device=self.served.device, layout=layout,
                                    rank=rank) for rank in range(layout.tp_size)]
 
