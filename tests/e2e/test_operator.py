@@ -29,6 +29,7 @@ from helpers.cluster import (
     get_json,
     helm,
     http_json,
+    pod_held,
     start_node_agent,
     stop_node_agent,
     wait_for,
@@ -270,7 +271,7 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         detect_s = asyncio.get_running_loop().time() - killed
         assert len(deaths) == 2 and deaths[1].cause is DeathCause.EXITED and deaths[1].incarnation == 2
         assert "exit code 137" in deaths[1].reason
-        assert detect_s < 10
+        assert detect_s < 25  # the node agent, the API server and the watch, on a loaded machine
 
         url = await router_url(kube, NS, "rf-k", 30000, fleet_uid=backend.fleet_uid)
         assert url is not None and http_json(url + "/get_server_info")["workers_count"] == 0
@@ -432,18 +433,25 @@ def quickstart(control_plane, operator, node_agent) -> dict:
                                                        what="the recreated trainer to resume", context=context)
         seen["resume_s"] = time.monotonic() - deleted_at
         wait_for(lambda: phases.append(run_status(cp, "quickstart").get("phase"))
-                 or f"step {resumed_step + 2}/{steps}" in new_trainer_log(), timeout=900, interval=1,
+                 or f"step {resumed_step + 2}/{steps}" in new_trainer_log(), timeout=900, interval=0.2,
                  what="two steps of the recreated trainer", context=context)
         seen["phases_while_restarting"] = phases
         seen["trainer_recreated"] = get_json(cp, "pod", "quickstart-trainer", namespace=NS)
         seen["engine_uids_after"] = sorted(p["metadata"]["uid"] for p in engine_pods(cp, fleet))
 
         # Then the rollout router's pod goes: the Deployment replaces it (new address); the trainer follows.
-        router = get_json(cp, "pods", "-l", f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}",
-                          namespace=NS)["items"][0]
-        seen["router_deleted"] = router
-        cp.kubectl("delete", "pod", router["metadata"]["name"], "-n", NS, "--wait=false")
-        seen["router_deleted_at_step"] = run_status(cp, "quickstart")["step"]
+        # The trainer is held meanwhile, with steps left (a step takes a fraction of a second): it finds
+        # the old address dead and the new pod there.
+        routers = f"app.kubernetes.io/component=router,rlfleet.io/fleet={fleet}"
+        with pod_held("quickstart-trainer", NS):
+            seen["router_deleted_at_step"] = run_status(cp, "quickstart")["step"]
+            router = get_json(cp, "pods", "-l", routers, namespace=NS)["items"][0]
+            seen["router_deleted"] = router
+            cp.kubectl("delete", "pod", router["metadata"]["name"], "-n", NS, "--wait=false")
+            wait_for(lambda: [p for p in (get_json(cp, "pods", "-l", routers, namespace=NS) or {}).get("items", [])
+                              if p["metadata"]["uid"] != router["metadata"]["uid"]
+                              and p["status"].get("phase") == "Running"], timeout=120, interval=0.5,
+                     what="the router's replacement pod", context=context)
 
         seen["final"] = wait_for(lambda: (s := run_status(cp, "quickstart")).get("phase") in ("Succeeded", "Failed")
                                  and s, timeout=1800, interval=2, what="the run to finish", context=context)
@@ -547,6 +555,7 @@ def test_quickstart_on_the_cluster_recovers_a_killed_engine_and_succeeds(quickst
         assert point["weight_version"] == str(step) and point["mixed_version_ratio"] == 0
     assert final["lastEval"]["scores"]["rotate"] == pytest.approx(points[steps]["scores"]["rotate"], abs=1e-3)
 
+    assert seen["router_deleted_at_step"] < steps, seen["router_deleted_at_step"]
     router_ip = seen["router_deleted"]["status"]["podIP"]
     trainer_log = seen["trainer_log"]
     assert f"router moved {router_ip}" in trainer_log.replace("http://", ""), trainer_log[-3000:]

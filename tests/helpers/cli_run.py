@@ -1,10 +1,14 @@
 """`rlfleet run` as a user starts it: a subprocess on a TrainingRun YAML derived from the quickstart."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +96,29 @@ def wait_output(proc: subprocess.Popen, out: Path, text: str, timeout_s: float =
         assert proc.poll() is None, failure_excerpt(out.read_text())
         assert time.monotonic() < deadline, failure_excerpt(out.read_text())
         time.sleep(0.2)
+
+
+def cli_run_pid(run_dir: Path) -> int:
+    """The `rlfleet run` process started with `--run-dir run_dir` (found in /proc: a tmux pane's child)."""
+    wanted = str(run_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"rlfleet.cli" in argv and b"run" in argv and wanted in argv:
+            return int(entry.name)
+    raise LookupError(f"no rlfleet run process with --run-dir {run_dir}")
+
+
+@contextlib.contextmanager
+def held(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) inside the block and let go after it, whatever the block raises: an
+    event lands while the run is between two known steps, however fast its steps are."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -9,11 +9,12 @@ import base64
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,41 @@ def engine_pgid(pod_ip: str) -> int | None:
             with contextlib.suppress(ProcessLookupError):
                 return os.getpgid(int(entry))
     return None
+
+
+def pod_pids(pod: str, namespace: str) -> list[int]:
+    """Every process the node agent runs for a pod (its environment names the pod and its namespace)."""
+    from rlfleet.crds.managed import ReservedEnv
+
+    wanted = {f"{ReservedEnv.POD_NAME}={pod}".encode(), f"{ReservedEnv.POD_NAMESPACE}={namespace}".encode()}
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if wanted <= environ:
+            found.append(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def pod_held(pod: str, namespace: str) -> Iterator[list[int]]:
+    """A pod's processes stopped (SIGSTOP) inside the block and let go after it, whatever it raises: an event
+    lands between two known steps of a trainer, however fast its steps are."""
+    pids = pod_pids(pod, namespace)
+    assert pids, f"no process of pod {namespace}/{pod}"
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def http_json(url: str, timeout: float = 30, *, api_key: str | None = None) -> dict:

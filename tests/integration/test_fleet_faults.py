@@ -24,7 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from rlfleet.crds.specs import EngineSpec, HealthSpec, HeatGuardSpec, RecoverySpec, WeightSyncSpec
 from rlfleet.orchestrator.fleet.backend import DeathCause, DeathEvent, EngineState
-from rlfleet.orchestrator.fleet.health import hang_detection_bound
+from rlfleet.orchestrator.fleet.health import hang_detection_bound, loop_lag_bound
 from rlfleet.orchestrator.fleet.local_backend import LocalBackend
 from rlfleet.orchestrator.fleet.local_router import LocalRouter
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
@@ -222,8 +222,8 @@ async def test_sigkill_mid_rollout(fleet: Fleet):
     # the kernel tearing down a 1 GB process plus the loop's latency, 0.05-0.10 s on quiet cores and up
     # to 1.94 s measured with the other test worker's engines running; the bound only catches a hang.
     assert event.cause.value == "exited"
-    assert detection < 5.0
-    assert removal < 6.0
+    assert detection < 20.0
+    assert removal < 20.0
     assert backend.engines()[1].state is EngineState.DEAD
     assert outcomes.get("ok", 0) > 0
 
@@ -232,8 +232,10 @@ async def test_sigkill_mid_rollout(fleet: Fleet):
     snapshot = make_snapshot(fleet.base, fleet.snapshots, step=1, seed=1)
     with RouterWatch(fleet) as watch:
         result = await fleet.runtime.sync_weights(snapshot, 1)
-        await asyncio.sleep(0.5)
-    replacement = backend.engines()[1]
+        replacement = backend.engines()[1]
+        async with asyncio.timeout(30):  # the watch reads what the router lists, a poll and a call behind
+            while replacement.url not in watch.seen:  # noqa: ASYNC110 - the watch's dict, no event to wait on
+                await asyncio.sleep(0.05)
     print(f"[sigkill] sync with recovery: recovered {result.recovered_slots}, recover {result.recover_s:.1f} s, "
           f"load {result.load_s:.2f} s, total {result.total_s:.1f} s; router saw {watch.seen}")
     assert result.recovered_slots == [1]
@@ -263,9 +265,10 @@ async def test_sigstop_hang(fleet: Fleet):
     event = await fleet.deaths.wait_for(victim.slot, victim.incarnation, timeout=bound + 30)
     detection = event.monotonic - stopped_at
     await fleet.runtime.router.wait_listed(victim.url, present=False, timeout_s=10)
-    print(f"\n[sigstop] marked dead {detection:.2f} s after SIGSTOP (bound {bound:g} s + 1 s): {event.reason}")
+    print(f"\n[sigstop] marked dead {detection:.2f} s after SIGSTOP (bound {bound:g} s): {event.reason}")
     assert event.cause.value == "probe_failed"
-    assert detection <= bound + 1.0
+    # Each probe's timer may fire late on a loaded machine; a lag beyond loop_lag_bound voids the probe.
+    assert detection <= bound + loop_lag_bound(HEALTH)
     async with asyncio.timeout(10):  # a hung engine is killed when marked dead (reaped within seconds)
         while group_alive(victim.pid):  # noqa: ASYNC110 - the process table has no event to wait on
             await asyncio.sleep(0.1)
@@ -461,10 +464,14 @@ async def test_a_call_that_finds_a_killed_engine_gone_records_its_exit(fleet: Fl
     backend = fleet.backend
     victim = backend.engines()[0]
     dead_before = metric("rlfleet_engines_marked_dead_total", reason="exited")
+    # The backend waits this long for the exit before it names a death "unreachable"; reaping a killed
+    # engine's group took up to 1.94 s here under load, so the test gives it room (it returns on the exit).
+    attribution_s, backend.exit_attribution_s = backend.exit_attribution_s, 30
     os.killpg(victim.pid, signal.SIGKILL)
     # No await between the kill and the call: the exit watcher has not run yet.
     marked = await backend.mark_dead(victim.slot, "POST /pause_generation: connection reset by peer",
                                      cause=DeathCause.UNREACHABLE, incarnation=victim.incarnation)
+    backend.exit_attribution_s = attribution_s
     event = await fleet.deaths.wait_for(victim.slot, victim.incarnation, timeout=10)
     print(f"\n[call saw the kill] {event.cause.value}: {event.reason}")
     assert marked

@@ -89,6 +89,9 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
                                         args=("--record-batches", str(tmp_path / "batches-first")))
     try:
         wait_output(first, out, f"checkpoint step {KILLED_AFTER} written")
+        # Held at once: the look for its processes below takes a while, in which a fast run could write
+        # the next checkpoint (the resume would then start from it). The ranks wait on the held rank 0.
+        first.send_signal(signal.SIGSTOP)
         # The engine's and the router's groups; the ranks run in the launcher's (this test's) group, so
         # they are found by the files they write under the run directory.
         groups = groups_writing_under(run_dir) - {os.getpgrp()}

@@ -23,6 +23,7 @@ from rlfleet.orchestrator.run.progress import ProgressReporter
 pytestmark = pytest.mark.engines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STEPS = 6
 
 
 
@@ -38,7 +39,7 @@ def quickstart_run(steps: int, replicas: int = 2):
 
 
 async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
-    run = quickstart_run(steps=6)
+    run = quickstart_run(steps=STEPS)
     volume = tmp_path / "snapshots"  # kept after the run (a scratch volume is removed)
     run.spec.weight_sync.snapshot_volume.local_path = str(volume)
     run.spec.weight_sync.keep_snapshots = 3
@@ -51,12 +52,15 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     async with asyncio.timeout(900):
         while len(local.summary.steps) < 2:
             assert not task.done(), f"run ended early: {task.exception() if task.done() else ''}\n{log.getvalue()}"
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.05)
     victim = local.backend.engines()[0]
     survivor = str(local.backend.engines()[1].slot)
     steps_before_kill = len(local.summary.steps)
     deaths = []
     local.backend.subscribe(deaths.append)
+    # The exit names the death however long the kernel takes to reap the group on a loaded machine (the
+    # backend waits this long for it; it returns as soon as it is seen).
+    local.backend.exit_attribution_s = 30
     killed_at = asyncio.get_running_loop().time()  # the clock DeathEvent.monotonic uses
     local.backend.process(victim.slot).signal_group(signal.SIGKILL)
     async with asyncio.timeout(30):
@@ -66,13 +70,14 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     summary = await asyncio.wait_for(task, 1200)
 
     data = json.loads((tmp_path / "summary.json").read_text())
-    assert data["steps_completed"] == data["steps_planned"] == 6, log.getvalue()
+    assert steps_before_kill < STEPS - 1, "the kill came too late to show a replacement serving"
+    assert data["steps_completed"] == data["steps_planned"] == STEPS, log.getvalue()
     assert data["engines_marked_dead"] >= 1 and data["engines_recreated"] >= 1, data
     # Its cause is the exit (with its code), whether the exit watcher saw it or a weight sync's call found
     # the connection reset first, never a probe timing out; 1.94 s measured with the other test worker's
     # engines running, a tenth of that on quiet cores: the bound only catches a hang.
     assert deaths[0].cause.value == "exited", deaths[0]
-    assert detected_s < 5.0, f"crash detected after {detected_s:.2f} s"
+    assert detected_s < 20.0, f"crash detected after {detected_s:.2f} s"
     # Step N trains on weights N-1 (and up to maxStaleness versions older), never newer, never older.
     for step, versions in data["weight_versions_per_step"].items():
         allowed = {str(v) for v in range(max(0, int(step) - 1 - max_staleness), int(step))}
@@ -84,7 +89,7 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     # version, at most one step (after the kill) is degraded, and from the next step on both slots serve
     # again, the killed one through its replacement (its first incarnation is dead).
     engine_versions = data["engine_versions_per_step"]
-    assert sorted(engine_versions, key=int) == [str(n) for n in range(1, 7)], data
+    assert sorted(engine_versions, key=int) == [str(n) for n in range(1, STEPS + 1)], data
     both = {str(victim.slot), survivor}
     for step, engines in engine_versions.items():
         assert set(engines) <= both and set(engines.values()) == {step}, (step, engines)
@@ -93,8 +98,8 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     if degraded:
         assert degraded[0] > steps_before_kill and set(engine_versions[str(degraded[0])]) == {survivor}, data
     served_again = degraded[0] + 1 if degraded else steps_before_kill + 1
-    assert served_again <= 6, data  # a later step shows the replacement serving
-    for step in range(served_again, 7):
+    assert served_again <= STEPS, data  # a later step shows the replacement serving
+    for step in range(served_again, STEPS + 1):
         assert set(engine_versions[str(step)]) == both, (step, engine_versions)
     # Disk mode verifies too (verifyEvery 1): every engine that read back its step's version was checked,
     # and none served other weights than the trainer's. All matched but at the step of the kill, where
@@ -110,7 +115,7 @@ async def test_engine_killed_mid_run_all_steps_complete(tmp_path: Path):
     assert "marked dead" in log.getvalue()
     # weightSync.keepSnapshots 3: the three newest step snapshots stay, and the launch weights.
     assert sorted(p.name for p in volume.iterdir() if p.name.startswith("step_")) == [
-        "step_0", "step_4", "step_5", "step_6"]
+        "step_0", *(f"step_{n}" for n in range(STEPS - 2, STEPS + 1))]
 
 
 def test_run_rejects_an_invalid_manifest_naming_the_field(tmp_path: Path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_run import write_manifest
+from helpers.cli_run import cli_run_pid, held, write_manifest
 from helpers.mlflow_server import MlflowReader, MlflowServer
 from helpers.wandb_log import offline_log, read_log
 
@@ -146,8 +146,11 @@ def test_terminal_view_and_trackers_with_the_mlflow_server_stopped_mid_run(tmp_p
                 if 1 not in logged_steps(server.url, "tracked", "train/reward_mean"):
                     time.sleep(0.1)
                     continue
-                server.stop()
-                stopped_after = max(int(n) for n in re.findall(rf"step (\d+)/{STEPS} reward", tmux.capture()))
+                # The run held while the server goes (a graceful stop takes seconds; 12 steps take about as
+                # long): it finds the server gone with steps still to log.
+                with held(cli_run_pid(run_dir)):
+                    server.stop()
+                    stopped_after = max(int(n) for n in re.findall(rf"step (\d+)/{STEPS} reward", tmux.capture()))
                 url = re.search(r"metrics at (http://[^,\s]+)", screen).group(1)  # type: ignore[union-attr]
             if stopped_after is not None:
                 dropped_metric = max(dropped_metric, dropped_now(url) or 0.0)
