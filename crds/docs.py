@@ -141,6 +141,14 @@ def render() -> str:
         "Defaults are applied by the API server and by the local loader alike. Paths use `[]` for list items and "
         "`{}` for map values.",
         "",
+        "A field either takes effect where the run runs or is refused there, naming it. `rlfleet run FILE` refuses "
+        "the fields that shape pods when they differ from their defaults (images, ports, resources, node "
+        "selectors and tolerations of the trainer, engines and routers; `spec.weightSync.mountPath`; the "
+        "snapshot claim's `claimName`, `size`, `storageClassName`), and the Kubernetes-only ones (`valueFrom`, "
+        "`spec.trainer.maxRestarts`, `spec.trainer.nodes` above 1, `spec.tracking.wandb.apiKey`). On "
+        "Kubernetes the operator fails a run that sets `spec.weightSync.snapshotVolume.localPath` (reason "
+        "InvalidSpec).",
+        "",
     ]
     for kind in KINDS:
         lines += _kind_section(kind)

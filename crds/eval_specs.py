@@ -86,6 +86,8 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
         for name in TP_COUPLED_FIELDS:
             if name not in chosen:
                 merged[name] = 1
+    if "gpus_per_engine" not in chosen and merged["device"] == "cpu":
+        merged["gpus_per_engine"] = 0  # a cpu eval engine of a cuda rollout fleet asks for no GPU
     if "gpus_per_engine" not in chosen and merged["device"] == "cuda":
         # Unset here, an eval engine on cuda asks for the GPUs its own layout uses (the rollout engines'
         # count when they run the same tensor-parallel size on cuda and it suffices).

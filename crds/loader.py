@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from rlfleet.crds import API_VERSION
-from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun
+from rlfleet.crds.derive import eval_engine
+from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun, TrainingRunSpec
 from rlfleet.crds.rules import RULE_ERROR_TYPE, check_transition
 from rlfleet.crds.specs import EnvVarSpec
 
@@ -259,7 +260,20 @@ def load_training_run(path: str | Path) -> TrainingRun:
         raise ManifestError(str(path), [FieldError("", f"expected one TrainingRun, {found}", "kind")])
     run = runs[0].obj
     assert isinstance(run, TrainingRun), "a TrainingRun document without errors validates as a TrainingRun"
+    if derived := derivation_errors(run.spec):
+        raise ManifestError(str(path), derived)
     return run
+
+
+def derivation_errors(spec: TrainingRunSpec) -> list[FieldError]:
+    """What a valid spec implies that cannot run, named by the field a user sets: the eval engine, the rollout
+    engine with the eval fleet's overrides, must itself be a valid engine (on cuda, enough GPUs for its
+    layout). The API server cannot compute the inheritance, so the operator fails such a run with these."""
+    try:
+        eval_engine(spec)
+    except ValidationError as exc:
+        return errors_of(exc, ("spec", "eval", "fleet", "engine"))
+    return []
 
 
 # --- local runs -----------------------------------------------------------------------------------
@@ -290,6 +304,65 @@ LOCAL_WANDB_API_KEY_MESSAGE = ("a Secret needs the Kubernetes API server, which 
                                "(`wandb login`, or WANDB_API_KEY in the environment)")
 
 
+# What a local run uses instead of each field that shapes a pod (a local run has none: its engines, router
+# and ranks are processes on this machine). Set to other than its default, such a field could not take
+# effect, so the run refuses it rather than ignore it.
+_LOCAL_INSTEAD = {
+    "image": "the SGLang, sglang-router and rlfleet installed here",
+    "port": "free ports it picks",
+    "resources": "this machine's CPUs, memory and GPUs",
+    "nodeSelector": "this machine",
+    "tolerations": "this machine",
+    "mountPath": "the snapshot directory (spec.weightSync.snapshotVolume.localPath)",
+    "claimName": "a directory (spec.weightSync.snapshotVolume.localPath)",
+    "size": "a directory (spec.weightSync.snapshotVolume.localPath)",
+    "storageClassName": "a directory (spec.weightSync.snapshotVolume.localPath)",
+}
+
+
+def _pod_only_errors(path: str, model: BaseModel | None, names: tuple[str, ...]) -> list[FieldError]:
+    """The pod-shaping fields among `names` set on `model` to other than their defaults."""
+    if model is None:
+        return []
+    errors = []
+    for name in names:
+        info = type(model).model_fields[name]
+        if name in model.model_fields_set and getattr(model, name) != info.get_default(call_default_factory=True):
+            alias = info.alias or name
+            errors.append(FieldError(f"{path}.{alias}", f"shapes a pod on Kubernetes; a local run has none and uses "
+                                     f"{_LOCAL_INSTEAD[alias]}: leave it out to run this file here", "local"))
+    return errors
+
+
+def pod_only_errors(run: TrainingRun) -> list[FieldError]:
+    """The fields of a run set for its pods, which a local run could not honour (each named by its path)."""
+    spec = run.spec
+    pod = ("image", "resources", "node_selector", "tolerations")
+    fleet = spec.eval.fleet if spec.eval is not None else None
+    return [
+        *_pod_only_errors("spec.trainer", spec.trainer, pod),
+        *_pod_only_errors("spec.rollout.engine", spec.rollout.engine, (*pod, "port")),
+        *_pod_only_errors("spec.rollout.router", spec.rollout.router, ("image", "port")),
+        *_pod_only_errors("spec.eval.fleet.engine", fleet.engine if fleet else None, (*pod, "port")),
+        *_pod_only_errors("spec.eval.fleet.router", fleet.router if fleet else None, ("image", "port")),
+        *_pod_only_errors("spec.weightSync", spec.weight_sync, ("mount_path",)),
+        *_pod_only_errors("spec.weightSync.snapshotVolume", spec.weight_sync.snapshot_volume,
+                          ("claim_name", "size", "storage_class_name")),
+    ]
+
+
+CLUSTER_LOCAL_PATH_MESSAGE = ("a directory of a local run (rlfleet run FILE); on Kubernetes the snapshots are on the "
+                              "run's claim (claimName, or the one the operator creates), mounted at "
+                              "spec.weightSync.mountPath: leave it out")
+
+
+def cluster_run_errors(spec: TrainingRunSpec) -> list[FieldError]:
+    """What a valid TrainingRun asks for that its pods on Kubernetes cannot do (each named by its field path)."""
+    if spec.weight_sync.snapshot_volume.local_path is not None:
+        return [FieldError("spec.weightSync.snapshotVolume.localPath", CLUSTER_LOCAL_PATH_MESSAGE, "kubernetes")]
+    return []
+
+
 def local_run_errors(run: TrainingRun) -> list[FieldError]:
     """What a valid TrainingRun asks for that a local run cannot do (each named by its field path)."""
     errors = [
@@ -307,4 +380,4 @@ def local_run_errors(run: TrainingRun) -> list[FieldError]:
         errors.append(FieldError("spec.trainer.nodes", f"{trainer.nodes}: a local run trains on this one machine; "
                                  "a trainer across nodes is a group of trainer pods on Kubernetes: set 1 (the ranks "
                                  "are tensorParallelSize x pipelineParallelSize x dataParallelSize)", "local"))
-    return errors
+    return errors + pod_only_errors(run)

@@ -684,6 +684,12 @@ class EngineSpec(ApiModel):
             f"cuda (dataParallelSize counts once with {DP_ATTENTION_FLAG}, whose replicas share the tensor-parallel "
             "GPUs)",
         ),
+        Rule(
+            cel="self.device == 'cuda' || self.gpusPerEngine <= 1",
+            check=lambda s: s.device == "cuda" or s.gpus_per_engine <= 1,
+            field="gpusPerEngine",
+            message="gpusPerEngine counts a cuda engine's GPUs; a cpu engine uses none: set 0 or leave it out",
+        ),
     )
 
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from rlfleet.crds import reasons
 from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.loader import cluster_run_errors, derivation_errors
 from rlfleet.crds.models import TrainingRunSpec
 from rlfleet.crds.status import Condition, RunPhase, TrainerStatus, TrainingRunStatus, ready_text, status_dump
 from rlfleet.kube.conditions import condition, find, is_true, iso, reason_word
@@ -117,6 +118,8 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     phase: RunPhase = old.get("phase") or "Pending"
     try:
         spec = b.run_spec(run)
+        if refused := derivation_errors(spec) + cluster_run_errors(spec):  # refused, not ignored or half-built
+            return _invalid(run, old, "; ".join(map(str, refused)), now)
         rollout = b.build_rollout_fleet(run, spec)
         evalf = b.build_eval_fleet(run, spec)
     except (ValidationError, ValueError) as e:

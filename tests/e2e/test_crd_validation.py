@@ -152,6 +152,8 @@ BAD_INPUT: list[Case] = [
          "Unsupported value"),
     Case("engine-gpus-below-tp", spec({"rollout": {"engine": {"tensorParallelSize": 4, "gpusPerEngine": 2}}}),
          "spec.rollout.engine.gpusPerEngine", "at least tensorParallelSize"),
+    Case("engine-gpus-on-cpu", spec({"rollout": {"engine": {"device": "cpu", "gpusPerEngine": 2}}}),
+         "spec.rollout.engine.gpusPerEngine", "a cpu engine uses none"),
     Case("engine-port-privileged", spec({"rollout": {"engine": {"port": 80}}}), "spec.rollout.engine.port",
          "greater than or equal to 1024"),
     Case("engine-mem-fraction-one", spec({"rollout": {"engine": {"memFractionStatic": 1.5}}}),

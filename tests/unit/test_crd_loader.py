@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from helpers.manifests import RUN, errors
 from rlfleet.crds.loader import ManifestError, load_text, load_training_run, validate_update
@@ -225,3 +226,43 @@ def test_fields_that_would_be_ignored_are_refused_where_they_take_no_effect():
                  "  eval: {datasets: [{name: a, path: a.jsonl, inputKey: q, labelKey: y}], keepSnapshots: 2}\n",
                  "  eval: {posture: external, external: {classPath: 'm:C'}, keepSnapshots: 4}\n"):
         assert errors(RUN + text) == [], text
+
+
+def test_a_local_run_refuses_the_fields_that_shape_pods_naming_each_and_what_it_uses_instead(tmp_path):
+    from rlfleet.crds.loader import local_run_errors
+
+    doc = yaml.safe_load((REPO / "examples" / "quickstart.yaml").read_text())
+    spec = doc["spec"]
+    spec["trainer"]["nodeSelector"] = {"pool": "gpu"}
+    spec["rollout"]["engine"].update(port=31000, image="lmsysorg/sglang:v0.5.23")  # the image's default: no effect
+    spec["rollout"]["router"] = {"image": "example.com/router:1"}
+    spec["eval"]["fleet"]["engine"] = {"tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    spec["weightSync"] = {"mode": "disk", "snapshotVolume": {"claimName": "snaps"}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    errors = local_run_errors(load_training_run(path))
+    assert [e.path for e in errors] == [
+        "spec.trainer.nodeSelector", "spec.rollout.engine.port", "spec.rollout.router.image",
+        "spec.eval.fleet.engine.tolerations", "spec.weightSync.snapshotVolume.claimName"]
+    assert all(e.rule == "local" and "leave it out" in e.message for e in errors)
+    assert "free ports it picks" in errors[1].message
+    assert local_run_errors(load_training_run(REPO / "examples" / "quickstart.yaml")) == []
+
+
+def test_gpus_per_engine_on_a_cpu_engine_is_refused():
+    assert [path for path, _ in errors(RUN + "  rollout: {engine: {device: cpu, gpusPerEngine: 2}}\n")] == [
+        "spec.rollout.engine.gpusPerEngine"]
+    assert errors(RUN + "  rollout: {engine: {device: cpu, gpusPerEngine: 0}}\n") == []
+
+
+def test_an_eval_engine_the_overrides_leave_short_of_gpus_is_refused_naming_the_override(tmp_path):
+    doc = yaml.safe_load((REPO / "examples" / "gpu-megatron.yaml").read_text())
+    doc["spec"]["eval"]["fleet"]["engine"] = {"tensorParallelSize": 2, "gpusPerEngine": 1}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ManifestError) as refused:
+        load_training_run(path)
+    assert [e.path for e in refused.value.errors] == ["spec.eval.fleet.engine.gpusPerEngine"]
+    doc["spec"]["eval"]["fleet"]["engine"] = {"device": "cpu"}  # a cpu eval engine inherits no GPU count
+    path.write_text(yaml.safe_dump(doc))
+    assert load_training_run(path).spec.eval.fleet.engine.device == "cpu"

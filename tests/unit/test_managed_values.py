@@ -27,7 +27,7 @@ def test_the_managed_flags_are_exactly_what_the_command_builder_sets():
     ):
         engine = EngineSpec.model_validate({
             "modelPath": "/m", "device": device, "tensorParallelSize": sizes, "pipelineParallelSize": sizes,
-            "dataParallelSize": sizes, "expertParallelSize": sizes, "gpusPerEngine": 8,
+            "dataParallelSize": sizes, "expertParallelSize": sizes, "gpusPerEngine": 8 if device == "cuda" else 0,
             **({"maxTotalTokens": 100, "memFractionStatic": 0.5, "attentionBackend": "torch_native"}
                if optional else {}),
         })

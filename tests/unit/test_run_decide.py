@@ -218,6 +218,15 @@ def test_a_run_spec_the_models_reject_fails_the_run_and_creates_nothing():
     assert [e.reason for e in plan.events] == ["InvalidSpec"]
 
 
+def test_a_local_runs_snapshot_directory_on_the_cluster_fails_the_run_naming_the_field():
+    r = run(weightSync={"snapshotVolume": {"localPath": "/data/snapshots"}})
+    plan = decide_run(r, RunChildren(), now=T0)
+    failed = find(plan.status["conditions"], "Failed")
+    assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
+    assert plan.status["message"].startswith("spec.weightSync.snapshotVolume.localPath: a directory of a local run")
+    assert decide_run(run(), RunChildren(), now=T0).status["phase"] != "Failed"
+
+
 def test_a_trainer_of_several_ranks_on_one_node_is_one_trainer_pod():
     plan = decide_run(run(trainer={"backend": "torch", "gpus": 0, "dataParallelSize": 2}), RunChildren(), now=T0)
     assert plan.status["phase"] != "Failed", plan.status
