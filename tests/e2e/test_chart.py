@@ -48,6 +48,17 @@ def test_two_replicas_need_peering():
     assert result.returncode != 0 and "needs peering.enabled=true" in result.stderr
 
 
+@pytest.mark.parametrize(("sets", "words"), [
+    (("--set", "networkPolicy.enabled=false", "--set-json", 'networkPolicy.metricsFrom=[{"podSelector": {}}]'),
+     "needs networkPolicy.enabled=true"),
+    (("--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.service.enabled=false"),
+     "needs metrics.service.enabled=true"),
+])
+def test_values_that_could_not_take_effect_are_refused(sets, words):
+    result = helm("template", "x", str(CHART), *sets, check=False)
+    assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
 def test_namespaced_install_grants_no_secret_reads_and_nothing_cluster_wide():
     docs = rendered("watchNamespaces={team-a}")
     kinds = {d["kind"] for d in docs}
