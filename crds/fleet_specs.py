@@ -50,7 +50,8 @@ class RouterSpec(ApiModel):
     max_restarts: int = Field(
         DEFAULT_ROUTER_RESTARTS, ge=0, le=1000,
         description="Router restarts allowed per run (local runs restart the process, with the fleet's recovery "
-        "backoff; on Kubernetes, router pod replacements the trainer follows). One more exit fails the run.",
+        "backoff; on Kubernetes, router pod replacements and in-place container restarts the trainer follows). "
+        "One more fails the run.",
     )
 
     cel_rules = (
@@ -156,6 +157,27 @@ def run_only(field: str, value: Callable[[Any], float], default: float, message:
     )
 
 
+# What only a run's orchestrator does: a fleet of no run has none to do it. (field, its value, default, why)
+RUN_ONLY_FIELDS: tuple[tuple[str, Callable[[Any], float], float, str], ...] = (
+    ("health.firstWaitSeconds", lambda s: s.health.first_wait_seconds, 0.0,
+     "firstWaitSeconds is the wait after a run's orchestrator resumes an engine it paused: a fleet of no "
+     "run (no runName) is never paused; leave it 0"),
+    ("recovery.waitAllAliveTimeoutSeconds", lambda s: s.recovery.wait_all_alive_timeout_seconds,
+     DEFAULT_WAIT_ALL_ALIVE_S, "waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a "
+     f"weight sync: a fleet of no run (no runName) has no weight sync; leave it unset "
+     f"({DEFAULT_WAIT_ALL_ALIVE_S:g})"),
+    ("router.maxRestarts", lambda s: s.router.max_restarts, DEFAULT_ROUTER_RESTARTS,
+     "maxRestarts counts the router replacements a run's trainer follows: the router Deployment of a "
+     "fleet of no run (no runName) is restarted by Kubernetes; "
+     f"leave it unset ({DEFAULT_ROUTER_RESTARTS})"),
+)
+
+
+def run_only_fields_set(spec: Any) -> list[str]:
+    """The run-only fields of a fleet spec set to other than their defaults (what a fleet of no run ignores)."""
+    return [field for field, value, default, _ in RUN_ONLY_FIELDS if value(spec) != default]
+
+
 class FleetSpec(ApiModel):
     """A fleet of SGLang engines behind one router, one pod per slot."""
 
@@ -178,18 +200,7 @@ class FleetSpec(ApiModel):
 
     cel_rules = (
         FLEET_MIN_READY_RULE,
-        # What only a run's orchestrator does: a fleet of no run has none to do it.
-        run_only("health.firstWaitSeconds", lambda s: s.health.first_wait_seconds, 0.0,
-                 "firstWaitSeconds is the wait after a run's orchestrator resumes an engine it paused: a fleet of no "
-                 "run (no runName) is never paused; leave it 0"),
-        run_only("recovery.waitAllAliveTimeoutSeconds", lambda s: s.recovery.wait_all_alive_timeout_seconds,
-                 DEFAULT_WAIT_ALL_ALIVE_S, "waitAllAliveTimeoutSeconds bounds a run's wait for its engines before a "
-                 f"weight sync: a fleet of no run (no runName) has no weight sync; leave it unset "
-                 f"({DEFAULT_WAIT_ALL_ALIVE_S:g})"),
-        run_only("router.maxRestarts", lambda s: s.router.max_restarts, DEFAULT_ROUTER_RESTARTS,
-                 "maxRestarts counts the router replacements a run's trainer follows: the router Deployment of a "
-                 "fleet of no run (no runName) is restarted by Kubernetes; "
-                 f"leave it unset ({DEFAULT_ROUTER_RESTARTS})"),
+        *(run_only(*field) for field in RUN_ONLY_FIELDS),
     )
 
 

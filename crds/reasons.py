@@ -52,4 +52,5 @@ INVALID_SPEC = "InvalidSpec"
 
 # Children (conditions of the owner, Events).
 CHILD_REJECTED = "ChildRejected"  # the API server refused a child the operator built (server's message quoted)
+RUN_NAME_NOT_OWNED = "RunNameNotOwned"  # Event: a fleet names a run that does not own it (a fleet of no run)
 FOREIGN_CHILD_IGNORED = "ForeignChildIgnored"  # an object labelled as a child but not owned: ignored

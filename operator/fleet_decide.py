@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from rlfleet.crds import reasons
-from rlfleet.crds.fleet_specs import FleetSpec
+from rlfleet.crds.fleet_specs import FleetSpec, run_only_fields_set
 from rlfleet.crds.status import (
     Condition,
     EngineSlotStatus,
@@ -324,6 +324,19 @@ def _fleet_failure(spec: FleetSpec, worst: EngineSlotStatus, total_restarts: int
                f"last failure {lf.reason if lf else 'Unknown'}{code}:\n{lf.message if lf else ''}")
     crashed = lf is not None and lf.reason in (reasons.CRASHED, reasons.EXITED)
     return (reasons.ENGINE_CRASH_LOOP if crashed else reasons.ENGINE_FAILED), message
+
+
+def unowned_run_name_events(spec: FleetSpec, owner: str | None, status: dict | None,
+                            generation: int | None) -> list[Event]:
+    """A fleet that names a run which does not own it serves as a fleet of no run: said once per spec
+    generation (a Warning Event), with the run-only fields it sets, which therefore have no effect."""
+    if spec.run_name is None or owner is not None or (status or {}).get("observedGeneration") == generation:
+        return []
+    ignored = run_only_fields_set(spec)
+    return [Event("Warning", reasons.RUN_NAME_NOT_OWNED,
+                  f"spec.runName {spec.run_name}: TrainingRun {spec.run_name} does not own this fleet (a run's fleets "
+                  "are the ones it creates), so it serves as a fleet of no run"
+                  + (f"; {', '.join(f'spec.{f}' for f in ignored)} take no effect on it" if ignored else ""))]
 
 
 def failed_events(conditions: list[dict], previous: list[dict] | None) -> list[Event]:

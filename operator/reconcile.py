@@ -49,6 +49,7 @@ from rlfleet.operator.fleet_decide import (
     decide_fleet_actions,
     decide_network_policy,
     decide_router_deployment,
+    unowned_run_name_events,
 )
 from rlfleet.operator.run_decide import OPERATOR_STATUS_KEYS, RunChildren, RunPlan, decide_run, owned_status
 from rlfleet.operator.staleness import superseded
@@ -202,9 +203,11 @@ async def reconcile_fleet(kube: KubeClient, fleet: dict, pods: list[dict], *, ro
     generation = meta.get("generation")
     spec = b.fleet_spec(fleet)  # validated once here; the deciders and builders below take it typed
     # A fleet of no run takes an edit of its engine spec by replacing its pods; a run's fleet follows its run.
-    digest = None if b.owning_run(fleet, spec) else b.engine_spec_digest(spec)
+    owner = b.owning_run(fleet, spec)
+    digest = None if owner else b.engine_spec_digest(spec)
     plan = decide_fleet_actions(spec, pods, fleet.get("status"), fleet_name=name, now=now, generation=generation,
                                 engine_spec=digest)
+    plan.events.extend(unowned_run_name_events(spec, owner, fleet.get("status"), generation))
     res = custom(PLURALS[fleet["kind"]])
     # The orchestrator's marks are the trainer's part of the status: never written (nor removed) here.
     old = {k: v for k, v in (fleet.get("status") or {}).items() if k != ORCHESTRATOR}

@@ -36,6 +36,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rlfleet.crds import conventions
 from rlfleet.crds.fleet_specs import FleetSpec
@@ -52,7 +53,7 @@ from rlfleet.kube.client import (
 from rlfleet.kube.conditions import find
 from rlfleet.kube.marks import engine_mark_patch, engine_marks, mark_of, pin_patch, run_failure_patch
 from rlfleet.kube.ownership import owned_by, owned_router_pods
-from rlfleet.kube.pods import pod_failure, view_pod
+from rlfleet.kube.pods import int_or, pod_failure, view_pod
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.fleet.backend import (
     ENGINE_STATES,
@@ -506,8 +507,24 @@ class KubernetesBackend(FleetBackend):
             log.warning("recording the weight version of %s slot %d: %s", self.fleet, slot, e)
 
 
+@dataclass(frozen=True)
+class RouterAddress:
+    """A ready router pod's URL, and which run of its router process serves there: the pod's UID and its
+    containers' restart count (a container restarted in place keeps the address and forgets its workers)."""
+
+    url: str
+    incarnation: str
+
+
 async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
                      prefer: str | None = None) -> str | None:
+    """The URL of `router_address`."""
+    address = await router_address(kube, namespace, fleet, port, fleet_uid=fleet_uid, prefer=prefer)
+    return None if address is None else address.url
+
+
+async def router_address(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
+                         prefer: str | None = None) -> RouterAddress | None:
     """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
     `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap.
 
@@ -521,15 +538,33 @@ async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *,
     replica_sets = await kube.list(REPLICASETS, namespace, label_selector=selector)
     pods = await kube.list(PODS, namespace, label_selector=selector)
     own = owned_router_pods(pods.get("items", []), replica_sets.get("items", []), deployment, fleet_uid)
-    return pick_router_url(own, port, prefer=prefer)
+    return pick_router(own, port, prefer=prefer)
+
+
+def pick_router(pods: list[dict], port: int, *, prefer: str | None = None) -> RouterAddress | None:
+    """Pure part of `router_address`."""
+    ready = [RouterAddress(f"http://{v.pod_ip}:{port}", f"{v.uid}/{_container_restarts(pod)}")
+             for pod, v in ((p, view_pod(p)) for p in pods) if v.ready and v.pod_ip and not v.terminating]
+    return next((a for a in ready if a.url == prefer), ready[0] if ready else None)
+
+
+def router_change(in_use: str | None, serving: str | None, address: RouterAddress) -> str | None:
+    """How the router a fleet's clients use changed: "moved" (another address: a replacement pod),
+    "restarted" (the same address, another incarnation `serving` was seen before: its container restarted
+    in place and forgot its workers), or None."""
+    if address.url != in_use:
+        return "moved"
+    return "restarted" if serving is not None and address.incarnation != serving else None
 
 
 def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -> str | None:
     """Pure part of `router_url`."""
-    ready = [f"http://{v.pod_ip}:{port}" for v in map(view_pod, pods) if v.ready and v.pod_ip and not v.terminating]
-    if prefer in ready:
-        return prefer
-    return ready[0] if ready else None
+    address = pick_router(pods, port, prefer=prefer)
+    return None if address is None else address.url
+
+
+def _container_restarts(pod: dict) -> int:
+    return sum(int_or(s.get("restartCount")) for s in (pod.get("status") or {}).get("containerStatuses") or [])
 
 
 TRAININGRUNS = rlfleet_resource("TrainingRun")

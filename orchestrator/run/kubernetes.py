@@ -41,7 +41,13 @@ from rlfleet.kube.client import ApiError, KubeClient
 from rlfleet.observability import metrics
 from rlfleet.orchestrator.evaluation.policy import EvalPoint
 from rlfleet.orchestrator.fleet.errors import RouterFailed
-from rlfleet.orchestrator.fleet.k8s_backend import attach_fleet, pin_fleet_snapshot, report_run_progress, router_url
+from rlfleet.orchestrator.fleet.k8s_backend import (
+    attach_fleet,
+    pin_fleet_snapshot,
+    report_run_progress,
+    router_address,
+    router_change,
+)
 from rlfleet.orchestrator.fleet.runtime import FleetRuntime
 from rlfleet.orchestrator.guards.heat_guard import EnginePods
 from rlfleet.orchestrator.run.loop import RunFailed, RunLoop, RunOptions
@@ -167,32 +173,39 @@ class KubernetesRun(RunLoop):
 
     async def _follow_router(self, runtime: FleetRuntime, fleet: str) -> None:
         """A replaced router pod has a new address: move the fleet's clients there (the Deployment
-        recreates the pod; the membership re-registers the engines). More replacements than the
-        router's maxRestarts fail the run (RouterFailed), as a local router's exits do."""
+        recreates the pod; the membership re-registers the engines); a router container restarted in its
+        pod keeps the address but knows no worker: register them again. More of either than the router's
+        maxRestarts fail the run (RouterFailed), as a local router's exits do."""
         interval = max(1.0, runtime.health_spec.interval_seconds)
         budget = self._router_budgets.get(fleet, 0)
         label = "eval" if fleet != self.rollout_fleet else "rollout"
         metrics.ROUTER_RESTART_BUDGET.labels(fleet=label).set(budget)
         metrics.ROUTER_RESTARTS.labels(fleet=label)
         moves = 0
+        serving: str | None = None  # the incarnation of the router at runtime.router_url, once seen
         while True:
             await asyncio.sleep(interval)
             try:
-                url = await router_url(self.kube, self.namespace, fleet, self._router_ports[fleet],
-                                       fleet_uid=self._fleet_uids[fleet], prefer=runtime.router_url)
+                address = await router_address(self.kube, self.namespace, fleet, self._router_ports[fleet],
+                                               fleet_uid=self._fleet_uids[fleet], prefer=runtime.router_url)
             except (ApiError, OSError, TimeoutError) as exc:
                 log.warning("looking up the router of %s: %s", fleet, exc)
                 continue
-            if url is not None and url != runtime.router_url:
-                moves += 1
-                if moves > budget:
-                    raise RouterFailed(f"fleet {fleet}: the router pod was replaced {moves} times, more than its "
-                                       f"maxRestarts {budget}; last address {runtime.router_url}, new {url}")
-                self._on_router_event(label, f"router moved {runtime.router_url} -> {url} (replacement {moves} "
-                                             f"of {budget})")
-                metrics.ROUTER_RESTARTS.labels(fleet=label).inc()
-                self.summary.router_restarts[label] = moves
-                await runtime.router_restarted(url)
+            if address is None:
+                continue
+            change = router_change(runtime.router_url, serving, address)
+            serving = address.incarnation
+            if change is None:
+                continue
+            moves += 1
+            where = f"{runtime.router_url} -> {address.url}" if change == "moved" else f"at {address.url}"
+            if moves > budget:
+                raise RouterFailed(f"fleet {fleet}: the router was replaced or restarted {moves} times, more than "
+                                   f"its maxRestarts {budget}; last {change} {where}")
+            self._on_router_event(label, f"router {change} {where} (replacement {moves} of {budget})")
+            metrics.ROUTER_RESTARTS.labels(fleet=label).inc()
+            self.summary.router_restarts[label] = moves
+            await runtime.router_restarted(address.url)
 
     async def _after_sync(self, step: int, stats: dict) -> None:
         await self._write_status(step=step, weightVersion=str(step), rewardMean=round(float(stats["reward_mean"]), 6))

@@ -179,6 +179,10 @@ def test_each_fleet_gets_an_owned_policy_admitting_only_its_router_and_trainer(c
                                  "ports": http}
     wait_for(lambda: "NetworkPolicyCreated" in event_reasons(cp, SOLO_FLEET), timeout=30, interval=0.5,
              what="the NetworkPolicyCreated Event")
+    # The fleet that names a run which did not create it is told so (once), the one of no runName is not.
+    wait_for(lambda: "RunNameNotOwned" in event_reasons(cp, LABELLED_FLEET), timeout=30, interval=0.5,
+             what="the RunNameNotOwned Event")
+    assert "RunNameNotOwned" not in event_reasons(cp, SOLO_FLEET) | event_reasons(cp, RUN_FLEET)
 
 
 def test_each_router_admits_only_its_trainer_and_a_fleet_of_no_run_holds_its_own_key(control_plane, operator,

@@ -298,3 +298,18 @@ def test_startup_timeout_policy():
     assert plan.requeue_after == pytest.approx(2.0)
     assert startup_timeout(s, view_pod(pod(0, ready=False)), plan, now=T0 + 301).reason == "StartupTimeout"
     assert startup_timeout(s, view_pod(pod(0)), FleetPlan(status={}), now=T0 + 1000) is None  # ready
+
+
+def test_a_fleet_naming_a_run_that_does_not_own_it_says_so_once_per_generation_with_what_it_ignores():
+    from rlfleet.operator.fleet_decide import unowned_run_name_events
+
+    named = FleetSpec.model_validate({**spec().model_dump(by_alias=True, mode="json"), "runName": "r",
+                                      "router": {"maxRestarts": 9}, "health": {"firstWaitSeconds": 3}})
+    (event,) = unowned_run_name_events(named, None, {}, 1)
+    assert (event.type, event.reason) == ("Warning", "RunNameNotOwned")
+    assert event.message.startswith("spec.runName r: TrainingRun r does not own this fleet")
+    assert event.message.endswith("spec.health.firstWaitSeconds, spec.router.maxRestarts take no effect on it")
+    assert unowned_run_name_events(named, None, {"observedGeneration": 1}, 1) == []  # said already
+    assert len(unowned_run_name_events(named, None, {"observedGeneration": 1}, 2)) == 1  # its spec changed
+    assert unowned_run_name_events(named, "r", {}, 1) == []  # the run's own fleet
+    assert unowned_run_name_events(spec(), None, {}, 1) == []  # a fleet of no run that says so

@@ -155,6 +155,27 @@ def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_
     assert pick_router_url([router("10.0.0.1", ready=False), router("10.0.0.2", ready=False)], 30000) is None
 
 
+def test_a_router_restarted_in_its_pod_is_told_from_one_moved_and_from_one_unchanged():
+    from rlfleet.orchestrator.fleet.k8s_backend import pick_router, router_change
+
+    def router(ip, uid, restarts):
+        return {"metadata": {"name": f"r-{uid}", "uid": uid, "labels": b.router_labels("f")},
+                "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}],
+                           "containerStatuses": [{"name": "router", "restartCount": restarts}]}}
+
+    url = "http://10.0.0.1:30000"
+    first = pick_router([router("10.0.0.1", "a", 0)], 30000, prefer=url)
+    assert first is not None and first.url == url
+    assert router_change(url, None, first) is None  # the first look: nothing to compare with yet
+    assert router_change(url, first.incarnation, first) is None
+    again = pick_router([router("10.0.0.1", "a", 1)], 30000, prefer=url)  # its container restarted
+    assert again is not None and router_change(url, first.incarnation, again) == "restarted"
+    same_ip = pick_router([router("10.0.0.1", "b", 0)], 30000, prefer=url)  # a new pod at the same address
+    assert same_ip is not None and router_change(url, first.incarnation, same_ip) == "restarted"
+    moved = pick_router([router("10.0.0.2", "c", 0)], 30000, prefer=url)
+    assert moved is not None and router_change(url, first.incarnation, moved) == "moved"
+
+
 def fleet_object(replicas, min_ready=1):
     return {"metadata": {"name": "f", "uid": FLEET_UID}, "spec": {"replicas": replicas, "minReadyEngines": min_ready},
             "status": {}}
