@@ -35,6 +35,7 @@ ANN_ENGINE_SPEC = f"{GROUP}/engine-spec"
 
 MANAGER = "rlfleet-operator"
 ROUTER_METRICS_PORT = 29000
+ROUTER_CONTAINER = "router"  # the router pod's sglang-router container (its restarts are the router's)
 # A fleet of no run's engine follower (in its router pod) answers its readiness probe here.
 FOLLOWER_HEALTH_PORT = 29001
 ENGINE_CONTAINER = "engine"

@@ -48,6 +48,7 @@ from rlfleet.crds.conventions import (  # noqa: F401 - the operator's modules re
     LABEL_TRAINER_NODE,
     MANAGER,
     POD_USER_ID,
+    ROUTER_CONTAINER,
     ROUTER_METRICS_PORT,
     ROUTER_SERVICE_ACCOUNT,
     SNAPSHOT_VOLUME,
@@ -372,7 +373,7 @@ def build_router_deployment(fleet: dict, spec: FleetSpec | None = None, *,
     fname = fleet["metadata"]["name"]
     labels = router_labels(fname)
     router = _secure({
-        "name": "router",
+        "name": ROUTER_CONTAINER,
         "image": spec.router.image,
         "command": _router_command(spec.router),
         "env": [*_downward_env(), api_key_env(fname)],

@@ -510,7 +510,7 @@ class KubernetesBackend(FleetBackend):
 @dataclass(frozen=True)
 class RouterAddress:
     """A ready router pod's URL, and which run of its router process serves there: the pod's UID and its
-    containers' restart count (a container restarted in place keeps the address and forgets its workers)."""
+    router container's restart count (a container restarted in place keeps the address and forgets its workers)."""
 
     url: str
     incarnation: str
@@ -564,7 +564,8 @@ def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -
 
 
 def _container_restarts(pod: dict) -> int:
-    return sum(int_or(s.get("restartCount")) for s in (pod.get("status") or {}).get("containerStatuses") or [])
+    return sum(int_or(s.get("restartCount")) for s in (pod.get("status") or {}).get("containerStatuses") or []
+               if s.get("name") == conventions.ROUTER_CONTAINER)
 
 
 TRAININGRUNS = rlfleet_resource("TrainingRun")

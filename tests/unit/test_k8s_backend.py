@@ -158,16 +158,19 @@ def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_
 def test_a_router_restarted_in_its_pod_is_told_from_one_moved_and_from_one_unchanged():
     from rlfleet.orchestrator.fleet.k8s_backend import pick_router, router_change
 
-    def router(ip, uid, restarts):
+    def router(ip, uid, restarts, sidecar_restarts=0):
         return {"metadata": {"name": f"r-{uid}", "uid": uid, "labels": b.router_labels("f")},
                 "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}],
-                           "containerStatuses": [{"name": "router", "restartCount": restarts}]}}
+                           "containerStatuses": [{"name": "router", "restartCount": restarts},
+                                                 {"name": "sidecar", "restartCount": sidecar_restarts}]}}
 
     url = "http://10.0.0.1:30000"
     first = pick_router([router("10.0.0.1", "a", 0)], 30000, prefer=url)
     assert first is not None and first.url == url
     assert router_change(url, None, first) is None  # the first look: nothing to compare with yet
     assert router_change(url, first.incarnation, first) is None
+    sidecar = pick_router([router("10.0.0.1", "a", 0, sidecar_restarts=3)], 30000, prefer=url)
+    assert sidecar is not None and router_change(url, first.incarnation, sidecar) is None  # not the router's
     again = pick_router([router("10.0.0.1", "a", 1)], 30000, prefer=url)  # its container restarted
     assert again is not None and router_change(url, first.incarnation, again) == "restarted"
     same_ip = pick_router([router("10.0.0.1", "b", 0)], 30000, prefer=url)  # a new pod at the same address
