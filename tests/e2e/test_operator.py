@@ -317,8 +317,17 @@ def engine_model_path(pod: dict) -> str:
 
 
 def serves_its_model(served: str, pod: dict) -> bool:
-    """The engine serves what its pod started with, or a weight snapshot a sync loaded since (step_N)."""
-    return served == engine_model_path(pod) or re.fullmatch(r".*/quickstart-snapshots/step_\d+", served) is not None
+    """The engine serves what its pod started with, or a weight snapshot a sync loaded since (step_N).
+
+    The node agent runs the engine on the claim's directory where the pod mounts it: a path under the
+    mount is reported as the same path under the claim's directory (`.../quickstart-snapshots/...`)."""
+    started = engine_model_path(pod)
+    engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    for mount in engine.get("volumeMounts") or []:
+        inside = mount["mountPath"].rstrip("/") + "/"
+        if started.startswith(inside) and served.endswith("/quickstart-snapshots/" + started[len(inside):]):
+            return True
+    return served == started or re.fullmatch(r".*/quickstart-snapshots/step_\d+", served) is not None
 
 
 def engine_answers(url: str, key: str) -> tuple[str, int]:
