@@ -86,7 +86,7 @@ def effective_eval_engine(rollout: EngineSpec, overrides: ApiModel) -> EngineSpe
         for name in TP_COUPLED_FIELDS:
             if name not in chosen:
                 merged[name] = 1
-    if "gpus_per_engine" not in chosen and merged["device"] == "cpu":
+    if "gpus_per_engine" not in chosen and merged["device"] == "cpu" and rollout.device == "cuda":
         merged["gpus_per_engine"] = 0  # a cpu eval engine of a cuda rollout fleet asks for no GPU
     if "gpus_per_engine" not in chosen and merged["device"] == "cuda":
         # Unset here, an eval engine on cuda asks for the GPUs its own layout uses (the rollout engines'

@@ -23,7 +23,7 @@ from rlfleet.crds import API_VERSION
 from rlfleet.crds.derive import eval_engine
 from rlfleet.crds.models import KINDS_BY_NAME, TrainingRun, TrainingRunSpec
 from rlfleet.crds.rules import RULE_ERROR_TYPE, check_transition
-from rlfleet.crds.specs import EnvVarSpec
+from rlfleet.crds.specs import EngineSpec, EnvVarSpec
 
 
 @dataclass(frozen=True)
@@ -320,14 +320,18 @@ _LOCAL_INSTEAD = {
 }
 
 
-def _pod_only_errors(path: str, model: BaseModel | None, names: tuple[str, ...]) -> list[FieldError]:
-    """The pod-shaping fields among `names` set on `model` to other than their defaults."""
+def _pod_only_errors(path: str, model: BaseModel | None, names: tuple[str, ...],
+                     defaults: type[BaseModel] | None = None) -> list[FieldError]:
+    """The pod-shaping fields among `names` set on `model` to other than their defaults (`defaults`' when
+    given: an override left unset is None, one set to the overridden model's default changes nothing)."""
     if model is None:
         return []
     errors = []
     for name in names:
         info = type(model).model_fields[name]
-        if name in model.model_fields_set and getattr(model, name) != info.get_default(call_default_factory=True):
+        default = (defaults or type(model)).model_fields[name].get_default(call_default_factory=True)
+        value = getattr(model, name)
+        if name in model.model_fields_set and value is not None and value != default:
             alias = info.alias or name
             errors.append(FieldError(f"{path}.{alias}", f"shapes a pod on Kubernetes; a local run has none and uses "
                                      f"{_LOCAL_INSTEAD[alias]}: leave it out to run this file here", "local"))
@@ -343,7 +347,7 @@ def pod_only_errors(run: TrainingRun) -> list[FieldError]:
         *_pod_only_errors("spec.trainer", spec.trainer, pod),
         *_pod_only_errors("spec.rollout.engine", spec.rollout.engine, (*pod, "port")),
         *_pod_only_errors("spec.rollout.router", spec.rollout.router, ("image", "port")),
-        *_pod_only_errors("spec.eval.fleet.engine", fleet.engine if fleet else None, (*pod, "port")),
+        *_pod_only_errors("spec.eval.fleet.engine", fleet.engine if fleet else None, (*pod, "port"), EngineSpec),
         *_pod_only_errors("spec.eval.fleet.router", fleet.router if fleet else None, ("image", "port")),
         *_pod_only_errors("spec.weightSync", spec.weight_sync, ("mount_path",)),
         *_pod_only_errors("spec.weightSync.snapshotVolume", spec.weight_sync.snapshot_volume,

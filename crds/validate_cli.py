@@ -9,7 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlfleet.crds.loader import Document, FieldError, ManifestError, load_file, validate_update
+from rlfleet.crds.loader import Document, FieldError, ManifestError, derivation_errors, load_file, validate_update
+from rlfleet.crds.models import TrainingRun
 
 
 def _report(source: str, documents: list[Document], quiet: bool) -> int:
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             _print_errors(exc.source, "file", exc.errors)
             failed = True
             continue
+        for doc in documents:  # what the operator and `rlfleet run` refuse beyond the API server's schema
+            if not doc.errors and isinstance(doc.obj, TrainingRun):
+                doc.errors.extend(derivation_errors(doc.obj.spec))
         failed |= _report(str(path), documents, args.quiet) > 0
         for doc in documents:
             old = previous.get((doc.kind, doc.name))

@@ -118,7 +118,9 @@ def decide_run(run: dict, children: RunChildren, *, now: float, rlfleet_image: s
     phase: RunPhase = old.get("phase") or "Pending"
     try:
         spec = b.run_spec(run)
-        if refused := derivation_errors(spec) + cluster_run_errors(spec):  # refused, not ignored or half-built
+        # Refused, not ignored or half-built: checked while the run is admitted (a run that an earlier
+        # operator let start is not failed midway, nor one that ended given a failure after the fact).
+        if phase == "Pending" and (refused := derivation_errors(spec) + cluster_run_errors(spec)):
             return _invalid(run, old, "; ".join(map(str, refused)), now)
         rollout = b.build_rollout_fleet(run, spec)
         evalf = b.build_eval_fleet(run, spec)
@@ -386,7 +388,7 @@ def _invalid(run: dict, old: dict, error: str, now: float) -> RunPlan:
                                                        previous=old.get("conditions"), generation=generation))])
     if generation is not None:
         status.observed_generation = generation
-    events = [] if old.get("phase") == "Failed" else [Event("Warning", reasons.INVALID_SPEC, error[-1000:])]
+    events = [] if old.get("phase") in TERMINAL else [Event("Warning", reasons.INVALID_SPEC, error[-1000:])]
     return RunPlan(status=status_dump(status), events=events)
 
 

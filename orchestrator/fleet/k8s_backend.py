@@ -607,10 +607,10 @@ FLEET_POLL_S = 2.0
 
 
 async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: str = "RolloutFleet",
-                       timeout: float, owner_uid: str | None) -> tuple[KubernetesBackend, str, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
+                       timeout: float, owner_uid: str | None) -> tuple[KubernetesBackend, RouterAddress, dict]:  # noqa: ASYNC109 - the bound ends in FleetNotReady, not a cancel
     """Wait (bounded) until the operator has created `fleet` and its router pod is ready.
 
-    Returns the backend (not started), the router URL and the fleet object. The trainer pod starts
+    Returns the backend (not started), the router's address and the fleet object. The trainer pod starts
     beside the fleets it drives, so both may still be coming up. `owner_uid`: the run's UID; a fleet
     of that name that the run does not own is never attached (None: a fleet of no run).
     """
@@ -626,9 +626,10 @@ async def attach_fleet(kube: KubeClient, namespace: str, fleet: str, *, kind: st
         elif obj is not None:
             port = FleetSpec.model_validate(obj["spec"]).router.port
             waiting_for = f"a ready router pod of {kind} {fleet}"
-            if (url := await router_url(kube, namespace, fleet, port, fleet_uid=obj["metadata"]["uid"])) is not None:
+            address = await router_address(kube, namespace, fleet, port, fleet_uid=obj["metadata"]["uid"])
+            if address is not None:
                 backend = await KubernetesBackend.connect(kube, namespace=namespace, fleet=fleet, kind=kind)
-                return backend, url, obj
+                return backend, address, obj
         if loop.time() + FLEET_POLL_S > deadline:
             raise FleetNotReady(f"no {waiting_for} in namespace {namespace} within {timeout:g} s")
         await asyncio.sleep(FLEET_POLL_S)

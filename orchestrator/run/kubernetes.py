@@ -70,6 +70,7 @@ class KubernetesRun(RunLoop):
         self._eval_runtime: FleetRuntime | None = None
         self._router_ports: dict[str, int] = {}
         self._router_budgets: dict[str, int] = {}
+        self._router_incarnations: dict[str, str] = {}  # fleet -> its router's incarnation when attached
         # The run's fleets' key, from their Secret (the pod's env, secretKeyRef).
         self.api_key = os.environ.get(conventions.API_KEY_ENV) or None
 
@@ -85,9 +86,11 @@ class KubernetesRun(RunLoop):
             raise RunFailed("WeightSyncUnsupported", f"spec.weightSync.mode: broadcast needs the pod's address in "
                                                      f"${ReservedEnv.POD_IP} (status.podIP); it is not set")
         self._phase("waiting for the rollout fleet")
-        backend, url, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
-                                               timeout=spec.rollout.health.startup_timeout_seconds,
-                                               owner_uid=self.run_uid)
+        backend, router, obj = await attach_fleet(self.kube, self.namespace, self.rollout_fleet,
+                                                  timeout=spec.rollout.health.startup_timeout_seconds,
+                                                  owner_uid=self.run_uid)
+        url = router.url
+        self._router_incarnations[self.rollout_fleet] = router.incarnation
         self._fleet_uids[self.rollout_fleet] = obj["metadata"]["uid"]
         rollout_router = FleetSpec.model_validate(obj["spec"]).router
         self._router_ports[self.rollout_fleet] = rollout_router.port
@@ -143,9 +146,11 @@ class KubernetesRun(RunLoop):
             # The eval engines' own startup bound (an eval fleet may serve a larger engine than rollout's).
             expected = eval_fleet_spec(self.name, self.spec)
             assert expected is not None, "the eval fleet starts only for posture fleet"
-            backend, url, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
-                                                   timeout=expected.health.startup_timeout_seconds,
-                                                   owner_uid=self.run_uid)
+            backend, router, obj = await attach_fleet(self.kube, self.namespace, name, kind="EvalFleet",
+                                                      timeout=expected.health.startup_timeout_seconds,
+                                                      owner_uid=self.run_uid)
+            url = router.url
+            self._router_incarnations[name] = router.incarnation
             self._fleet_uids[name] = obj["metadata"]["uid"]
             fleet_spec: FleetSpec = FleetSpec.model_validate(obj["spec"])
             self._router_ports[name] = fleet_spec.router.port
@@ -182,7 +187,7 @@ class KubernetesRun(RunLoop):
         metrics.ROUTER_RESTART_BUDGET.labels(fleet=label).set(budget)
         metrics.ROUTER_RESTARTS.labels(fleet=label)
         moves = 0
-        serving: str | None = None  # the incarnation of the router at runtime.router_url, once seen
+        serving = self._router_incarnations.get(fleet)  # the router at runtime.router_url when attached
         while True:
             await asyncio.sleep(interval)
             try:

@@ -113,12 +113,32 @@ def cli_run_pid(run_dir: Path) -> int:
     raise LookupError(f"no rlfleet run process with --run-dir {run_dir}")
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a run's ranks, when it launched them; not their engines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if parent == pid:
+            found.append(int(entry.name))
+    return found
+
+
 @contextlib.contextmanager
-def held(pid: int) -> Iterator[None]:
-    """The process stopped (SIGSTOP) inside the block and let go after it, whatever the block raises: an
-    event lands while the run is between two known steps, however fast its steps are."""
-    os.kill(pid, signal.SIGSTOP)
+def held(*pids: int) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) inside the block and let go after it, whatever the block raises
+    (one killed inside it is skipped): an event lands while the run is between two known steps, however
+    fast its steps are."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # gone since it was found
+            os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.cli_run import failure_excerpt, start_cli_run, wait_output, write_manifest
+from helpers.cli_run import children_of, failure_excerpt, held, start_cli_run, wait_output, write_manifest
 
 pytestmark = pytest.mark.engines
 
@@ -89,17 +89,18 @@ def test_sigkilled_run_leaves_nothing_and_resumes_each_step_once(tmp_path: Path,
                                         args=("--record-batches", str(tmp_path / "batches-first")))
     try:
         wait_output(first, out, f"checkpoint step {KILLED_AFTER} written")
-        # Held at once: the look for its processes below takes a while, in which a fast run could write
-        # the next checkpoint (the resume would then start from it). The ranks wait on the held rank 0.
-        first.send_signal(signal.SIGSTOP)
-        # The engine's and the router's groups; the ranks run in the launcher's (this test's) group, so
-        # they are found by the files they write under the run directory.
-        groups = groups_writing_under(run_dir) - {os.getpgrp()}
-        assert len(groups) >= 2, groups
-        if world > 1:
-            assert len(writers(run_dir)) >= 2 + world, writers(run_dir)
-        first.send_signal(signal.SIGKILL)
-        assert first.wait(timeout=30) == -signal.SIGKILL
+        # Held at once, with the ranks it launched (its children; their engines run on): the look for its
+        # processes below takes a while, in which a fast run could write the next checkpoint (the resume
+        # would then start from it). Killed while held; the ranks, let go, die with it (SIGKILL).
+        with held(first.pid, *(children_of(first.pid) if world > 1 else ())):
+            # The engine's and the router's groups; the ranks run in the launcher's (this test's) group, so
+            # they are found by the files they write under the run directory.
+            groups = groups_writing_under(run_dir) - {os.getpgrp()}
+            assert len(groups) >= 2, groups
+            if world > 1:
+                assert len(writers(run_dir)) >= 2 + world, writers(run_dir)
+            first.send_signal(signal.SIGKILL)
+            assert first.wait(timeout=30) == -signal.SIGKILL
         killed_at = time.monotonic()
         while (alive(groups) or groups_writing_under(run_dir)) and time.monotonic() - killed_at < 10:
             time.sleep(0.2)

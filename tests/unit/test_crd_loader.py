@@ -236,7 +236,8 @@ def test_a_local_run_refuses_the_fields_that_shape_pods_naming_each_and_what_it_
     spec["trainer"]["nodeSelector"] = {"pool": "gpu"}
     spec["rollout"]["engine"].update(port=31000, image="lmsysorg/sglang:v0.5.23")  # the image's default: no effect
     spec["rollout"]["router"] = {"image": "example.com/router:1"}
-    spec["eval"]["fleet"]["engine"] = {"tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    spec["eval"]["fleet"]["engine"] = {"tolerations": [{"key": "gpu", "operator": "Exists"}],
+                                       "nodeSelector": {}}  # an override to the default: no effect, no error
     spec["weightSync"] = {"mode": "disk", "snapshotVolume": {"claimName": "snaps"}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -263,6 +264,7 @@ def test_an_eval_engine_the_overrides_leave_short_of_gpus_is_refused_naming_the_
     with pytest.raises(ManifestError) as refused:
         load_training_run(path)
     assert [e.path for e in refused.value.errors] == ["spec.eval.fleet.engine.gpusPerEngine"]
+    assert validate_main([str(path)]) == 1  # `rlfleet validate` says so too
     doc["spec"]["eval"]["fleet"]["engine"] = {"device": "cpu"}  # a cpu eval engine inherits no GPU count
     path.write_text(yaml.safe_dump(doc))
     assert load_training_run(path).spec.eval.fleet.engine.device == "cpu"

@@ -225,6 +225,9 @@ def test_a_local_runs_snapshot_directory_on_the_cluster_fails_the_run_naming_the
     assert plan.create == [] and plan.status["phase"] == "Failed" and failed["reason"] == "InvalidSpec"
     assert plan.status["message"].startswith("spec.weightSync.snapshotVolume.localPath: a directory of a local run")
     assert decide_run(run(), RunChildren(), now=T0).status["phase"] != "Failed"
+    # Checked at admission: a run an earlier operator let start goes on (its spec is fixed once it exists).
+    running = run(status={"phase": "Running"}, weightSync={"snapshotVolume": {"localPath": "/data/snapshots"}})
+    assert decide_run(running, RunChildren(), now=T0).status["phase"] == "Running"
 
 
 def test_a_trainer_of_several_ranks_on_one_node_is_one_trainer_pod():
