@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from helpers.http_app import serving
 from helpers.prometheus import LocalPrometheus
 from rlfleet.crds.specs import HeatGuardSpec
 from rlfleet.orchestrator.guards.heat_guard import EnginePods, build_heat_source
@@ -42,16 +43,8 @@ async def exporter_endpoint(state: dict):
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(text=exporter_text(state["temps"]), content_type="text/plain")
 
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield f"127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serving([web.get("/metrics", metrics)]) as url:
+        yield url.removeprefix("http://")
 
 
 def guard(url: str) -> HeatGuardSpec:

@@ -7,12 +7,14 @@ outcomes. Real SGLang behaviour is covered by the integration tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from helpers.http_app import serving
 from rlfleet.orchestrator.fleet.membership import plan_membership
 from rlfleet.sglang.engine import EngineClient, raise_if_aborted
 from rlfleet.sglang.errors import (
@@ -32,23 +34,12 @@ from rlfleet.sglang.router import RouterWorker, parse_workers
 
 @pytest.fixture
 async def http_server():
-    """Start an aiohttp app on 127.0.0.1 and return its base URL."""
-    runners = []
+    """Start an aiohttp app on 127.0.0.1 and return its base URL (removed when the test ends)."""
+    async with contextlib.AsyncExitStack() as servers:
+        async def start(routes: list[web.RouteDef]) -> str:
+            return await servers.enter_async_context(serving(routes))
 
-    async def start(routes: list[web.RouteDef]) -> str:
-        app = web.Application()
-        app.add_routes(routes)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        port = site._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+        yield start
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import socket
 import pytest
 from aiohttp import web
 
+from helpers.http_app import serving
 from rlfleet.sglang.errors import (
     BadResponse,
     CallTimeout,
@@ -295,20 +296,11 @@ async def test_aiohttp_answers_chunked_and_plain(client):
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.add_routes([web.get("/health_generate", plain), web.get("/c/health_generate", chunked)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serving([web.get("/health_generate", plain), web.get("/c/health_generate", chunked)]) as url:
         for _ in range(3):
             assert (await client.probe(url, 2)).status == 200
             assert (await client.probe(url + "/c", 2)).body == b"still healthy"
         assert client.connections_opened == 2
-    finally:
-        await runner.cleanup()
 
 
 async def test_forget_and_close_release_connections(raw_server, client):

@@ -8,6 +8,7 @@ import socket
 import pytest
 from aiohttp import web
 
+from helpers.http_app import serving
 from rlfleet.crds.specs import WeightSyncSpec
 from rlfleet.orchestrator.fleet import broadcast_plan as plan
 from rlfleet.orchestrator.fleet.backend import EngineSlot, EngineState
@@ -30,15 +31,8 @@ async def test_a_pause_tells_an_engine_gone_from_one_wedged():
     async def pause(_request: web.Request) -> web.Response:
         return web.json_response({})
 
-    app = web.Application()
-    app.router.add_post("/pause_generation", pause)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    answering = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        async with client_session() as session:
+        async with serving([web.post("/pause_generation", pause)]) as answering, client_session() as session:
             sync = WeightSync(None, None, spec=WeightSyncSpec(mode="broadcast", transfer_timeout_seconds=1),  # type: ignore[arg-type]
                               engine_client=lambda url: EngineClient(session, url), fleet="f")
             engines = [slot(0, f"http://127.0.0.1:{free_port()}"),  # nothing listens: refused
@@ -49,5 +43,4 @@ async def test_a_pause_tells_an_engine_gone_from_one_wedged():
         assert caught.value.gone == (0,) and caught.value.wedged == (1,)
         assert paused == [engines[2]]
     finally:
-        await runner.cleanup()
         silent.close()
