@@ -24,7 +24,7 @@ from rlfleet.errors import RunError
 from rlfleet.orchestrator.rollout.client import RolloutClient, RolloutRequestFailed
 from rlfleet.policy.recovery import exponential_backoff
 from rlfleet.trainer.grpo import Sample, sample_from_generate
-from rlfleet.util.aio import stop_task
+from rlfleet.util.aio import first_error, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,7 @@ class PromptsRanOut(Exception):
 
 def unexpected_failure(exc: Exception) -> RolloutProducerFailed:
     """An error nobody expected (a bug), named by its innermost error (a task group's holds others)."""
-    cause: BaseException = exc
-    while isinstance(cause, BaseExceptionGroup):
-        cause = cause.exceptions[0]
+    cause = first_error(exc)
     return RolloutProducerFailed(f"the rollout producer failed: {type(cause).__name__}: {cause}")
 
 

@@ -30,6 +30,7 @@ from rlfleet.orchestrator.run import tracking
 from rlfleet.orchestrator.run.loop import RunFailed, RunOptions
 from rlfleet.orchestrator.run.progress import ProgressReporter
 from rlfleet.orchestrator.run.summary import RunSummary
+from rlfleet.util.aio import first_error
 from rlfleet.util.procs import set_trainer_environment
 
 
@@ -462,8 +463,7 @@ class StopBound:
 
 
 def _failure_line(error: BaseException) -> str:
-    while isinstance(error, BaseExceptionGroup) and error.exceptions:  # raised inside a task group
-        error = error.exceptions[0]
+    error = first_error(error)  # also when raised inside a task group
     if isinstance(error, RunError):
         return f"FAILED ({error.reason}): {getattr(error, 'message', None) or error}"
     return f"FAILED: {type(error).__name__}: {error}"

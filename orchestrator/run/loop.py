@@ -85,7 +85,7 @@ from rlfleet.snapshot.retention import snapshots_to_retire
 from rlfleet.snapshot.writer import ExportState, write_hf_snapshot
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer import grpo
-from rlfleet.util.aio import resolved, settle
+from rlfleet.util.aio import first_error, resolved, settle
 from rlfleet.util.binaries import CACHE_DIR
 from rlfleet.util.procs import outer_environment, tail_file
 
@@ -130,9 +130,8 @@ class RunOptions:
 
 def run_error_of(exc: BaseException) -> RunError | None:
     """The RunError that ends a run, also when a task group raised it; None for anything else."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc if isinstance(exc, RunError) else None
+    error = first_error(exc)
+    return error if isinstance(error, RunError) else None
 
 
 class RunStack(contextlib.AsyncExitStack):
@@ -281,9 +280,7 @@ class RunLoop:
             await self._execute_as_run_failed()
         except Exception as exc:  # not a RunError: a bug, raised as it is; the summary says it too
             if self.summary.failure is None:
-                error: BaseException = exc
-                while isinstance(error, BaseExceptionGroup):
-                    error = error.exceptions[0]
+                error = first_error(exc)
                 self.summary.failure = f"{type(error).__name__}: {error}"
             raise
         finally:
@@ -309,9 +306,8 @@ class RunLoop:
             self.summary.failure = f"{exc.reason}: {exc.message}"
             raise exc from None
         except* RunError as group:
-            error = group.exceptions[0]
-            while isinstance(error, BaseExceptionGroup):  # raised inside a nested task group
-                error = error.exceptions[0]
+            error = first_error(group)  # also when raised inside a nested task group
+            assert isinstance(error, RunError), "except* RunError holds only RunErrors"
             self.summary.failure = f"{error.reason}: {error}"
             raise RunFailed(error.reason, str(error)) from None
 

@@ -60,3 +60,10 @@ class LazyTask(Generic[T]):
         if self.task is None:
             self.task = asyncio.ensure_future(self._make())
         return self.task
+
+
+def first_error(error: BaseException) -> BaseException:
+    """The error a task group raised, unwrapped (its first, innermost one): what ended the work."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
