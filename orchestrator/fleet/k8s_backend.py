@@ -516,16 +516,9 @@ class RouterAddress:
     incarnation: str
 
 
-async def router_url(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
-                     prefer: str | None = None) -> str | None:
-    """The URL of `router_address`."""
-    address = await router_address(kube, namespace, fleet, port, fleet_uid=fleet_uid, prefer=prefer)
-    return None if address is None else address.url
-
-
 async def router_address(kube: KubeClient, namespace: str, fleet: str, port: int, *, fleet_uid: str,
                          prefer: str | None = None) -> RouterAddress | None:
-    """The URL of a ready router pod of the fleet (pod addresses are routable inside the cluster);
+    """The address of a ready router pod of the fleet (pod addresses are routable inside the cluster);
     `prefer` (the one in use) while it is still ready, so two ready replicas do not make it flap.
 
     Only the pods of the fleet's own router count: owned by a ReplicaSet that the router Deployment
@@ -555,12 +548,6 @@ def router_change(in_use: str | None, serving: str | None, address: RouterAddres
     if address.url != in_use:
         return "moved"
     return "restarted" if serving is not None and address.incarnation != serving else None
-
-
-def pick_router_url(pods: list[dict], port: int, *, prefer: str | None = None) -> str | None:
-    """Pure part of `router_url`."""
-    address = pick_router(pods, port, prefer=prefer)
-    return None if address is None else address.url
 
 
 def _container_restarts(pod: dict) -> int:

@@ -147,7 +147,7 @@ async def test_the_trainer_sees_only_the_fleets_own_router_and_engine_pods(contr
     import asyncio
 
     from rlfleet.kube.client import KubeClient
-    from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, attach_fleet, router_url
+    from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, attach_fleet, router_address
 
     cp = control_plane
     fleet = await asyncio.to_thread(wait_for, lambda: get_json(cp, "rolloutfleet", FLEET, namespace=NS),
@@ -156,14 +156,15 @@ async def test_the_trainer_sees_only_the_fleets_own_router_and_engine_pods(contr
     kube = await KubeClient.load(await asyncio.to_thread(cp.service_account_kubeconfig, NS, "rlfleet-trainer"))
     try:
         # A Ready pod with the router's labels is not the router: no URL until the real one is Ready.
-        assert await router_url(kube, NS, FLEET, ROUTER_PORT, fleet_uid=fleet_uid) is None
+        assert await router_address(kube, NS, FLEET, ROUTER_PORT, fleet_uid=fleet_uid) is None
         real = await asyncio.to_thread(wait_for, lambda: [
             p["metadata"]["name"] for p in (get_json(cp, "pods", "-l", f"rlfleet.io/fleet={FLEET},"
                                                      "app.kubernetes.io/component=router", namespace=NS)
                                             or {}).get("items", []) if p["metadata"]["name"] != "decoy-router"],
             timeout=60, what="the router Deployment's pod")
         await asyncio.to_thread(make_ready, cp, real[0], "10.66.1.1")
-        assert await router_url(kube, NS, FLEET, ROUTER_PORT, fleet_uid=fleet_uid) == f"http://10.66.1.1:{ROUTER_PORT}"
+        router = await router_address(kube, NS, FLEET, ROUTER_PORT, fleet_uid=fleet_uid)
+        assert router is not None and router.url == f"http://10.66.1.1:{ROUTER_PORT}"
         # The decoy fleet has the run's runName, but attaching goes by the run's ownership.
         with pytest.raises(Exception, match="not the run's"):
             await attach_fleet(kube, NS, "decoy-fleet", timeout=1, owner_uid=decoys["run"]["metadata"]["uid"])

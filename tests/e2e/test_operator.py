@@ -208,7 +208,7 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
 
     from rlfleet.kube.client import KubeClient
     from rlfleet.orchestrator.fleet.backend import DeathCause, EngineState
-    from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, router_url
+    from rlfleet.orchestrator.fleet.k8s_backend import KubernetesBackend, router_address
 
     cp = control_plane
     await asyncio.to_thread(apply, cp, fleet_manifest("rf-k", tiny_model, replicas=1))
@@ -273,7 +273,8 @@ async def test_kubernetes_backend_marks_dead_sees_crashes_and_waits_for_replacem
         assert "exit code 137" in deaths[1].reason
         assert detect_s < 25  # the node agent, the API server and the watch, on a loaded machine
 
-        url = await router_url(kube, NS, "rf-k", 30000, fleet_uid=backend.fleet_uid)
+        router = await router_address(kube, NS, "rf-k", 30000, fleet_uid=backend.fleet_uid)
+        url = router.url if router is not None else None
         assert url is not None and http_json(url + "/get_server_info")["workers_count"] == 0
         print(f"\nfigures: crash seen by the backend {detect_s:.2f} s after SIGKILL")
     finally:

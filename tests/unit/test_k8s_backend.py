@@ -140,7 +140,7 @@ async def test_recover_reports_a_slot_recreated_since_its_weights_were_loaded_on
 
 
 def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_when_it_goes():
-    from rlfleet.orchestrator.fleet.k8s_backend import pick_router_url
+    from rlfleet.orchestrator.fleet.k8s_backend import pick_router
 
     def router(ip, *, ready=True, deleting=False):
         meta = {"name": f"r-{ip}", "uid": ip, "labels": b.router_labels("f")}
@@ -150,9 +150,9 @@ def test_the_router_in_use_is_kept_while_ready_and_a_ready_replacement_is_taken_
                                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
     old, new = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
-    assert pick_router_url([router("10.0.0.2"), router("10.0.0.1")], 30000, prefer=old) == old
-    assert pick_router_url([router("10.0.0.1", deleting=True), router("10.0.0.2")], 30000, prefer=old) == new
-    assert pick_router_url([router("10.0.0.1", ready=False), router("10.0.0.2", ready=False)], 30000) is None
+    assert pick_router([router("10.0.0.2"), router("10.0.0.1")], 30000, prefer=old).url == old  # type: ignore[union-attr]
+    assert pick_router([router("10.0.0.1", deleting=True), router("10.0.0.2")], 30000, prefer=old).url == new  # type: ignore[union-attr]
+    assert pick_router([router("10.0.0.1", ready=False), router("10.0.0.2", ready=False)], 30000) is None
 
 
 def test_a_router_restarted_in_its_pod_is_told_from_one_moved_and_from_one_unchanged():
