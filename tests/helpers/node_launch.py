@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -21,6 +22,10 @@ def rank_entry(fail_rank: int) -> dict:
     if dist.get_rank() == fail_rank:
         print(f"rank {fail_rank} fails on purpose", flush=True)
         raise SystemExit(3)
+    if fail_rank >= 0:
+        # The others reach their collective only after the failure is seen: in it they would fail in the same
+        # instant (a lost peer), and the launcher's failure times are whole seconds.
+        time.sleep(5)
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
     out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "local": int(os.environ["LOCAL_RANK"]),
